@@ -1,0 +1,4 @@
+def generate(*a, **k):
+    raise NotImplementedError
+def stream_generate(*a, **k):
+    raise NotImplementedError

@@ -1,0 +1,230 @@
+"""Random-weight checkpoints in the released Hugging Face layout.
+
+Used by the tests and benchmarks (no real Qwen3.5 weights can be fetched here):
+`model.language_model.*`, `lm_head.*`, `mtp.*`, a vision tensor to ignore,
+zero-centred norms, HF conv1d layout [C, 1, K], fused 3-D experts (or one
+tensor per expert), a byte-level tokenizer and a chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_text_config(moe: bool = False, **overrides) -> Dict:
+    cfg = dict(
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        rms_norm_eps=1e-6,
+        vocab_size=259,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+        },
+        mtp_num_hidden_layers=1,
+        eos_token_id=258,
+    )
+    if moe:
+        cfg.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+    cfg.update(overrides)
+    cfg["layer_types"] = [
+        "full_attention" if (i + 1) % cfg["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    return cfg
+
+
+def random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
+                   per_expert: bool = False, scale: float = 0.02) -> Dict[str, np.ndarray]:
+    """HF-named float32 numpy tensors with random values."""
+    rng = np.random.default_rng(seed)
+    H, V = tc["hidden_size"], tc["vocab_size"]
+
+    def w(*shape, s=scale):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    def zc_norm(n):  # zero-centred RMSNorm weight (applied as 1 + w)
+        return (rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
+    hk, hv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
+    dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
+    K = tc["linear_conv_kernel_dim"]
+    conv_dim = 2 * hk * dk + hv * dv
+    moe = tc.get("num_experts", 0) > 0
+
+    def attn(p):
+        return {
+            f"{p}.q_proj.weight": w(2 * nh * hd, H),
+            f"{p}.k_proj.weight": w(nkv * hd, H),
+            f"{p}.v_proj.weight": w(nkv * hd, H),
+            f"{p}.o_proj.weight": w(H, nh * hd),
+            f"{p}.q_norm.weight": zc_norm(hd),
+            f"{p}.k_norm.weight": zc_norm(hd),
+        }
+
+    def mlp(p):
+        if not moe:
+            I = tc["intermediate_size"]
+            return {
+                f"{p}.gate_proj.weight": w(I, H),
+                f"{p}.up_proj.weight": w(I, H),
+                f"{p}.down_proj.weight": w(H, I),
+            }
+        E, I, S = tc["num_experts"], tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"]
+        out = {
+            f"{p}.gate.weight": w(E, H, s=0.2),
+            f"{p}.shared_expert.gate_proj.weight": w(S, H),
+            f"{p}.shared_expert.up_proj.weight": w(S, H),
+            f"{p}.shared_expert.down_proj.weight": w(H, S),
+            f"{p}.shared_expert_gate.weight": w(1, H),
+        }
+        gate_up, down = w(E, 2 * I, H), w(E, H, I)
+        if per_expert:
+            for e in range(E):
+                out[f"{p}.experts.{e}.gate_proj.weight"] = gate_up[e, :I]
+                out[f"{p}.experts.{e}.up_proj.weight"] = gate_up[e, I:]
+                out[f"{p}.experts.{e}.down_proj.weight"] = down[e]
+        else:
+            out[f"{p}.experts.gate_up_proj"] = gate_up
+            out[f"{p}.experts.down_proj"] = down
+        return out
+
+    t: Dict[str, np.ndarray] = {}
+    lm = "model.language_model"
+    t[f"{lm}.embed_tokens.weight"] = w(V, H, s=1.0)
+    for i in range(tc["num_hidden_layers"]):
+        p = f"{lm}.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = zc_norm(H)
+        t[f"{p}.post_attention_layernorm.weight"] = zc_norm(H)
+        if (i + 1) % tc["full_attention_interval"] == 0:
+            t.update(attn(f"{p}.self_attn"))
+        else:
+            la = f"{p}.linear_attn"
+            t[f"{la}.in_proj_qkv.weight"] = w(conv_dim, H, s=0.1)
+            t[f"{la}.in_proj_z.weight"] = w(hv * dv, H, s=0.1)
+            t[f"{la}.in_proj_b.weight"] = w(hv, H, s=0.1)
+            t[f"{la}.in_proj_a.weight"] = w(hv, H, s=0.1)
+            t[f"{la}.conv1d.weight"] = w(conv_dim, 1, K, s=0.3)
+            t[f"{la}.dt_bias"] = np.ones(hv, np.float32)
+            t[f"{la}.A_log"] = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
+            t[f"{la}.norm.weight"] = (1.0 + rng.standard_normal(dv) * 0.1).astype(np.float32)
+            t[f"{la}.out_proj.weight"] = w(H, hv * dv, s=0.1)
+        t.update(mlp(f"{p}.mlp"))
+    t[f"{lm}.norm.weight"] = zc_norm(H)
+    if not tc.get("tie_word_embeddings", False):
+        t["lm_head.weight"] = w(V, H, s=0.5)
+    if mtp:
+        for i in range(tc.get("mtp_num_hidden_layers", 0)):
+            p = f"mtp.layers.{i}"
+            t[f"{p}.input_layernorm.weight"] = zc_norm(H)
+            t[f"{p}.post_attention_layernorm.weight"] = zc_norm(H)
+            t.update(attn(f"{p}.self_attn"))
+            t.update(mlp(f"{p}.mlp"))
+        t["mtp.fc.weight"] = w(H, 2 * H, s=0.1)
+        t["mtp.pre_fc_norm_embedding.weight"] = zc_norm(H)
+        t["mtp.pre_fc_norm_hidden.weight"] = zc_norm(H)
+        t["mtp.norm.weight"] = zc_norm(H)
+    # Vision tower tensors ship in the released checkpoints; loaders ignore them.
+    t["model.visual.patch_embed.proj.weight"] = w(8, 3, 2, 2)
+    return t
+
+
+def write_tokenizer(path: Path, eos_token_id: int = 258):
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=1))
+
+
+def save_safetensors_shards(path: Path, tensors: Dict[str, np.ndarray], dtype: str = "float32",
+                            shards: int = 1):
+    """Write model-0000i-of-0000n.safetensors (+ index when sharded), HF style."""
+    import mlx.core as mx
+
+    names = sorted(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    mx_dtype = getattr(mx, dtype)
+    for s in range(shards):
+        part = names[s * per:(s + 1) * per]
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        arrays = {}
+        for n in part:
+            a = mx.array(tensors[n])
+            # A_log stays fp32 in released checkpoints' spirit; others take dtype.
+            arrays[n] = a if n.endswith("A_log") else a.astype(mx_dtype)
+            weight_map[n] = fname
+        mx.save_safetensors(str(path / fname), arrays, metadata={"format": "pt"})
+    if shards > 1:
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+
+
+def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True,
+                     per_expert: bool = False, dtype: str = "float32", shards: int = 1,
+                     text_overrides: Optional[Dict] = None,
+                     weights: Optional[Dict[str, np.ndarray]] = None) -> Path:
+    """Write a random Qwen3.5(-MoE) checkpoint folder in the released HF layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tc = tiny_text_config(moe=moe, **(text_overrides or {}))
+    if weights is None:
+        weights = random_weights(tc, seed, mtp=mtp, per_expert=per_expert)
+    config = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": tc,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": tc.get("tie_word_embeddings", False),
+        "eos_token_id": tc["eos_token_id"],
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    save_safetensors_shards(path, weights, dtype, shards)
+    write_tokenizer(path, tc["eos_token_id"])
+    return path
