@@ -1,4 +1,239 @@
-def generate(*a, **k):
-    raise NotImplementedError
-def stream_generate(*a, **k):
-    raise NotImplementedError
+"""Drop-in replacements for mlx_lm's generate / stream_generate, and the CLI
+`python -m mlx_mtp.generate` (mlx_lm.generate's flags plus --draft-tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Generator, List, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .decode import MTPStats, mtp_generate_step
+
+UNSUPPORTED_KWARGS = ("max_kv_size", "kv_bits", "prompt_cache", "draft_model", "input_embeddings")
+
+
+@dataclass
+class MTPGenerationResponse(GenerationResponse):
+    """mlx_lm's GenerationResponse plus MTP statistics (cumulative so far)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    acceptance: List[float] = field(default_factory=list)
+    tokens_per_cycle: float = 0.0
+    draft_tokens: int = 0
+
+
+def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    if isinstance(prompt, mx.array):
+        return prompt
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return mx.array(prompt)
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, mx.array, List[int]],
+    max_tokens: int = 256,
+    draft_tokens: int = 2,
+    sampler=None,
+    logits_processors=None,
+    **kwargs,
+) -> Generator[MTPGenerationResponse, None, None]:
+    """Like mlx_lm.stream_generate, decoding with the model's MTP head.
+
+    kwargs: prefill_step_size, prompt_progress_callback (as in mlx_lm).
+    """
+    if max_tokens == 0:
+        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    for k in UNSUPPORTED_KWARGS:
+        if kwargs.get(k) is not None:
+            raise ValueError(f"mlx_mtp.stream_generate does not support {k}")
+        kwargs.pop(k, None)
+    kwargs.pop("num_draft_tokens", None)
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompt = _encode(tokenizer, prompt)
+    detokenizer = tokenizer.detokenizer
+    stats = MTPStats()
+    gen = mtp_generate_step(
+        prompt, model, max_tokens=max_tokens, draft_tokens=draft_tokens, sampler=sampler,
+        logits_processors=logits_processors, stats=stats, **kwargs,
+    )
+
+    def response(text, token, logprobs, from_draft, n, finish):
+        return MTPGenerationResponse(
+            text=text, token=token, logprobs=logprobs, from_draft=from_draft,
+            prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+            drafted=stats.drafted, accepted=stats.accepted, acceptance=stats.acceptance,
+            tokens_per_cycle=stats.tokens_per_cycle, draft_tokens=draft_tokens,
+        )
+
+    with wired_limit(model, [generation_stream]):
+        tic = time.perf_counter()
+        n = 0
+        token, logprobs, from_draft = None, None, False
+        for n, (token, logprobs, from_draft) in enumerate(gen, start=1):
+            if n == 1:
+                prompt_tps = prompt.size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(token)
+            if n == max_tokens:
+                break
+            yield response(detokenizer.last_segment, token, logprobs, from_draft, n, None)
+        gen.close()
+        detokenizer.finalize()
+        finish = "stop" if token in tokenizer.eos_token_ids else "length"
+        yield response(detokenizer.last_segment, token, logprobs, from_draft, n, finish)
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: Union[str, List[int]],
+    max_tokens: int = 256,
+    draft_tokens: int = 2,
+    verbose: bool = False,
+    sampler=None,
+    logits_processors=None,
+    **kwargs,
+) -> str:
+    """Like mlx_lm.generate; returns the generated text."""
+    if verbose:
+        print("=" * 10)
+    text = ""
+    response = None
+    for response in stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, draft_tokens=draft_tokens,
+        sampler=sampler, logits_processors=logits_processors, **kwargs,
+    ):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        print_stats(response, model)
+    return text
+
+
+def print_stats(response: MTPGenerationResponse, model=None, file=None):
+    file = file or sys.stdout
+    if response is None:
+        print("No text generated for this prompt", file=file)
+        return
+    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec", file=file)
+    print(f"Generation: {response.generation_tokens} tokens, "
+          f"{response.generation_tps:.3f} tokens-per-sec", file=file)
+    print(f"Peak memory: {response.peak_memory:.3f} GB", file=file)
+    if response.drafted:
+        acc = ", ".join(f"{a:.0%}" for a in response.acceptance)
+        print(f"MTP: draft depth {response.draft_tokens}, acceptance per position [{acc}], "
+              f"{response.tokens_per_cycle:.2f} tokens per cycle "
+              f"({response.accepted}/{response.drafted} drafts accepted)", file=file)
+    elif model is not None and not getattr(model, "has_mtp", False):
+        print("MTP: off (the model has no MTP head)", file=file)
+    else:
+        print("MTP: off (plain decoding)", file=file)
+
+
+# -- CLI ------------------------------------------------------------------------
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_mtp.generate",
+        description="Generate text with MTP speculative decoding (exact; same output as mlx_lm).",
+    )
+    p.add_argument("--model", type=str, default=None,
+                   help="Model folder or Hugging Face repo (default: the embedded demo model)")
+    p.add_argument("--prompt", "-p", type=str, default=DEFAULT_PROMPT,
+                   help="Message to the model ('-' reads stdin)")
+    p.add_argument("--system-prompt", type=str, default=None)
+    p.add_argument("--max-tokens", "-m", type=int, default=100)
+    p.add_argument("--draft-tokens", type=int, default=2,
+                   help="MTP draft depth k (0: plain decoding)")
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-tokens-to-keep", type=int, default=1)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--repetition-context-size", type=int, default=20)
+    p.add_argument("--logit-bias", type=str, default=None,
+                   help='JSON object of token id -> additive bias, e.g. \'{"13": -5}\'')
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--chat-template-config", type=str, default=None,
+                   help="JSON of extra chat-template arguments")
+    p.add_argument("--extra-eos-token", type=str, nargs="+", default=())
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
+                   nargs="?", const=True, default=False,
+                   help="Print tokens as they come and timing / MTP statistics")
+    return p
+
+
+def build_prompt(tokenizer, args) -> list:
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    use_chat = not args.ignore_chat_template and tokenizer.has_chat_template
+    if use_chat:
+        messages = []
+        if args.system_prompt is not None:
+            messages.append({"role": "system", "content": args.system_prompt})
+        messages.append({"role": "user", "content": prompt})
+        kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    return tokenizer.encode(prompt, add_special_tokens=not use_chat)
+
+
+def main(argv=None):
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    from .load import load
+
+    args = setup_arg_parser().parse_args(argv)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    try:
+        model, tokenizer = load(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for eos in args.extra_eos_token:
+        tokenizer.add_eos_token(eos)
+    prompt = build_prompt(tokenizer, args)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
+                           top_k=args.top_k)
+    logit_bias = {int(k): v for k, v in json.loads(args.logit_bias).items()} if args.logit_bias else None
+    processors = make_logits_processors(logit_bias, args.repetition_penalty,
+                                        args.repetition_context_size)
+    text = generate(
+        model, tokenizer, prompt, max_tokens=args.max_tokens, draft_tokens=args.draft_tokens,
+        verbose=args.verbose, sampler=sampler, logits_processors=processors,
+        prefill_step_size=args.prefill_step_size,
+    )
+    if not args.verbose:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
