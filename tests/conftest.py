@@ -1,0 +1,61 @@
+"""Fixtures: tiny random checkpoints written in the released HF layout."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from mlx_mtp.synthetic import write_checkpoint  # noqa: E402
+
+
+def _ckpt(factory, name, **kw):
+    return write_checkpoint(factory.mktemp(name), **kw)
+
+
+@pytest.fixture(scope="session")
+def dense_ckpt(tmp_path_factory):
+    # 8 layers: two attention layers and six GDN layers roll back each cycle
+    return _ckpt(tmp_path_factory, "dense", text_overrides={"num_hidden_layers": 8})
+
+
+@pytest.fixture(scope="session")
+def dense_bf16_ckpt(tmp_path_factory):
+    return _ckpt(tmp_path_factory, "dense_bf16", dtype="bfloat16", seed=1,
+                 text_overrides={"num_hidden_layers": 8})
+
+
+@pytest.fixture(scope="session")
+def moe_ckpt(tmp_path_factory):
+    return _ckpt(tmp_path_factory, "moe", moe=True, seed=2)
+
+
+@pytest.fixture(scope="session")
+def moe_per_expert_ckpt(tmp_path_factory):
+    return _ckpt(tmp_path_factory, "moe_pe", moe=True, seed=2, per_expert=True)
+
+
+@pytest.fixture(scope="session")
+def no_mtp_ckpt(tmp_path_factory):
+    return _ckpt(tmp_path_factory, "nomtp", mtp=False, seed=3)
+
+
+@pytest.fixture(scope="session")
+def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt):
+    """name -> (mlx_mtp model, mlx_lm model, tokenizer), loaded once."""
+    import mlx_lm
+
+    import mlx_mtp
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            path = {"dense": dense_ckpt, "dense_bf16": dense_bf16_ckpt, "moe": moe_ckpt}[name]
+            model, tok = mlx_mtp.load(path)
+            ref, _ = mlx_lm.load(str(path))
+            cache[name] = (model, ref, tok)
+        return cache[name]
+
+    return get
