@@ -2,9 +2,73 @@
 
 On the CPU backend the ops references in `reference.py` run (they are also the
 oracle for every kernel test). Metal sources (`*.metal`) run through
-`mx.fast.metal_kernel` on Apple GPUs, CUDA twins through `mx.fast.cuda_kernel`.
+`mx.fast.metal_kernel` on Apple GPUs, CUDA twins (`*.cu`) through
+`mx.fast.cuda_kernel` on MLX's CUDA backend; `kernels.py` launches both, and
+`emu/` runs either on a Linux CPU for the tests. Set MLX_MTP_KERNELS=ref to
+force the references (or =metal / =cuda / =emu-metal / =emu-cuda).
 """
 
-from .reference import commit, conv_verify, draft_project, gdn_verify
+from __future__ import annotations
 
-__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify"]
+import os
+from typing import Optional
+
+import mlx.core as mx
+
+from . import reference
+
+__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "backend"]
+
+
+def backend() -> str:
+    """The kernel backend the exported functions use right now."""
+    forced = os.environ.get("MLX_MTP_KERNELS")
+    if forced:
+        return forced
+    if mx.default_device() != mx.gpu:
+        return "ref"
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "ref"
+
+
+def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None):
+    be = backend or globals()["backend"]()
+    if be == "ref":
+        return reference.conv_verify(conv_state, qkv, weight)
+    from . import kernels
+
+    return kernels.conv_verify(conv_state, qkv, weight, backend=be)
+
+
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] = None):
+    be = backend or globals()["backend"]()
+    if be == "ref":
+        return reference.gdn_verify(q, k, v, a, b, A_log, dt_bias, state)
+    from . import kernels
+
+    return kernels.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be)
+
+
+def commit(states, conv_inputs, consumed, conv_kernel, *, backend: Optional[str] = None):
+    be = backend or globals()["backend"]()
+    if be == "ref":
+        return reference.commit(states, conv_inputs, consumed, conv_kernel)
+    from . import kernels
+
+    return kernels.commit(states, conv_inputs, consumed, conv_kernel, backend=be)
+
+
+def draft_project(hidden, weight, scales=None, biases=None, *, group_size: int = 64,
+                  bits: int = 0, vocab_ids=None, top_k: int = 1,
+                  backend: Optional[str] = None):
+    be = backend or globals()["backend"]()
+    if be == "ref" or top_k > 32:
+        return reference.draft_project(hidden, weight, scales, biases, group_size=group_size,
+                                       bits=bits, vocab_ids=vocab_ids, top_k=top_k)
+    from . import kernels
+
+    return kernels.draft_project(hidden, weight, scales, biases, group_size=group_size,
+                                 bits=bits, vocab_ids=vocab_ids, top_k=top_k, backend=be)

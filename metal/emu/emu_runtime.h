@@ -496,7 +496,6 @@ EMU_MATH_1(exp, __builtin_expf)
 EMU_MATH_1(exp2, __builtin_exp2f)
 EMU_MATH_1(log, __builtin_logf)
 EMU_MATH_1(log2, __builtin_log2f)
-EMU_MATH_1(log1p, __builtin_log1pf)
 EMU_MATH_1(sqrt, __builtin_sqrtf)
 EMU_MATH_1(tanh, __builtin_tanhf)
 EMU_MATH_1(abs, __builtin_fabsf)
@@ -520,11 +519,11 @@ inline bool isnan(float x) { return __builtin_isnan(x); }
 inline bool isinf(float x) { return __builtin_isinf(x); }
 inline bool isfinite(float x) { return __builtin_isfinite(x); }
 namespace precise {
-using metal::exp; using metal::log; using metal::sqrt; using metal::rsqrt; using metal::log1p;
+using metal::exp; using metal::log; using metal::sqrt; using metal::rsqrt; 
 using metal::tanh;
 }
 namespace fast {
-using metal::exp; using metal::log; using metal::sqrt; using metal::rsqrt; using metal::log1p;
+using metal::exp; using metal::log; using metal::sqrt; using metal::rsqrt; 
 using metal::tanh;
 }
 enum class mem_flags : int { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
@@ -556,6 +555,12 @@ template <typename T>
 inline T max(T a, T b) { return a > b ? a : b; }
 template <typename T>
 inline T min(T a, T b) { return a < b ? a : b; }
+inline uint3 make_uint3(uint x, uint y, uint z) { return uint3{x, y, z}; }
+inline float __int_as_float(int i) {
+  float f;
+  memcpy(&f, &i, 4);
+  return f;
+}
 inline float __bfloat162float(__nv_bfloat16 x) { return float(x); }
 inline __nv_bfloat16 __float2bfloat16(float x) { return __nv_bfloat16(x); }
 inline float __half2float(__half x) { return float(x); }

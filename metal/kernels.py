@@ -1,0 +1,256 @@
+"""Kernel launchers: one Python API over Metal, CUDA and the Linux emulator.
+
+Each public function takes the reference's arguments plus `backend`:
+  "metal"      mx.fast.metal_kernel on the `.metal` source (Apple GPU)
+  "cuda"       mx.fast.cuda_kernel on the `.cu` twin (MLX CUDA backend)
+  "emu-metal"  the `.metal` source run by metal/emu on the CPU (tests)
+  "emu-cuda"   the `.cu` twin run by metal/emu on the CPU (tests)
+Grid, threadgroup and template arguments are computed here for every backend
+alike, so the emulator tests exercise the same launch code as the GPU paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+_DIR = Path(__file__).resolve().parent
+_EXT = {"metal": ".metal", "cuda": ".cu"}
+_SOURCE_OVERRIDES: Dict[Tuple[str, str], str] = {}
+_KERNELS: Dict[tuple, object] = {}
+
+MAX_DRAFT_ROWS = 8  # hidden rows per draft_project launch
+MAX_TOP_K = 32
+
+
+def dialect(backend: str) -> str:
+    return "cuda" if backend.endswith("cuda") else "metal"
+
+
+def load_source(name: str, dial: str) -> str:
+    key = (name, dial)
+    if key in _SOURCE_OVERRIDES:
+        return _SOURCE_OVERRIDES[key]
+    return (_DIR / f"{name}{_EXT[dial]}").read_text()
+
+
+class override_source:
+    """Context manager: run kernel `name` with a different source (tests)."""
+
+    def __init__(self, name: str, dial: str, source: str):
+        self.key, self.source = (name, dial), source
+
+    def __enter__(self):
+        self.prev = _SOURCE_OVERRIDES.get(self.key)
+        _SOURCE_OVERRIDES[self.key] = self.source
+        return self
+
+    def __exit__(self, *exc):
+        if self.prev is None:
+            _SOURCE_OVERRIDES.pop(self.key, None)
+        else:
+            _SOURCE_OVERRIDES[self.key] = self.prev
+
+
+def split_source(text: str) -> Tuple[str, str]:
+    """A kernel file is `[comments] //@header <helpers> //@body <body>` or just a body."""
+    if "//@body" not in text:
+        return "", text
+    head, body = text.split("//@body", 1)
+    header = head.split("//@header", 1)[1] if "//@header" in head else ""
+    return header, body
+
+
+def _factory(backend: str):
+    if backend == "metal":
+        return mx.fast.metal_kernel
+    if backend == "cuda":
+        return mx.fast.cuda_kernel
+    from . import emu
+
+    return emu.metal_kernel if backend == "emu-metal" else emu.cuda_kernel
+
+
+def _kernel(name: str, backend: str, inputs: Sequence[str], outputs: Sequence[str],
+            edit=None):
+    dial = dialect(backend)
+    text = load_source(name, dial)
+    header, body = split_source(text)
+    if dial == "cuda":
+        header = load_source("cuda_compat", "cuda") + header
+    if edit is not None:
+        header, body = edit(header, body)
+    key = (name, backend, tuple(inputs), tuple(outputs),
+           hashlib.sha1((header + body).encode()).hexdigest())
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _factory(backend)(
+            name=f"mtp_{name}", input_names=list(inputs), output_names=list(outputs),
+            source=body, header=header,
+        )
+        _KERNELS[key] = k
+    return k
+
+
+def _rt(*dts):
+    out = dts[0]
+    for d in dts[1:]:
+        out = mx.result_type(mx.array(0, out), mx.array(0, d))
+    return out
+
+
+def _round_scalar(x: float, dtype) -> float:
+    return mx.array(x, dtype=mx.float32).astype(dtype).astype(mx.float32).item()
+
+
+# --------------------------------------------------------------------- GDN
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: str):
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if Hv % Hk:
+        raise ValueError("Hv must be a multiple of Hk")
+    in_t = q.dtype
+    k, v = k.astype(in_t), v.astype(in_t)
+    inv = Dk ** -0.5
+    scal = mx.array(
+        [_round_scalar(inv ** 2, in_t), _round_scalar(inv, in_t), 1e-6 * inv ** 2],
+        dtype=mx.float32,
+    )
+    kern = _kernel(
+        "gdn_verify", backend,
+        ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "scal"],
+        ["y", "states"],
+    )
+    at = _rt(a.dtype, dt_bias.dtype)
+    y, states = kern(
+        inputs=[q, k, v, a, b, A_log, dt_bias, state.astype(mx.float32), scal],
+        template=[("InT", in_t), ("GT", b.dtype), ("AT", at), ("PT", A_log.dtype),
+                  ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("T", T)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=[(B, T, Hv, Dv), (B, T, Hv, Dv, Dk)],
+        output_dtypes=[in_t, mx.float32],
+    )
+    return y, states
+
+
+# -------------------------------------------------------------------- conv
+def conv_verify(conv_state, qkv, weight, *, backend: str):
+    B, T, C = qkv.shape
+    K = weight.shape[1]
+    conv_state = conv_state.astype(qkv.dtype)
+    out_t = _rt(qkv.dtype, weight.dtype)
+    kern = _kernel("conv_verify", backend, ["conv_state", "qkv", "weight"],
+                   ["out", "conv_input"])
+    out, conv_input = kern(
+        inputs=[conv_state, qkv, weight],
+        template=[("InT", qkv.dtype), ("WT", weight.dtype), ("OT", out_t),
+                  ("K", K), ("C", C), ("T", T)],
+        grid=(C, K - 1 + T, B),
+        threadgroup=(min(C, 256), 1, 1),
+        output_shapes=[(B, T, C), (B, K - 1 + T, C)],
+        output_dtypes=[out_t, qkv.dtype],
+    )
+    return out, conv_input
+
+
+# ------------------------------------------------------------------ commit
+def commit(states, conv_inputs, consumed, conv_kernel, *, backend: str):
+    L = len(states)
+    if L == 0:
+        return []
+    B, T, Hv, Dv, Dk = states[0].shape
+    C = conv_inputs[0].shape[-1]
+    ct = conv_inputs[0].dtype
+    for s, c in zip(states, conv_inputs):
+        if s.shape != states[0].shape or c.shape != conv_inputs[0].shape or c.dtype != ct:
+            raise ValueError("commit: all GDN layers must share shapes and dtypes")
+    W = conv_kernel - 1
+    S = Hv * Dv * Dk
+    cases = "\n".join(
+        f"    case {l}: mtp_commit_layer<CT, T, KW, C, S>(states_{l}, conv_{l}, "
+        f"window_{l}, state_{l}, bi, i0, stride, n); break;"
+        for l in range(L)
+    )
+    ins = ["consumed"] + [f"{p}_{l}" for l in range(L) for p in ("states", "conv")]
+    outs = [f"{p}_{l}" for l in range(L) for p in ("window", "state")]
+    kern = _kernel("commit", backend, ins, outs,
+                   edit=lambda h, b: (h, b.replace("//@cases", cases)))
+    arrays = [mx.array(consumed).astype(mx.int32).reshape(1)]
+    for s, c in zip(states, conv_inputs):
+        arrays += [s, c]
+    total = S + W * C
+    X = min(-(-total // 256) * 256, 256 * 64)
+    res = kern(
+        inputs=arrays,
+        template=[("CT", ct), ("T", T), ("KW", conv_kernel), ("C", C), ("S", S)],
+        grid=(X, B, L),
+        threadgroup=(256, 1, 1),
+        output_shapes=[shp for _ in range(L) for shp in ((B, W, C), (B, Hv, Dv, Dk))],
+        output_dtypes=[d for _ in range(L) for d in (ct, mx.float32)],
+    )
+    return [(res[2 * l], res[2 * l + 1]) for l in range(L)]
+
+
+# ------------------------------------------------------------- draft head
+def draft_project(hidden, weight, scales=None, biases=None, *, group_size=64, bits=0,
+                  vocab_ids=None, top_k=1, backend: str, simdgroups: int = 8,
+                  groups: Optional[int] = None):
+    N, H = hidden.shape
+    has_ids = vocab_ids is not None
+    V = vocab_ids.shape[0] if has_ids else weight.shape[0]
+    K = int(top_k)
+    if not 1 <= K <= min(MAX_TOP_K, V):
+        raise ValueError(f"top_k must be in [1, {min(MAX_TOP_K, V)}]")
+    if N > MAX_DRAFT_ROWS:
+        parts = [
+            draft_project(hidden[i:i + MAX_DRAFT_ROWS], weight, scales, biases,
+                          group_size=group_size, bits=bits, vocab_ids=vocab_ids,
+                          top_k=top_k, backend=backend, simdgroups=simdgroups,
+                          groups=groups)
+            for i in range(0, N, MAX_DRAFT_ROWS)
+        ]
+        return (mx.concatenate([p[0] for p in parts]), mx.concatenate([p[1] for p in parts]))
+    if bits:
+        if H % group_size or group_size % (32 // bits):
+            raise ValueError("H must be a multiple of group_size")
+        out_t = _rt(hidden.dtype, scales.dtype)
+        st = scales.dtype
+    else:
+        out_t = _rt(hidden.dtype, weight.dtype)
+        scales = biases = mx.zeros((1,), mx.float32)
+        st = mx.float32
+    ids = vocab_ids.astype(mx.int32) if has_ids else mx.zeros((1,), mx.int32)
+    SG = simdgroups
+    G = groups or max(1, min(512, -(-V // 256)))
+    RPT = -(-V // G)
+    RPT = -(-RPT // SG) * SG
+    G = -(-V // RPT)
+    k1 = _kernel("draft_project", backend,
+                 ["hidden", "weight", "scales", "biases", "vocab_ids"],
+                 ["part_vals", "part_pos"])
+    pv, pp = k1(
+        inputs=[hidden, weight, scales, biases, ids],
+        template=[("InT", hidden.dtype), ("WT", weight.dtype), ("ST", st), ("OT", out_t),
+                  ("N", N), ("H", H), ("V", V), ("K", K), ("BITS", int(bits)),
+                  ("GS", int(group_size)), ("HAS_IDS", has_ids), ("SG", SG),
+                  ("RPT", RPT), ("G", G)],
+        grid=(32 * SG * G, 1, 1),
+        threadgroup=(32 * SG, 1, 1),
+        output_shapes=[(N, G, K), (N, G, K)],
+        output_dtypes=[mx.float32, mx.int32],
+    )
+    k2 = _kernel("draft_topk_merge", backend, ["part_vals", "part_pos", "vocab_ids"],
+                 ["values", "ids"])
+    vals, out_ids = k2(
+        inputs=[pv, pp, ids],
+        template=[("N", N), ("G", G), ("K", K), ("HAS_IDS", has_ids)],
+        grid=(32, N, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(N, K), (N, K)],
+        output_dtypes=[mx.float32, mx.int32],
+    )
+    return vals, out_ids
