@@ -1,0 +1,329 @@
+"""Every Metal kernel (and its CUDA twin) executed on Linux by metal/emu and
+compared with the ops references in metal/reference.py.
+
+Emulated twins are selected with `-k twin`; tests on a real CUDA device live in
+test_kernels_cuda.py (`-k cuda`)."""
+
+import inspect
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_mtp.metal as K
+from mlx_mtp.metal import emu, kernels, reference as R
+
+METAL = "emu-metal"
+TWIN = "emu-cuda"
+
+
+def _np(a):
+    return np.array(a.astype(mx.float32))
+
+
+def close(got, ref, tol):
+    """max |got - ref| <= tol * (1 + max |ref|), and nothing left poisoned."""
+    g, r = _np(got), _np(ref)
+    assert g.shape == r.shape, (g.shape, r.shape)
+    assert np.isfinite(g).all(), "non-finite (poisoned) output"
+    err = float(np.abs(g - r).max()) if g.size else 0.0
+    assert err <= tol * (1.0 + float(np.abs(r).max())), f"max err {err}"
+
+
+TOL = {mx.float32: 2e-5, mx.bfloat16: 3e-2, mx.float16: 5e-3}
+
+
+# ------------------------------------------------------------------ emulator
+def test_emulator_simd_barrier_poison():
+    src = """
+        uint i = thread_position_in_grid.x;
+        uint lane = thread_index_in_simdgroup;
+        threadgroup float sh[64];
+        float v = x[i];
+        float s = simd_sum(v);
+        float nb = simd_shuffle_xor(v, 3u);
+        float dn = simd_shuffle_down(v, 1u);
+        sh[thread_index_in_threadgroup] = v;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float other = sh[(thread_index_in_threadgroup + 32) % 64];
+        if (i % 5 != 4) {
+          out[i * 4 + 0] = s;
+          out[i * 4 + 1] = nb;
+          out[i * 4 + 2] = dn;
+          out[i * 4 + 3] = other;
+        }
+    """
+    kern = emu.metal_kernel("t", ["x"], ["out"], src)
+    x = np.arange(128, dtype=np.float32)
+    (out,) = kern(inputs=[mx.array(x)], grid=(128, 1, 1), threadgroup=(64, 1, 1),
+                  output_shapes=[(128, 4)], output_dtypes=[mx.float32])
+    out = np.array(out)
+    i = np.arange(128)
+    sg = i // 32
+    w = i % 5 != 4
+    exp_sum = np.array([x[s * 32:(s + 1) * 32].sum() for s in sg])
+    lane = i % 32
+    exp_dn = np.where(lane < 31, x[np.minimum(i + 1, 127)], x)
+    exp_other = x[(i // 64) * 64 + ((i % 64) + 32) % 64]
+    np.testing.assert_array_equal(out[w, 0], exp_sum[w])
+    np.testing.assert_array_equal(out[w, 1], x[sg * 32 + (lane ^ 3)][w])
+    np.testing.assert_array_equal(out[w, 2], exp_dn[w])
+    np.testing.assert_array_equal(out[w, 3], exp_other[w])
+    assert np.isnan(out[~w]).all()  # unwritten outputs stay poisoned
+
+
+def test_emulator_reports_divergent_simd_ops():
+    src = """
+        float v = x[thread_position_in_grid.x];
+        if (thread_index_in_simdgroup < 16) { v = simd_sum(v); } else { v = simd_max(v); }
+        out[thread_position_in_grid.x] = v;
+    """
+    kern = emu.metal_kernel("div", ["x"], ["out"], src)
+    with pytest.raises(RuntimeError, match="divergent"):
+        kern(inputs=[mx.zeros((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+             output_shapes=[(32,)], output_dtypes=[mx.float32])
+
+
+def test_emulator_runs_mlx_lm_gdn_kernels():
+    """mlx_lm's own Metal GDN kernels through the emulator: packed == xtree
+    bitwise (their documented contract) and both match the ops path."""
+    import mlx_lm.models.gated_delta as gd
+
+    def body(fn, marker):
+        return inspect.getsource(fn).split(marker)[1].split('"""')[0]
+
+    names = ["q", "k", "v", "g", "beta", "state_in", "T"]
+    packed = emu.metal_kernel("packed", names, ["y", "state_out"],
+                              body(gd._make_gated_delta_packed_kernel, 'source = r"""'))
+    xtree = emu.metal_kernel("xtree", names, ["y", "state_out"],
+                             body(gd._make_gated_delta_kernel_xtree, 'source = """'))
+    B, T, Hk, Hv, D = 1, 3, 1, 2, 128
+    mx.random.seed(3)
+    q = mx.random.normal((B, T, Hk, D)) * 0.1
+    k = mx.random.normal((B, T, Hk, D)) * 0.1
+    v = mx.random.normal((B, T, Hv, D))
+    g = mx.random.uniform(shape=(B, T, Hv))
+    beta = mx.random.uniform(shape=(B, T, Hv))
+    st = mx.random.normal((B, Hv, D, D))
+    tmpl = [("InT", mx.float32), ("StT", mx.float32), ("Dk", D), ("Dv", D), ("Hk", Hk), ("Hv", Hv)]
+    common = dict(inputs=[q, k, v, g, beta, st, T], template=tmpl,
+                  output_shapes=[(B, T, Hv, D), st.shape], output_dtypes=[mx.float32] * 2)
+    y1, s1 = packed(grid=(32, D // 8, B * Hv), threadgroup=(32, 2, 1), **common)
+    y2, s2 = xtree(grid=(32, D, B * Hv), threadgroup=(32, 4, 1), **common)
+    assert np.array_equal(np.array(y1), np.array(y2))
+    assert np.array_equal(np.array(s1), np.array(s2))
+    yr, sr = gd.gated_delta_ops(q, k, v, g, beta, st)
+    close(y1, yr, 1e-5)
+    close(s1, sr, 1e-5)
+
+
+# ------------------------------------------------------------------ GDN
+def gdn_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, T, Hk, Dk)).astype(dtype)
+    k = mx.random.normal((B, T, Hk, Dk)).astype(dtype)
+    v = mx.random.normal((B, T, Hv, Dv)).astype(dtype)
+    a = mx.random.normal((B, T, Hv)).astype(dtype)
+    b = mx.random.normal((B, T, Hv)).astype(dtype)
+    A_log = mx.random.uniform(-1.0, 1.0, (Hv,))
+    dt_bias = mx.random.normal((Hv,)).astype(dtype)
+    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+GDN_CASES = [
+    # B, T, Hk, Hv, Dk, Dv, dtype
+    (1, 1, 1, 1, 128, 128, mx.float32),
+    (2, 4, 1, 2, 128, 128, mx.float32),
+    (1, 8, 1, 3, 128, 128, mx.bfloat16),
+    (4, 2, 2, 2, 128, 128, mx.float32),
+    (3, 5, 1, 3, 128, 128, mx.float16),
+    (2, 3, 1, 2, 32, 32, mx.float32),
+    (1, 6, 2, 4, 16, 16, mx.bfloat16),
+]
+
+
+def check_gdn(case, backend):
+    B, T, Hk, Hv, Dk, Dv, dt = case
+    args = gdn_inputs(B, T, Hk, Hv, Dk, Dv, dt)
+    yr, sr = R.gdn_verify(*args)
+    y, s = K.gdn_verify(*args, backend=backend)
+    assert y.dtype == yr.dtype and s.dtype == mx.float32
+    close(y, yr, TOL[dt])
+    close(s, sr, TOL[dt])
+
+
+@pytest.mark.parametrize("case", GDN_CASES, ids=lambda c: "-".join(map(str, c[:6])) + str(c[6])[-8:])
+def test_gdn_verify_metal(case):
+    check_gdn(case, METAL)
+
+
+@pytest.mark.parametrize("case", [GDN_CASES[1], GDN_CASES[2], GDN_CASES[6]])
+def test_gdn_verify_twin_emulated(case):
+    check_gdn(case, TWIN)
+
+
+# ------------------------------------------------------------------ conv
+CONV_CASES = [(1, 1, 96, 4, mx.float32), (2, 5, 300, 4, mx.bfloat16), (4, 8, 160, 3, mx.float32)]
+
+
+def check_conv(case, backend):
+    B, T, C, Kw, dt = case
+    mx.random.seed(1)
+    cs = mx.random.normal((B, Kw - 1, C)).astype(dt)
+    x = mx.random.normal((B, T, C)).astype(dt)
+    w = mx.random.normal((C, Kw, 1)).astype(dt)
+    o_r, ci_r = R.conv_verify(cs, x, w)
+    o, ci = K.conv_verify(cs, x, w, backend=backend)
+    assert o.dtype == o_r.dtype and ci.dtype == ci_r.dtype
+    assert np.array_equal(_np(ci), _np(ci_r))
+    close(o, o_r, TOL[dt])
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=str)
+def test_conv_verify_metal(case):
+    check_conv(case, METAL)
+
+
+def test_conv_verify_twin_emulated():
+    check_conv(CONV_CASES[1], TWIN)
+
+
+# ------------------------------------------------------------------ commit
+def check_commit(backend, L, B, T, Hv, D, C, Kw, consumed, dt=mx.bfloat16):
+    mx.random.seed(2)
+    states = [mx.random.normal((B, T, Hv, D, D)) for _ in range(L)]
+    convs = [mx.random.normal((B, Kw - 1 + T, C)).astype(dt) for _ in range(L)]
+    n = mx.array(consumed, dtype=mx.int32)
+    ref = R.commit(states, convs, n, Kw)
+    got = K.commit(states, convs, n, Kw, backend=backend)
+    assert len(got) == L
+    for (w1, s1), (w2, s2) in zip(ref, got):
+        assert w1.dtype == w2.dtype and s1.shape == s2.shape
+        assert np.array_equal(_np(w1), _np(w2))
+        assert np.array_equal(np.array(s1), np.array(s2))
+
+
+@pytest.mark.parametrize("consumed", [1, 2, 4])  # all rejected (only the bonus) .. all accepted
+def test_commit_metal(consumed):
+    check_commit(METAL, L=3, B=2, T=4, Hv=2, D=128, C=320, Kw=4, consumed=consumed)
+
+
+def test_commit_metal_single_token():
+    check_commit(METAL, L=2, B=1, T=1, Hv=3, D=32, C=40, Kw=4, consumed=1, dt=mx.float32)
+
+
+def test_commit_twin_emulated():
+    check_commit(TWIN, L=2, B=2, T=3, Hv=1, D=128, C=96, Kw=4, consumed=3)
+
+
+# ------------------------------------------------------------------ draft head
+def check_draft(backend, N, H, V, dt, bits, n_ids, top_k, gs=64, seed=4):
+    mx.random.seed(seed)
+    h = mx.random.normal((N, H)).astype(dt)
+    w = mx.random.normal((V, H)) * 0.05
+    ids = None
+    if n_ids:
+        rng = np.random.default_rng(seed)
+        ids = mx.array(np.sort(rng.choice(V, n_ids, replace=False)).astype(np.int32))
+    if bits:
+        qw, sc, bi = mx.quantize(w, group_size=gs, bits=bits)
+        sc, bi = sc.astype(dt), bi.astype(dt)
+        args = (qw, sc, bi)
+        # MLX CPU's low-precision quantized matmul is itself off by a few
+        # ulps; the oracle is the fp32 reference on the same (exact) values.
+        oracle = (h.astype(mx.float32), qw, sc.astype(mx.float32), bi.astype(mx.float32))
+    else:
+        w = w.astype(dt)
+        args = (w, None, None)
+        oracle = (h, w, None, None)
+    kw = dict(group_size=gs, bits=bits, vocab_ids=ids)
+    vals, got = K.draft_project(h, *args, top_k=top_k, backend=backend, **kw)
+    assert vals.shape == (N, top_k) and got.shape == (N, top_k) and got.dtype == mx.int32
+    # full oracle logits over the scored rows, in full-vocabulary ids
+    rv, rid = R.draft_project(*oracle, top_k=min(V if ids is None else n_ids, 32), **kw)
+    rv, rid = _np(rv), np.array(rid)
+    vals, got = _np(vals), np.array(got)
+    assert np.isfinite(vals).all()
+    tol = 1e-5 if dt == mx.float32 else 2 ** -7  # ~1 bf16 ulp relative
+    for n in range(N):
+        lut = dict(zip(rid[n].tolist(), rv[n].tolist()))
+        scale = 1.0 + abs(rv[n, 0])
+        for j in range(top_k):
+            i = int(got[n, j])
+            assert i in lut, f"row {n}: id {i} not among the oracle's best"
+            assert abs(lut[i] - vals[n, j]) <= tol * scale
+            assert abs(rv[n, j] - vals[n, j]) <= 2 * tol * scale  # j-th best value
+        assert list(vals[n]) == sorted(vals[n], reverse=True)
+    if dt == mx.float32 and not bits:  # unambiguous: exact ids and order
+        np.testing.assert_array_equal(got, rid[:, :top_k])
+
+
+DRAFT_CASES = [
+    # N, H, V, dtype, bits, n_ids, top_k
+    (1, 256, 1000, mx.float32, 0, 0, 1),
+    (3, 128, 700, mx.float32, 0, 200, 5),
+    (2, 256, 900, mx.bfloat16, 0, 0, 4),
+    (1, 256, 800, mx.bfloat16, 4, 0, 1),
+    (4, 128, 600, mx.float32, 4, 150, 3),
+    (2, 256, 640, mx.bfloat16, 8, 300, 2),
+    (1, 1024, 8192, mx.bfloat16, 4, 0, 1),  # real hidden size, trimmed-vocab scale
+]
+
+
+@pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "-".join(map(str, c[:3])) + f"-{c[4]}b-ids{c[5]}-k{c[6]}")
+def test_draft_project_metal(case):
+    check_draft(METAL, *case)
+
+
+def test_draft_project_splits_many_rows():
+    check_draft(METAL, 10, 64, 300, mx.float32, 0, 0, 2)
+
+
+@pytest.mark.parametrize("case", [DRAFT_CASES[1], DRAFT_CASES[5]])
+def test_draft_project_twin_emulated(case):
+    check_draft(TWIN, *case)
+
+
+# ------------------------------------------------------------------ mutations
+def _mutate(name, dial, old, new):
+    src = kernels.load_source(name, dial)
+    assert src.count(old) >= 1, old
+    return src.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("dial,backend", [("metal", METAL), ("cuda", TWIN)])
+def test_mutation_in_delta_update_is_caught(dial, backend):
+    """Flip the first '+' of the delta update: the comparison must fail."""
+    case = GDN_CASES[1]
+    bad = _mutate("gdn_verify", dial, "st[i] = st[i] + kv[i] * delta;", "st[i] = st[i] - kv[i] * delta;")
+    with kernels.override_source("gdn_verify", dial, bad):
+        with pytest.raises(AssertionError, match="max err"):
+            check_gdn(case, backend)
+    check_gdn(case, backend)  # and the real source passes again
+
+
+def test_mutation_in_conv_and_draft_is_caught():
+    bad = _mutate("conv_verify", "metal", "acc += xv *", "acc -= xv *")
+    with kernels.override_source("conv_verify", "metal", bad):
+        with pytest.raises(AssertionError, match="max err"):
+            check_conv(CONV_CASES[0], METAL)
+    bad = _mutate("draft_project", "metal", "acc[n] += s * qx + bb * xs;", "acc[n] += s * qx - bb * xs;")
+    with kernels.override_source("draft_project", "metal", bad):
+        with pytest.raises(AssertionError):
+            check_draft(METAL, *DRAFT_CASES[4])
+
+
+# ------------------------------------------------------------------ dispatch
+def test_cpu_dispatches_to_reference(monkeypatch):
+    monkeypatch.delenv("MLX_MTP_KERNELS", raising=False)
+    if mx.default_device() == mx.cpu:
+        assert K.backend() == "ref"
+    monkeypatch.setenv("MLX_MTP_KERNELS", METAL)
+    assert K.backend() == METAL
+    case = (1, 2, 1, 1, 32, 32, mx.float32)
+    args = gdn_inputs(*case)
+    y, s = K.gdn_verify(*args)  # via the env switch
+    yr, sr = R.gdn_verify(*args)
+    close(y, yr, 2e-5)
