@@ -85,6 +85,19 @@ def test_emulator_reports_divergent_simd_ops():
              output_shapes=[(32,)], output_dtypes=[mx.float32])
 
 
+@pytest.mark.parametrize("index,where", [("i + 1", "past the end of `out`"), ("i", None)])
+def test_emulator_catches_out_of_bounds(index, where):
+    src = f"uint i = thread_position_in_grid.x; out[{index}] = x[i];"
+    kern = emu.metal_kernel("oob", ["x"], ["out"], src)
+    call = lambda: kern(inputs=[mx.ones((1024,))], grid=(1024, 1, 1), threadgroup=(256, 1, 1),
+                        output_shapes=[(1024,)], output_dtypes=[mx.float32])
+    if where is None:
+        assert np.array(call()[0]).sum() == 1024
+    else:
+        with pytest.raises(RuntimeError, match=re.escape(where)):
+            call()
+
+
 def test_emulator_runs_mlx_lm_gdn_kernels():
     """mlx_lm's own Metal GDN kernels through the emulator: packed == xtree
     bitwise (their documented contract) and both match the ops path."""

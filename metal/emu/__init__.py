@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import re
 import subprocess
@@ -61,6 +62,33 @@ def _dtype_name(dt) -> str:
     return np.dtype(dt).name
 
 
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def guarded_empty(shape, dtype) -> np.ndarray:
+    """An array whose last byte is followed by an inaccessible page (and whose
+    mapping starts with one), so a kernel reading or writing past its end
+    faults instead of silently touching other memory."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    data = -(-max(nbytes, 1) // _PAGE) * _PAGE
+    mm = mmap.mmap(-1, data + 2 * _PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    for off in (0, _PAGE + data):
+        if _libc.mprotect(base + off, _PAGE, 0) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect failed")
+    start = _PAGE + data - nbytes
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=start).view(dtype).reshape(shape)
+
+
+def _guarded_copy(arr: np.ndarray) -> np.ndarray:
+    out = guarded_empty(arr.shape, arr.dtype)
+    out[...] = arr
+    return out
+
+
 class _Buf:
     """A host buffer plus the dtype name MLX would see."""
 
@@ -76,15 +104,15 @@ def _to_buf(x) -> _Buf:
             arr = np.array(x.view(mx.uint16))
         else:
             arr = np.array(x)
-        return _Buf(np.ascontiguousarray(arr), name)
+        return _Buf(_guarded_copy(arr), name)
     if isinstance(x, (bool, np.bool_)):
         return _Buf(np.array(x, dtype=np.bool_), "bool")
     if isinstance(x, (int, np.integer)):
         return _Buf(np.array(x, dtype=np.int32), "int32")
     if isinstance(x, (float, np.floating)) and not isinstance(x, np.ndarray):
         return _Buf(np.array(x, dtype=np.float32), "float32")
-    arr = np.ascontiguousarray(np.asarray(x))
-    return _Buf(arr, _dtype_name(arr.dtype))
+    arr = np.asarray(x)
+    return _Buf(_guarded_copy(arr), _dtype_name(arr.dtype))
 
 
 _TG_DECL = re.compile(
@@ -291,7 +319,7 @@ class EmuKernel:
         outs = []
         for shape, dt in zip(output_shapes, out_dt):
             npdt = _TYPES[dt][0]
-            o = np.empty(tuple(shape), dtype=npdt)
+            o = guarded_empty(tuple(shape), npdt)
             if init_value is None:
                 o.view(np.uint8).fill(0xFF)
             elif dt == "bfloat16":
@@ -306,7 +334,18 @@ class EmuKernel:
         err = ctypes.create_string_buffer(1024)
         rc = lib.emu_launch(arr, g, t, err, 1024)
         if rc != 0:
-            raise RuntimeError(f"emulated kernel {self.name}: {err.value.decode()}")
+            msg = err.value.decode()
+            m = re.search(r"address 0x([0-9a-f]+)", msg)
+            if m:
+                addr = int(m.group(1), 16)
+                names = self.input_names + self.output_names
+                arrays = [b.arr for b in ins] + outs
+                for nm, a in zip(names, arrays):
+                    lo = a.ctypes.data
+                    hi = lo + a.nbytes
+                    if lo - _PAGE <= addr < hi + _PAGE and not lo <= addr < hi:
+                        msg += f" ({'past the end of' if addr >= hi else 'before'} `{nm}`, byte offset {addr - lo} of {a.nbytes})"
+            raise RuntimeError(f"emulated kernel {self.name}: {msg}")
         if return_numpy or mx is None:
             return outs
         res = []

@@ -24,6 +24,8 @@ void* memcpy(void*, const void*, size_t);
 int snprintf(char*, size_t, const char*, ...);
 }
 
+#include <setjmp.h>
+#include <signal.h>
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -227,6 +229,15 @@ extern "C" inline void emu_fiber_trampoline() { fiber_main(); }
 
 constexpr size_t kStack = 256 * 1024;
 
+// Buffers sit right before a PROT_NONE page (see __init__.py): an access past
+// the end of any buffer faults; the handler jumps back out of the launch.
+inline thread_local sigjmp_buf* fault_jmp = nullptr;
+inline thread_local void* fault_addr = nullptr;
+inline void on_fault(int, siginfo_t* si, void*) {
+  fault_addr = si->si_addr;
+  siglongjmp(*fault_jmp, 1);
+}
+
 inline int launch(BodyFn body, void** bufs, const int64_t* grid, const int64_t* tg,
                   int cuda, char* err, int errlen) {
   Ctx c;
@@ -247,6 +258,20 @@ inline int launch(BodyFn body, void** bufs, const int64_t* grid, const int64_t* 
   char* stacks = (char*)malloc(kStack * maxthreads);
   Fiber* fibers = (Fiber*)malloc(sizeof(Fiber) * maxthreads);
   c.fibers = fibers;
+  struct sigaction sa, old_segv, old_bus;
+  memset(&sa, 0, sizeof(sa));
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigaction(SIGSEGV, &sa, &old_segv);
+  sigaction(SIGBUS, &sa, &old_bus);
+  sigjmp_buf jb;
+  fault_jmp = &jb;
+  if (sigsetjmp(jb, 1) != 0) {
+    snprintf(c.err, sizeof(c.err), "out-of-bounds access at address 0x%lx in threadgroup (%u,%u,%u)",
+             (unsigned long)fault_addr, c.tgid.x, c.tgid.y, c.tgid.z);
+    c.failed = true;
+    goto done;
+  }
   for (uint gz = 0; gz < c.ntg.z && !c.failed; ++gz)
     for (uint gy = 0; gy < c.ntg.y && !c.failed; ++gy)
       for (uint gx = 0; gx < c.ntg.x && !c.failed; ++gx) {
@@ -311,6 +336,10 @@ inline int launch(BodyFn body, void** bufs, const int64_t* grid, const int64_t* 
           }
         }
       }
+done:
+  sigaction(SIGSEGV, &old_segv, nullptr);
+  sigaction(SIGBUS, &old_bus, nullptr);
+  fault_jmp = nullptr;
   free(stacks);
   free(fibers);
   int rc = c.failed ? 1 : 0;
