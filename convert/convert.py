@@ -65,13 +65,14 @@ def _write_weights(staging: Path, model, desc: str = "writing") -> Dict[str, Any
     Sharding, file names, metadata and index follow mlx_lm.utils.save_model; the
     head's tensors get the last shard so that `--graft --force` can replace it."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import get_total_parameters, make_shards
     from tqdm import tqdm
 
     weights = dict(tree_flatten(model.parameters()))
     trunk = {k: v for k, v in weights.items() if not k.startswith(HEAD_PREFIX)}
     head = {k: v for k, v in weights.items() if k.startswith(HEAD_PREFIX)}
+    n_tensors, n_head = len(weights), len(head)
     shards = make_shards(trunk) + ([head] if head else [])
     n = len(shards)
     fmt = "model-{:05d}-of-{:05d}.safetensors" if n > 1 else "model.safetensors"
@@ -80,16 +81,23 @@ def _write_weights(staging: Path, model, desc: str = "writing") -> Dict[str, Any
         "metadata": {"total_size": total, "total_parameters": get_total_parameters(model)},
         "weight_map": {},
     }
+    # As mlx_lm's save_model(donate_model=True): only the shards hold the arrays,
+    # so each shard's memory is released once it is written.
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    weights.clear()
+    del trunk, head
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc) as bar:
-        for i, shard in enumerate(shards):
+        for i in range(n):
+            shard, shards[i] = shards[i], None
             name = fmt.format(i + 1, n)
             mx.save_safetensors(str(staging / name), shard, metadata={"format": "mlx"})
             for k in shard:
                 index["weight_map"][k] = name
             bar.update(sum(v.nbytes for v in shard.values()))
+            del shard
     index["weight_map"] = dict(sorted(index["weight_map"].items()))
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=4))
-    return {"tensors": len(weights), "head_tensors": len(head), "shards": n}
+    return {"tensors": n_tensors, "head_tensors": n_head, "shards": n}
 
 
 def _model_card(staging: Path, hf_path: str, hub: bool):
@@ -220,10 +228,11 @@ def convert(
     trunk_q = config.get("quantization") if (quantize or src_quant) else None
     head_q = _head_quant(model)
     float_dtype = _float_dtype(model)
+    has_mtp = bool(model.has_mtp)
     config["mlx_mtp"] = {
         "version": __version__,
-        "mtp": bool(model.has_mtp),
-        "mtp_bits": (head_q["bits"] if head_q else 16) if model.has_mtp else None,
+        "mtp": has_mtp,
+        "mtp_bits": (head_q["bits"] if head_q else 16) if has_mtp else None,
         "mtp_group_size": head_q["group_size"] if head_q else None,
         "norms_shifted": True,
         "source": str(hf_path),
@@ -231,7 +240,8 @@ def convert(
 
     staging = make_staging(out)
     try:
-        stats = _write_weights(staging, model)
+        stats = _write_weights(staging, model)  # donates the model's arrays
+        del model
         from mlx_lm.utils import save_config
 
         save_config(config, staging / "config.json")
@@ -250,7 +260,7 @@ def convert(
         "head_tensors": stats["head_tensors"],
         "shards": stats["shards"],
         "trunk": describe_quant(trunk_q, float_dtype),
-        "head": (describe_quant(head_q, float_dtype) if model.has_mtp else "none (no mtp.* in source)"),
+        "head": (describe_quant(head_q, float_dtype) if has_mtp else "none (no mtp.* in source)"),
         "size_bytes": folder_size(out),
         "norms": "shifted once" if unconverted else "already shifted in source (kept)",
     }

@@ -279,6 +279,10 @@ def graft(
     trunk_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for k, (f, i) in t_headers.items()
                       if f.name not in drop_files)
     meta["total_size"] = trunk_bytes + sum(v.nbytes for v in head_tensors.values())
+    if "total_parameters" in meta and not old_head:
+        from mlx_lm.utils import get_total_parameters
+
+        meta["total_parameters"] += get_total_parameters(head)
 
     # -- staging folder of links + new files, then swap ---------------------------------
     staging = make_staging(target, "graft")

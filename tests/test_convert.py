@@ -289,3 +289,24 @@ def test_cli_subprocess_error_is_one_line(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().startswith("mlx_mtp.convert: error:") and "does not exist" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_partial_head_is_an_error(tmp_path, capsys):
+    from mlx_mtp.synthetic import random_weights, tiny_text_config
+
+    w = random_weights(tiny_text_config(), seed=6)
+    del w["mtp.layers.0.mlp.down_proj.weight"]
+    src = write_checkpoint(tmp_path / "partial", weights=w)
+    assert cli(["--hf-path", str(src), "--mlx-path", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "mtp.layers.0.mlp.down_proj.weight" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tied_embeddings_q4(tmp_path):
+    """Qwen3.5-0.8B style: no lm_head; the head drafts through the embedding."""
+    src = write_checkpoint(tmp_path / "tied", seed=7, text_overrides={"tie_word_embeddings": True})
+    out = tmp_path / "out"
+    convert(src, out, quantize=True, q_bits=4)
+    assert "language_model.lm_head.weight" not in raw(out)
+    _check_quantized(out, 4, 8)
