@@ -146,8 +146,9 @@ def convert(
         src = download_source(str(hf_path), revision)
 
     config = read_config(src)  # model_type check, one-line errors
-    if "quantization_config" in config and "quantization" not in config:
-        method = config["quantization_config"].get("quant_method", "?")
+    qc = config.get("quantization_config") or text_config(config).get("quantization_config")
+    if qc and "quantization" not in config:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise ConvertError(
             f"{src} is a pre-quantized checkpoint ({method}); convert from the bf16 release instead"
         )

@@ -310,3 +310,12 @@ def test_tied_embeddings_q4(tmp_path):
     convert(src, out, quantize=True, q_bits=4)
     assert "language_model.lm_head.weight" not in raw(out)
     _check_quantized(out, 4, 8)
+
+
+def test_refuses_pre_quantized_hf_checkpoint(tmp_path):
+    src = write_checkpoint(tmp_path / "fp8", seed=8)
+    c = cfg(src)
+    c["text_config"]["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ConvertError, match="pre-quantized checkpoint \\(fp8\\)"):
+        convert(src, tmp_path / "out")

@@ -209,3 +209,16 @@ def test_graft_corrupt_head_shard_names_the_file(src, tmp_path, q4, capsys):
 def test_graft_refuses_hf_layout_target(src, tmp_path):
     with pytest.raises(ConvertError, match="Hugging Face layout"):
         graft(src[0], src[1])
+
+
+def test_graft_from_mlx_source_does_not_shift_twice(src, q4, tmp_path):
+    """The head can come from an mlx_mtp conversion (norms already shifted)."""
+    mlx_src = tmp_path / "mlx_fp32"
+    convert(src[0], mlx_src)
+    s = graft(q4, mlx_src, mtp_bits=16)
+    assert "already" in s["norms"]
+    direct = tmp_path / "direct"
+    convert(src[0], direct)
+    a, b = raw(q4), raw(direct)
+    for k in (k for k in b if k.startswith("mtp.")):
+        assert mx.array_equal(a[k], b[k]), k
