@@ -6,6 +6,19 @@ oracle for every kernel test). Metal sources (`*.metal`) run through
 `mx.fast.cuda_kernel` on MLX's CUDA backend; `kernels.py` launches both, and
 `emu/` runs either on a Linux CPU for the tests. Set MLX_MTP_KERNELS=ref to
 force the references (or =metal / =cuda / =emu-metal / =emu-cuda).
+
+Exactness policy (greedy MTP must be token-identical to plain decoding):
+by default only paths that compute bit for bit what plain decoding computes
+run as kernels:
+- gdn_verify on Metal: normalization and gates by mlx_lm's own ops, the
+  recurrence in gdn_verify.metal, whose arithmetic and reduction tree are
+  those of mlx_lm's Metal decode kernel. On CUDA, plain decoding runs
+  mlx_lm's ops path, so the reference (the same ops) runs.
+- conv_verify: the reference (mx.conv1d, as plain decoding).
+- commit (a copy) and draft_project (drafts need no exactness): kernels.
+`fused=True` or MLX_MTP_FAST_KERNELS=1 runs the fused kernels instead (conv
+kernel; GDN with in-kernel normalization and gates; the CUDA GDN twin): one
+launch each, equal to the references up to rounding (see the kernel files).
 """
 
 from __future__ import annotations
@@ -34,22 +47,34 @@ def backend() -> str:
     return "ref"
 
 
-def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None):
+def _fast(fused: Optional[bool]) -> bool:
+    if fused is not None:
+        return fused
+    return os.environ.get("MLX_MTP_FAST_KERNELS", "0") not in ("", "0")
+
+
+def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None,
+                fused: Optional[bool] = None):
     be = backend or globals()["backend"]()
-    if be == "ref":
+    if be == "ref" or not _fast(fused):
         return reference.conv_verify(conv_state, qkv, weight)
     from . import kernels
 
     return kernels.conv_verify(conv_state, qkv, weight, backend=be)
 
 
-def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] = None):
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] = None,
+               fused: Optional[bool] = None):
     be = backend or globals()["backend"]()
-    if be == "ref":
+    fast = _fast(fused)
+    Dk = q.shape[-1]
+    # Exact mode mirrors plain decoding, which uses mlx_lm's Metal kernel only
+    # for Dk % 32 == 0 (its ops path otherwise, and always on CUDA).
+    if be == "ref" or (not fast and (be.endswith("cuda") or Dk % 32 != 0)):
         return reference.gdn_verify(q, k, v, a, b, A_log, dt_bias, state)
     from . import kernels
 
-    return kernels.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be)
+    return kernels.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be, fused=fast)
 
 
 def commit(states, conv_inputs, consumed, conv_kernel, *, backend: Optional[str] = None):

@@ -1,20 +1,41 @@
-// GDN verify with per-position state capture (CUDA twin of the .metal kernel, body for mx.fast.cuda_kernel).
+// GDN verify with per-position state capture (CUDA twin of gdn_verify.metal, body for mx.fast.cuda_kernel).
 //
-// inputs : q, k [B,T,Hk,Dk] InT (conv output, NOT normalized); v [B,T,Hv,Dv] InT;
-//          a, b [B,T,Hv] GT; A_log, dt_bias [Hv] PT; state_in [B,Hv,Dv,Dk] f32;
-//          scal [3] f32 = {InT(Dk^-1), InT(Dk^-0.5), 1e-6/Dk}
+// inputs : q, k [B,T,Hk,Dk] InT; v [B,T,Hv,Dv] InT; gate_a, gate_b [B,T,Hv];
+//          A_log, dt_bias [Hv] PT; state_in [B,Hv,Dv,Dk] f32; scal [3] f32
 // outputs: y [B,T,Hv,Dv] InT; states [B,T,Hv,Dv,Dk] f32 (state after each token)
-// template: InT, GT, AT (dtype of a + dt_bias), PT, Dk, Dv, Hk, Hv, T
+// template: InT, GT (gate_b dtype), AT (dtype of a + dt_bias), Dk, Dv, Hk, Hv,
+//           T, FUSED
 // grid (32, Dv, B*Hv), threadgroup (32, 4, 1): one SIMD-group per value row;
 // lane l owns state elements [NPT*l, NPT*l + NPT).
 //
-// Fused: q/k L2 normalization (mlx_lm normalize_qk, including its rounding
-// to InT), g = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b)
-// (rounded to GT like the ops path). The recurrence is mlx_lm's gated delta
-// step in fp32.
-// Numerics: the four Dk-reductions per token use warp_sum, the xor-butterfly
-// 1,2,4,8,16 (cuda_compat.cu), so y and the states differ from the ops path by reduction
-// rounding only (~1e-6 relative in fp32), not bit-for-bit.
+// FUSED = false ("exact", the default): q, k arrive normalized by mlx_lm's
+// normalize_qk and gate_a = g (f32), gate_b = beta, computed by the same MLX
+// ops plain decoding runs. The recurrence then performs exactly the
+// arithmetic of mlx_lm's Metal decode kernels (gated_delta_step_xtree and the
+// packed Dk=128 kernel that mlx_lm pins bitwise to it): per-lane sequential
+// partials over NPT contiguous elements, reduced by the explicit xor-butterfly
+// 1,2,4,8,16 in mtp_xor_sum (warp shuffles), the same tree as the Metal kernel. Each verified
+// position then reproduces plain decoding's y and state bit for bit (unless
+// the Metal compiler contracts a*b+c into fma differently in the two kernels;
+// both are compiled from the same expression shapes).
+//
+// FUSED = true: q, k are the raw conv outputs and gate_a = a, gate_b = b; the
+// kernel does the L2 normalization (normalize_qk's numerics, including its
+// roundings to InT; scal = {InT(Dk^-1), InT(Dk^-0.5), 1e-6/Dk}) and
+// g = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b) itself,
+// saving the separate normalization and gate passes. Its sum of squares and
+// transcendentals round differently from MLX's rms_norm and compiled gate
+// kernels: it matches the ops path to ~1e-6 relative (fp32), not bitwise.
+//@header
+__device__ inline float mtp_xor_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 16);
+  return v;
+}
+//@body
   const uint3 thread_position_in_grid = make_uint3(
       blockIdx.x * blockDim.x + threadIdx.x, blockIdx.y * blockDim.y + threadIdx.y,
       blockIdx.z * blockDim.z + threadIdx.z);
@@ -29,73 +50,78 @@
     return;  // whole warp (CUDA launches whole blocks)
   }
 
-  const float s_q = scal[0];
-  const float s_k = scal[1];
-  const float eps = scal[2];
-
   float st[NPT];
   const float* s_in = state_in + (size_t(n) * Dv + dv) * Dk;
   for (int i = 0; i < NPT; ++i) {
     const int e = NPT * lane + i;
     st[i] = (e < Dk) ? s_in[e] : 0.0f;
   }
-  const float A = mtl::exp(static_cast<float>(A_log[hv]));
-  const float dtb = static_cast<float>(dt_bias[hv]);
+  const float A = FUSED ? mtl::exp(static_cast<float>(A_log[hv])) : 0.0f;
+  const float dtb = FUSED ? static_cast<float>(dt_bias[hv]) : 0.0f;
 
   for (int t = 0; t < T; ++t) {
     const size_t qk_off = ((size_t(b_idx) * T + t) * Hk + hk) * Dk;
     const size_t hv_off = (size_t(b_idx) * T + t) * Hv + hv;
 
-    // q/k L2 normalization: x * rsqrt(mean(x^2) + eps), rounded to InT, then
-    // scaled by InT(Dk^-1) (q) or InT(Dk^-0.5) (k) and rounded again.
     float qv[NPT];
     float kv[NPT];
-    float qs = 0.0f;
-    float ks = 0.0f;
     for (int i = 0; i < NPT; ++i) {
       const int e = NPT * lane + i;
       qv[i] = (e < Dk) ? static_cast<float>(q[qk_off + e]) : 0.0f;
       kv[i] = (e < Dk) ? static_cast<float>(k[qk_off + e]) : 0.0f;
-      qs += qv[i] * qv[i];
-      ks += kv[i] * kv[i];
     }
-    qs = warp_sum(qs);
-    ks = warp_sum(ks);
-    const float rq = mtl::rsqrt_precise(qs / Dk + eps);
-    const float rk = mtl::rsqrt_precise(ks / Dk + eps);
-    for (int i = 0; i < NPT; ++i) {
-      qv[i] = static_cast<float>(static_cast<InT>(
-          static_cast<float>(static_cast<InT>(qv[i] * rq)) * s_q));
-      kv[i] = static_cast<float>(static_cast<InT>(
-          static_cast<float>(static_cast<InT>(kv[i] * rk)) * s_k));
+    float g;
+    float beta;
+    if (FUSED) {
+      // q/k L2 normalization: x * rsqrt(mean(x^2) + eps), rounded to InT,
+      // scaled by InT(Dk^-1) (q) or InT(Dk^-0.5) (k) and rounded again.
+      float qs = 0.0f;
+      float ks = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        qs += qv[i] * qv[i];
+        ks += kv[i] * kv[i];
+      }
+      qs = mtp_xor_sum(qs);
+      ks = mtp_xor_sum(ks);
+      const float rq = mtl::rsqrt_precise(qs / Dk + scal[2]);
+      const float rk = mtl::rsqrt_precise(ks / Dk + scal[2]);
+      for (int i = 0; i < NPT; ++i) {
+        qv[i] = static_cast<float>(static_cast<InT>(
+            static_cast<float>(static_cast<InT>(qv[i] * rq)) * scal[0]));
+        kv[i] = static_cast<float>(static_cast<InT>(
+            static_cast<float>(static_cast<InT>(kv[i] * rk)) * scal[1]));
+      }
+      // g = exp(-exp(A_log) * softplus(a + dt_bias)), the sum and softplus
+      // rounded to AT; softplus = max(x, 0) + log1p(exp(-|x|)) with Metal's
+      // missing log1p as log(u) * z / (u - 1), u = 1 + z.
+      const float x = static_cast<float>(
+          static_cast<AT>(static_cast<float>(gate_a[hv_off]) + dtb));
+      const float z = mtl::exp(-mtl::abs(x));
+      const float u = 1.0f + z;
+      const float l1p = (u == 1.0f) ? z : mtl::log(u) * z / (u - 1.0f);
+      const float sp = static_cast<float>(static_cast<AT>(mtl::max(x, 0.0f) + l1p));
+      g = mtl::exp(-A * sp);
+      beta = static_cast<float>(static_cast<GT>(
+          1.0f / (1.0f + mtl::exp(-static_cast<float>(gate_b[hv_off])))));
+    } else {
+      g = static_cast<float>(gate_a[hv_off]);
+      beta = static_cast<float>(gate_b[hv_off]);
     }
 
-    // gates
-    const float x = static_cast<float>(static_cast<AT>(static_cast<float>(a[hv_off]) + dtb));
-    // softplus = max(x, 0) + log1p(exp(-|x|)); Metal has no log1p, so use
-    // the exact-rounding identity log1p(z) = log(u) * z / (u - 1), u = 1 + z.
-    const float z = mtl::exp(-mtl::abs(x));
-    const float u = 1.0f + z;
-    const float l1p = (u == 1.0f) ? z : mtl::log(u) * z / (u - 1.0f);
-    const float sp = static_cast<float>(static_cast<AT>(mtl::max(x, 0.0f) + l1p));
-    const float g = mtl::exp(-A * sp);
-    const float beta = static_cast<float>(static_cast<GT>(
-        1.0f / (1.0f + mtl::exp(-static_cast<float>(b[hv_off])))));
-
-    // gated delta step
+    // gated delta step: mlx_lm's arithmetic, operand order included
     float kv_mem = 0.0f;
     for (int i = 0; i < NPT; ++i) {
       st[i] = st[i] * g;
       kv_mem += st[i] * kv[i];
     }
-    kv_mem = warp_sum(kv_mem);
+    kv_mem = mtp_xor_sum(kv_mem);
     const float delta = (static_cast<float>(v[hv_off * Dv + dv]) - kv_mem) * beta;
     float out = 0.0f;
     for (int i = 0; i < NPT; ++i) {
       st[i] = st[i] + kv[i] * delta;
       out += st[i] * qv[i];
     }
-    out = warp_sum(out);
+    out = mtp_xor_sum(out);
     if (lane == 0) {
       y[hv_off * Dv + dv] = static_cast<InT>(out);
     }

@@ -107,7 +107,10 @@ def _round_scalar(x: float, dtype) -> float:
 
 
 # --------------------------------------------------------------------- GDN
-def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: str):
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: str, fused: bool = False):
+    """fused=False: normalization and gates by mlx_lm's own ops (as plain
+    decoding), recurrence in the kernel (bitwise with mlx_lm's Metal decode
+    kernel); fused=True: all of it in the kernel (one launch)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     if Hv % Hk:
@@ -115,20 +118,30 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: str):
     in_t = q.dtype
     k, v = k.astype(in_t), v.astype(in_t)
     inv = Dk ** -0.5
-    scal = mx.array(
-        [_round_scalar(inv ** 2, in_t), _round_scalar(inv, in_t), 1e-6 * inv ** 2],
-        dtype=mx.float32,
-    )
+    if fused:
+        scal = mx.array(
+            [_round_scalar(inv ** 2, in_t), _round_scalar(inv, in_t), 1e-6 * inv ** 2],
+            dtype=mx.float32,
+        )
+        gate_a, gate_b = a, b
+        at = _rt(a.dtype, dt_bias.dtype)
+    else:
+        from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+        q, k = normalize_qk(q, k, inv_scale=inv, eps=1e-6)
+        gate_a = compute_g(A_log, a, dt_bias)
+        gate_b = mx.sigmoid(b)
+        scal = mx.zeros((3,), mx.float32)
+        at = gate_a.dtype
     kern = _kernel(
         "gdn_verify", backend,
-        ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "scal"],
+        ["q", "k", "v", "gate_a", "gate_b", "A_log", "dt_bias", "state_in", "scal"],
         ["y", "states"],
     )
-    at = _rt(a.dtype, dt_bias.dtype)
     y, states = kern(
-        inputs=[q, k, v, a, b, A_log, dt_bias, state.astype(mx.float32), scal],
-        template=[("InT", in_t), ("GT", b.dtype), ("AT", at), ("PT", A_log.dtype),
-                  ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("T", T)],
+        inputs=[q, k, v, gate_a, gate_b, A_log, dt_bias, state.astype(mx.float32), scal],
+        template=[("InT", in_t), ("GT", gate_b.dtype), ("AT", at),
+                  ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("T", T), ("FUSED", bool(fused))],
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),
         output_shapes=[(B, T, Hv, Dv), (B, T, Hv, Dv, Dk)],

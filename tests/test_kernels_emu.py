@@ -157,24 +157,61 @@ GDN_CASES = [
 ]
 
 
-def check_gdn(case, backend):
+def check_gdn(case, backend, fused=False):
     B, T, Hk, Hv, Dk, Dv, dt = case
     args = gdn_inputs(B, T, Hk, Hv, Dk, Dv, dt)
     yr, sr = R.gdn_verify(*args)
-    y, s = K.gdn_verify(*args, backend=backend)
+    y, s = kernels.gdn_verify(*args, backend=backend, fused=fused)
     assert y.dtype == yr.dtype and s.dtype == mx.float32
     close(y, yr, TOL[dt])
     close(s, sr, TOL[dt])
 
 
-@pytest.mark.parametrize("case", GDN_CASES, ids=lambda c: "-".join(map(str, c[:6])) + str(c[6])[-8:])
-def test_gdn_verify_metal(case):
-    check_gdn(case, METAL)
+def _gdn_id(c):
+    return "-".join(map(str, c[:6])) + str(c[6]).split(".")[-1]
 
 
-@pytest.mark.parametrize("case", [GDN_CASES[1], GDN_CASES[2], GDN_CASES[6]])
-def test_gdn_verify_twin_emulated(case):
-    check_gdn(case, TWIN)
+@pytest.mark.parametrize("fused", [False, True], ids=["exact", "fused"])
+@pytest.mark.parametrize("case", GDN_CASES, ids=_gdn_id)
+def test_gdn_verify_metal(case, fused):
+    check_gdn(case, METAL, fused)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["exact", "fused"])
+@pytest.mark.parametrize("case", [GDN_CASES[1], GDN_CASES[2], GDN_CASES[6]], ids=_gdn_id)
+def test_gdn_verify_twin_emulated(case, fused):
+    check_gdn(case, TWIN, fused)
+
+
+@pytest.mark.parametrize("case", [GDN_CASES[2], (2, 3, 1, 2, 32, 32, mx.float32)], ids=_gdn_id)
+def test_gdn_verify_exact_is_bitwise_plain_decoding(case):
+    """Exact mode vs mlx_lm's own Metal decode kernel (packed for Dk=128, the
+    xtree comparator otherwise) run one token at a time, as plain decoding
+    does on an Apple GPU: every y and every captured state bit-identical."""
+    import mlx_lm.models.gated_delta as gd
+
+    B, T, Hk, Hv, Dk, Dv, dt = case
+    q, k, v, a, b, A_log, dt_bias, state = gdn_inputs(*case)
+    y, states = kernels.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=METAL)
+    qn, kn = gd.normalize_qk(q, k, inv_scale=Dk ** -0.5, eps=1e-6)
+    g, beta = gd.compute_g(A_log, a, dt_bias), mx.sigmoid(b)
+    packed = Dk == 128
+    fn = gd._make_gated_delta_packed_kernel if packed else gd._make_gated_delta_kernel_xtree
+    src = inspect.getsource(fn).split('source = r"""' if packed else 'source = """')[1].split('"""')[0]
+    kern = emu.metal_kernel("mlx_lm_step", ["q", "k", "v", "g", "beta", "state_in", "T"],
+                            ["y", "state_out"], src)
+    st = state
+    for t in range(T):
+        sl = slice(t, t + 1)
+        yt, st = kern(
+            inputs=[qn[:, sl], kn[:, sl], v[:, sl], g[:, sl], beta[:, sl], st, 1],
+            template=[("InT", dt), ("StT", mx.float32), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+            grid=(32, Dv // 8, B * Hv) if packed else (32, Dv, B * Hv),
+            threadgroup=(32, 2, 1) if packed else (32, 4, 1),
+            output_shapes=[(B, 1, Hv, Dv), st.shape], output_dtypes=[dt, mx.float32],
+        )
+        assert np.array_equal(_np(yt), _np(y[:, sl])), f"y at position {t}"
+        assert np.array_equal(np.array(st), np.array(states[:, t])), f"state at position {t}"
 
 
 # ------------------------------------------------------------------ conv
@@ -188,7 +225,7 @@ def check_conv(case, backend):
     x = mx.random.normal((B, T, C)).astype(dt)
     w = mx.random.normal((C, Kw, 1)).astype(dt)
     o_r, ci_r = R.conv_verify(cs, x, w)
-    o, ci = K.conv_verify(cs, x, w, backend=backend)
+    o, ci = kernels.conv_verify(cs, x, w, backend=backend)
     assert o.dtype == o_r.dtype and ci.dtype == ci_r.dtype
     assert np.array_equal(_np(ci), _np(ci_r))
     close(o, o_r, TOL[dt])
@@ -210,7 +247,7 @@ def check_commit(backend, L, B, T, Hv, D, C, Kw, consumed, dt=mx.bfloat16):
     convs = [mx.random.normal((B, Kw - 1 + T, C)).astype(dt) for _ in range(L)]
     n = mx.array(consumed, dtype=mx.int32)
     ref = R.commit(states, convs, n, Kw)
-    got = K.commit(states, convs, n, Kw, backend=backend)
+    got = kernels.commit(states, convs, n, Kw, backend=backend)
     assert len(got) == L
     for (w1, s1), (w2, s2) in zip(ref, got):
         assert w1.dtype == w2.dtype and s1.shape == s2.shape
@@ -252,7 +289,7 @@ def check_draft(backend, N, H, V, dt, bits, n_ids, top_k, gs=64, seed=4):
         args = (w, None, None)
         oracle = (h, w, None, None)
     kw = dict(group_size=gs, bits=bits, vocab_ids=ids)
-    vals, got = K.draft_project(h, *args, top_k=top_k, backend=backend, **kw)
+    vals, got = kernels.draft_project(h, *args, top_k=top_k, backend=backend, **kw)
     assert vals.shape == (N, top_k) and got.shape == (N, top_k) and got.dtype == mx.int32
     # full oracle logits over the scored rows, in full-vocabulary ids
     rv, rid = R.draft_project(*oracle, top_k=min(V if ids is None else n_ids, 32), **kw)
@@ -306,15 +343,16 @@ def _mutate(name, dial, old, new):
     return src.replace(old, new, 1)
 
 
-@pytest.mark.parametrize("dial,backend", [("metal", METAL), ("cuda", TWIN)])
-def test_mutation_in_delta_update_is_caught(dial, backend):
+@pytest.mark.parametrize("dial,backend,fused", [("metal", METAL, False), ("metal", METAL, True),
+                                                ("cuda", TWIN, False)])
+def test_mutation_in_delta_update_is_caught(dial, backend, fused):
     """Flip the first '+' of the delta update: the comparison must fail."""
     case = GDN_CASES[1]
     bad = _mutate("gdn_verify", dial, "st[i] = st[i] + kv[i] * delta;", "st[i] = st[i] - kv[i] * delta;")
     with kernels.override_source("gdn_verify", dial, bad):
         with pytest.raises(AssertionError, match="max err"):
-            check_gdn(case, backend)
-    check_gdn(case, backend)  # and the real source passes again
+            check_gdn(case, backend, fused)
+    check_gdn(case, backend, fused)  # and the real source passes again
 
 
 def test_mutation_in_conv_and_draft_is_caught():
@@ -337,6 +375,19 @@ def test_cpu_dispatches_to_reference(monkeypatch):
     assert K.backend() == METAL
     case = (1, 2, 1, 1, 32, 32, mx.float32)
     args = gdn_inputs(*case)
-    y, s = K.gdn_verify(*args)  # via the env switch
     yr, sr = R.gdn_verify(*args)
+    calls = []
+    real = kernels.gdn_verify
+    monkeypatch.setattr(kernels, "gdn_verify", lambda *a, **k: calls.append(k) or real(*a, **k))
+    y, s = K.gdn_verify(*args)  # via the env switch
     close(y, yr, 2e-5)
+    assert calls[-1] == {"backend": METAL, "fused": False}
+    monkeypatch.setenv("MLX_MTP_FAST_KERNELS", "1")
+    K.gdn_verify(*args)
+    assert calls[-1]["fused"] is True
+    monkeypatch.setenv("MLX_MTP_KERNELS", TWIN)  # CUDA default: the ops path
+    monkeypatch.delenv("MLX_MTP_FAST_KERNELS")
+    n = len(calls)
+    K.gdn_verify(*args)
+    K.conv_verify(mx.zeros((1, 3, 8)), mx.ones((1, 2, 8)), mx.ones((8, 4, 1)))
+    assert len(calls) == n
