@@ -152,7 +152,9 @@ def graft(
         raise ConvertError(f"--mtp-bits must be one of {', '.join(map(str, MTP_BITS_CHOICES))}")
     target = Path(mlx_dir).expanduser()
     if not target.is_dir():
-        raise ConvertError(f"--graft {mlx_dir}: not a local MLX folder")
+        hint = (f"; download it first: hf download {mlx_dir} --local-dir ./{str(mlx_dir).split('/')[-1]}"
+                if str(mlx_dir).count("/") == 1 and not str(mlx_dir).startswith((".", "/", "~")) else "")
+        raise ConvertError(f"--graft {mlx_dir}: not a local MLX folder{hint}")
     target = target.resolve()
     src_local = local_source(hf_path)
     if src_local is not None and src_local == target:
