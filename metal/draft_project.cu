@@ -61,10 +61,14 @@ __device__ inline void mtp_insert(float* tv, int* tp, float v, int p) {
       acc[n] = 0.0f;
     }
     if (BITS == 0) {
-      for (int e = lane; e < H; e += 32) {
-        const float w = static_cast<float>(weight[wrow * H + e]);
-        for (int n = 0; n < N; ++n) {
-          acc[n] += w * static_cast<float>(hidden[n * H + e]);
+      // each lane reads VEC contiguous weights per step (128 per SIMD-group)
+      constexpr int VEC = (H % 128 == 0) ? 4 : 1;
+      for (int e0 = lane * VEC; e0 < H; e0 += 32 * VEC) {
+        for (int i = 0; i < VEC; ++i) {
+          const float w = static_cast<float>(weight[wrow * H + e0 + i]);
+          for (int n = 0; n < N; ++n) {
+            acc[n] += w * static_cast<float>(hidden[n * H + e0 + i]);
+          }
         }
       }
     } else {

@@ -295,6 +295,9 @@ class EmuKernel:
     ):
         if len(inputs) != len(self.input_names):
             raise ValueError(f"{self.name}: expected {len(self.input_names)} inputs, got {len(inputs)}")
+        if self.dialect == "metal":
+            # MLX dispatches Metal threadgroups of min(threadgroup, grid) per axis
+            threadgroup = tuple(min(int(t), int(g)) for t, g in zip(threadgroup, grid))
         ins = [_to_buf(x) for x in inputs]
         out_dt = [_dtype_name(d) for d in output_dtypes]
         cpp = self._cpp(ins, out_dt, list(template))
