@@ -1,0 +1,119 @@
+"""Adaptive draft depth: pick k per cycle from measured acceptance and cost.
+
+Throughput at depth k is E[tokens per cycle](k) / cost(k), with
+    E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
+where a_j is the measured acceptance of draft j given drafts 1..j-1 were
+accepted, and cost(k) the measured seconds of a depth-k cycle (moving
+averages of both). k = 0 (plain decoding, head idle) is a candidate, so the
+controller never settles on drafting that does not pay. Depths not measured
+recently are probed now and then; a switch needs a clear predicted gain
+(hysteresis) so noise does not make k flap.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+
+class DepthController:
+    def __init__(
+        self,
+        max_depth: int = 4,
+        *,
+        alpha: float = 0.1,
+        probe_every: int = 16,
+        hysteresis: float = 0.04,
+        initial: int = 2,
+        min_samples: int = 2,
+    ):
+        self.max_depth = max_depth
+        self.alpha = alpha
+        self.probe_every = probe_every
+        self.hysteresis = hysteresis
+        self.min_samples = min_samples
+        self.k = min(initial, max_depth)
+        # acceptance of position j given 1..j-1 accepted; optimistic prior
+        self.accept: List[float] = [0.7] * max_depth
+        self.accept_n: List[int] = [0] * max_depth
+        self.cost: Dict[int, float] = {}
+        self.cost_n: Dict[int, int] = {}
+        self.cycles = 0
+        self.since_probe = 0
+        self._probing = self.k
+        self._probe_left = 0
+        self._probe_side = -1
+
+    # -- model -----------------------------------------------------------------
+    def expected_tokens(self, k: int) -> float:
+        e, p = 1.0, 1.0
+        for j in range(k):
+            p *= self.accept[j]
+            e += p
+        return e
+
+    def estimated_cost(self, k: int) -> Optional[float]:
+        if self.cost_n.get(k, 0) >= self.min_samples:
+            return self.cost[k]
+        # interpolate from measured depths: linear in k through the two nearest
+        known = sorted(d for d, n in self.cost_n.items() if n >= self.min_samples)
+        if len(known) >= 2:
+            lo = max((d for d in known if d < k), default=known[0])
+            hi = min((d for d in known if d > k), default=known[-1])
+            if lo == hi:
+                lo, hi = known[0], known[-1]
+            slope = (self.cost[hi] - self.cost[lo]) / (hi - lo)
+            return self.cost[lo] + slope * (k - lo)
+        return None
+
+    def throughput(self, k: int) -> Optional[float]:
+        c = self.estimated_cost(k)
+        return None if c is None or c <= 0 else self.expected_tokens(k) / c
+
+    # -- feedback ----------------------------------------------------------------
+    def update(self, k: int, accepted: int, seconds: float):
+        """Record one cycle of depth k that accepted `accepted` drafts in `seconds`."""
+        self.cycles += 1
+        self.since_probe += 1
+        n = self.cost_n.get(k, 0)
+        self.cost[k] = seconds if n == 0 else (1 - self.alpha) * self.cost[k] + self.alpha * seconds
+        self.cost_n[k] = n + 1
+        for j in range(min(k, accepted + 1)):  # positions reached this cycle
+            hit = 1.0 if j < accepted else 0.0
+            a = self.alpha if self.accept_n[j] else 0.5
+            self.accept[j] = (1 - a) * self.accept[j] + a * hit
+            self.accept_n[j] += 1
+
+    def observe_first_draft(self, hit: bool):
+        """At depth 0 the head may still score its would-be first draft."""
+        a = self.alpha if self.accept_n[0] else 0.5
+        self.accept[0] = (1 - a) * self.accept[0] + a * (1.0 if hit else 0.0)
+        self.accept_n[0] += 1
+
+    # -- decision ----------------------------------------------------------------
+    def next_depth(self) -> int:
+        if self._probe_left > 0:  # finish a probe: a few cycles at a neighbour depth
+            self._probe_left -= 1
+            return self._probing
+        if self.cost_n.get(self.k, 0) < self.min_samples:  # measure the current depth
+            return self.k
+        if self.since_probe >= self.probe_every:  # refresh a neighbour's measurements
+            self.since_probe = 0
+            self._probe_side = -self._probe_side
+            for cand in (self.k + self._probe_side, self.k - self._probe_side):
+                if 0 <= cand <= self.max_depth:
+                    self._probing, self._probe_left = cand, self.min_samples - 1
+                    return cand
+        best_k, best = self.k, self.throughput(self.k) or 0.0
+        for cand in range(self.max_depth + 1):
+            t = self.throughput(cand)
+            if t is not None and t > best * (1 + self.hysteresis):
+                best_k, best = cand, t
+        self.k = best_k
+        return self.k
+
+    def summary(self) -> dict:
+        return {
+            "depth": self.k,
+            "acceptance_conditional": [round(a, 3) for a in self.accept],
+            "cost_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.cost.items())},
+        }

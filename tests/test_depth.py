@@ -1,0 +1,58 @@
+"""The adaptive depth controller, driven by simulated costs and acceptance."""
+
+import random
+
+from mlx_mtp.depth import DepthController
+
+
+def simulate(accept, verify_cost, draft_cost, cycles=600, seed=0, decode=1.0):
+    """accept[j]: P(draft j+1 right | earlier right); cost of depth k cycle =
+    verify_cost(k+1) + k*draft_cost (in decode units). Returns (controller,
+    achieved tokens/time, best fixed-depth tokens/time)."""
+    rng = random.Random(seed)
+    ctl = DepthController(max_depth=4)
+    toks = time = 0.0
+    for _ in range(cycles):
+        k = ctl.next_depth()
+        a = 0
+        while a < k and rng.random() < accept[a]:
+            a += 1
+        cost = decode * (verify_cost(k + 1) if k else 1.0) + k * draft_cost
+        cost *= 1 + rng.uniform(-0.05, 0.05)  # timing noise
+        ctl.update(k, a, cost)
+        toks += a + 1
+        time += cost
+
+    def fixed(k):
+        e, p = 1.0, 1.0
+        for j in range(k):
+            p *= accept[j]
+            e += p
+        return e / ((verify_cost(k + 1) if k else 1.0) + k * draft_cost)
+
+    return ctl, toks / time, max(fixed(k) for k in range(5))
+
+
+def test_high_acceptance_cheap_verify_drafts_deep():
+    ctl, got, best = simulate([0.9, 0.85, 0.8, 0.75], lambda t: 1 + 0.1 * (t - 1), 0.05)
+    assert ctl.k >= 3
+    assert got >= 0.9 * best
+
+
+def test_unpredictable_text_falls_back_to_plain_decoding():
+    ctl, got, best = simulate([0.02, 0.01, 0.0, 0.0], lambda t: 1 + 0.1 * (t - 1), 0.1)
+    assert ctl.k == 0
+    assert got >= 0.93 * best  # probes cost a little
+
+
+def test_expensive_verify_backend_chooses_plain():
+    # a 2-token verify costs nearly 2 decodes (reference BLAS on CPU)
+    ctl, got, best = simulate([0.7, 0.6, 0.5, 0.4], lambda t: 0.95 * t, 0.1)
+    assert ctl.k == 0
+
+
+def test_expected_tokens_formula():
+    ctl = DepthController(max_depth=3)
+    ctl.accept = [0.5, 0.5, 0.5]
+    assert ctl.expected_tokens(0) == 1.0
+    assert ctl.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
