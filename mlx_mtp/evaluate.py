@@ -43,8 +43,10 @@ def _head_cache_upto(full: List[KVCache], n: int) -> List[KVCache]:
     return out
 
 
-def expected_acceptance(model, tokens, depth: int = 4, max_starts: int = 256) -> dict:
-    """Teacher-forced greedy acceptance per draft position 1..depth on `tokens`."""
+def expected_acceptance(model, tokens, depth: int = 4, max_starts: int = 256,
+                        draft_vocab: Optional[mx.array] = None) -> dict:
+    """Teacher-forced greedy acceptance per draft position 1..depth on `tokens`
+    (drafting over `draft_vocab` ids only, when given)."""
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
     T = tokens.size
     if T < depth + 2:
@@ -53,7 +55,7 @@ def expected_acceptance(model, tokens, depth: int = 4, max_starts: int = 256) ->
     greedy = mx.argmax(model.logits_from_hidden(h)[0], axis=-1)  # trunk's choice for t+1
     full = model.mtp.make_cache()
     g_all = model.mtp(h[:, :-1], model.embed(tokens[None, 1:]), full)
-    d1_all = mx.argmax(model.logits_from_hidden(g_all)[0], axis=-1)  # draft for t+2
+    d1_all = model.draft_tokens_from_hidden(g_all[0], draft_vocab)  # draft for t+2
     mx.eval(greedy, d1_all, [c.state for c in full])
     greedy_l = greedy.tolist()
     last_start = T - 1 - depth  # need trunk targets up to t+depth
@@ -70,7 +72,7 @@ def expected_acceptance(model, tokens, depth: int = 4, max_starts: int = 256) ->
         drafts = [d]
         for _ in range(depth - 1):
             g = model.mtp(g, model.embed(d[None]), cache)
-            d = mx.argmax(model.logits_from_hidden(g)[0], axis=-1)
+            d = model.draft_tokens_from_hidden(g[0], draft_vocab)
             drafts.append(d)
         drafts = mx.concatenate(drafts).tolist()
         for i in range(depth):
@@ -98,6 +100,11 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--depth", type=int, default=4, help="draft positions to report")
     p.add_argument("--max-tokens", type=int, default=2048, help="use at most this many tokens")
     p.add_argument("--max-starts", type=int, default=256, help="start positions sampled for chains")
+    p.add_argument("--draft-vocab", default=None,
+                   help="draft over a trimmed vocabulary: a JSON file or N (tokenizer's first N ids)")
+    p.add_argument("--write-draft-vocab", default=None, metavar="FILE",
+                   help="count the most frequent ids of the text into FILE (see --draft-vocab-size)")
+    p.add_argument("--draft-vocab-size", type=int, default=32768)
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
     try:
@@ -109,9 +116,18 @@ def main(argv: Optional[list] = None) -> int:
     if not model.has_mtp:
         print("error: the model has no MTP head; nothing to estimate", file=sys.stderr)
         return 1
-    tokens = tokenizer.encode(text)[: args.max_tokens]
+    from . import draft_vocab as dv
+
+    all_tokens = tokenizer.encode(text)
+    tokens = all_tokens[: args.max_tokens]
+    V = model.language_model.args.vocab_size
+    if args.write_draft_vocab:
+        ids = dv.count([all_tokens], args.draft_vocab_size, tokenizer, V)
+        dv.save(args.write_draft_vocab, ids, source=args.text_file)
+        print(f"wrote {len(ids)} draft-vocabulary ids to {args.write_draft_vocab}")
     try:
-        res = expected_acceptance(model, tokens, args.depth, args.max_starts)
+        vocab = dv.load(args.draft_vocab, tokenizer, V)
+        res = expected_acceptance(model, tokens, args.depth, args.max_starts, vocab)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -124,7 +140,10 @@ def main(argv: Optional[list] = None) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"{res['tokens']} tokens, {res['starts']} chain starts (teacher-forced, greedy)")
+    if vocab is not None:
+        res["draft_vocab"] = int(vocab.size)
+    print(f"{res['tokens']} tokens, {res['starts']} chain starts (teacher-forced, greedy)"
+          + (f", drafting over {vocab.size} ids" if vocab is not None else ""))
     print(f"cross-entropy: trunk {res['loss_trunk']:.3f}, MTP head (t+2) {res['loss_head']:.3f}")
     for i, a in enumerate(res["acceptance"], 1):
         print(f"draft position {i}: acceptance {a:.1%}   depth {i}: "

@@ -100,6 +100,28 @@ class _MTPMixin:
             return lm.model.embed_tokens.as_linear(hidden)
         return lm.lm_head(hidden)
 
+    def lm_head_weights(self) -> dict:
+        """lm_head (or tied embedding) as draft_project arguments: weight and,
+        when quantized, scales / biases / group_size / bits."""
+        lm = self.language_model
+        mod = lm.model.embed_tokens if lm.args.tie_word_embeddings else lm.lm_head
+        out = {"weight": mod.weight}
+        if hasattr(mod, "scales"):
+            out.update(scales=mod.scales, biases=mod.get("biases"),
+                       group_size=mod.group_size, bits=mod.bits)
+        return out
+
+    def draft_tokens_from_hidden(self, g: mx.array, vocab_ids: Optional[mx.array] = None) -> mx.array:
+        """Greedy draft ids [N] from head hiddens [..., H]: the lm_head
+        projection fused with arg-max, over `vocab_ids` rows only when given."""
+        from . import metal as kernels
+
+        h = g.reshape(-1, g.shape[-1])
+        if vocab_ids is None:
+            return mx.argmax(self.logits_from_hidden(h), axis=-1)
+        _, ids = kernels.draft_project(h, vocab_ids=vocab_ids, **self.lm_head_weights())
+        return ids[:, 0]
+
     def make_mtp_caches(self):
         return make_trunk_cache(self), self.mtp.make_cache()
 
