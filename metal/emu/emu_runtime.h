@@ -228,6 +228,7 @@ extern "C" inline void emu_fiber_trampoline() { fiber_main(); }
 #endif
 
 constexpr size_t kStack = 256 * 1024;
+constexpr size_t kStackPoison = 8 * 1024;
 
 // Buffers sit right before a PROT_NONE page (see __init__.py): an access past
 // the end of any buffer faults; the handler jumps back out of the launch.
@@ -300,6 +301,9 @@ inline int launch(BodyFn body, void** bufs, const int64_t* grid, const int64_t* 
           f->tpitg = {uint(i % act.x), uint((i / act.x) % act.y), uint(i / (act.x * act.y))};
           c.sgs[f->sg].active++;
           char* top = stacks + kStack * size_t(i + 1);
+          // poison where the body's locals will live: an uninitialized float
+          // local reads NaN, as poisoned outputs and threadgroup memory do
+          memset(top - kStackPoison, 0xff, kStackPoison);
 #if defined(__x86_64__)
           void** sp = (void**)top;
           *--sp = nullptr;                              // fake return address
