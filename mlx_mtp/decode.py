@@ -10,13 +10,24 @@ A cycle with depth k:
   1. draft: the head chains itself k-1 more times (its own hidden + draft);
   2. verify: the trunk runs [y, d1..dk] in ONE forward; GDN layers capture
      every position's state (caches.py), so rejection never re-runs the trunk;
-  3. accept: targets t_i = sampler(p_i); keep drafts while d_i == t_{i-1}.
-     Computed in-graph; the accepted count and targets are read with a
-     single host transfer;
+  3. accept, computed in-graph; the accepted count and the emitted tokens
+     are read with a single host transfer:
+       - greedy (temp 0) and opaque samplers ("match"): targets
+         t_i = sampler(p_i); keep drafts while d_i == t_{i-1}. Exact for any
+         sampler, since each t_i is an independent sample of p_i;
+       - an `MTPSampler` with temp > 0 (sampling.py): the head SAMPLES its
+         drafts from q (its own logits through the same processors and
+         filters), and drafts are verified by Leviathan–Chen; the emitted
+         token after the accepted drafts is the residual sample (rejection)
+         or the bonus sample from p_{k+1}. Randomness comes from an explicit
+         key split per cycle (`seed`, else drawn from mx.random's state);
   4. commit: GDN layers take the state after the accepted prefix (by index),
      attention KV is trimmed; the head's cache drops its own drafting entries
      and is rewritten from the trunk's verified hiddens paired with the
-     targets, which also yields the next cycle's first draft.
+     tokens actually emitted at each position (the accepted drafts, then the
+     correction/bonus token; later positions are trimmed), which also yields
+     the hidden of the next cycle's first draft (sampling mode drafts d1 at
+     the start of the cycle, when the history the processors need is known).
 Emitted per cycle: d1..da and the target after them (a+1 tokens).
 """
 
@@ -31,6 +42,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
 from .caches import commit, make_trunk_cache, set_capturing, trim_attention
+from .sampling import MTPSampler, is_greedy, speculative_sample
 
 
 def mtp_disabled_by_env() -> bool:
@@ -128,6 +140,38 @@ class OracleDrafter:
         return mx.array(out, dtype=mx.int32)
 
 
+class DistributionDrafter:
+    """Test/benchmark drafter for sampling: draws each draft on the host from a
+    known distribution q(. | tokens generated so far + earlier drafts) and
+    reports it (or, to test the tests, a deliberately wrong `claimed` one).
+
+    dist(prefix: tuple of generated token ids) -> probabilities [V];
+    claimed(prefix) -> the q reported to the decoder (default: dist).
+    Like OracleDrafter it replaces only the head's proposals.
+    """
+
+    def __init__(self, dist: Callable, vocab_size: int, seed: int = 0,
+                 claimed: Optional[Callable] = None):
+        import numpy as np
+
+        self.dist = dist
+        self.claimed = claimed or dist
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def propose_dist(self, generated: List[int], k: int) -> Tuple[mx.array, mx.array]:
+        import numpy as np
+
+        prefix, drafts, qs = tuple(generated), [], []
+        for _ in range(k):
+            q = np.asarray(self.dist(prefix), dtype=np.float64)
+            d = int(self.rng.choice(self.vocab_size, p=q / q.sum()))
+            qs.append(np.asarray(self.claimed(prefix), dtype=np.float32))
+            drafts.append(d)
+            prefix = prefix + (d,)
+        return mx.array(drafts, dtype=mx.int32), mx.array(np.stack(qs))
+
+
 class MTPDecoder:
     """State of one MTP generation over a model from `mlx_mtp.load`."""
 
@@ -138,10 +182,20 @@ class MTPDecoder:
         sampler: Optional[Callable] = None,
         logits_processors: Optional[list] = None,
         use_head: bool = True,
-        oracle: Optional[OracleDrafter] = None,
+        oracle=None,
+        seed: Optional[int] = None,
     ):
         self.model = model
         self.sampler = sampler or greedy_sampler
+        # Leviathan–Chen verification for samplers with known settings
+        self.speculative = isinstance(sampler, MTPSampler) and sampler.speculative
+        if oracle is not None and hasattr(oracle, "propose_dist") and not self.speculative:
+            raise ValueError("a DistributionDrafter needs an MTPSampler with temp > 0")
+        if self.speculative:
+            self.key = (mx.random.key(seed) if seed is not None
+                        else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
+        self.generated: List[int] = []  # host copy, kept for DistributionDrafter
+        self._y0: Optional[mx.array] = None  # prefill's token, not yet in `generated`
         self.logits_processors = logits_processors or []
         self.use_head = use_head and model.has_mtp
         self.cache = make_trunk_cache(model)
@@ -166,6 +220,27 @@ class MTPDecoder:
     def _head(self, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Head over hiddens [1, T, H] paired with tokens [T]; returns its hiddens."""
         return self.model.mtp(hidden, self.model.embed(tokens[None]), self.head_cache)
+
+    def _next_key(self, n: int) -> mx.array:
+        """n fresh keys [n, 2]; the decoder's key advances (lazily, in-graph)."""
+        keys = mx.random.split(self.key, n + 1)
+        self.key = keys[0]
+        return keys[1:]
+
+    def _sync_generated(self):
+        if self._y0 is not None:  # already evaluated by then: no extra sync
+            self.generated = self._y0.tolist() + self.generated
+            self._y0 = None
+
+    def _draft_logprobs(self, g: mx.array, drafts: List[mx.array]) -> mx.array:
+        """The head's log-probs [1, V] from hidden g, processed with the history
+        the drafted position would have (history + drafts so far)."""
+        logits = self.model.logits_from_hidden(g)[0, -1:]
+        if self.logits_processors:
+            tokens = mx.concatenate([self.history] + drafts) if drafts else self.history
+            for proc in self.logits_processors:
+                logits = proc(tokens, logits)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def _draft_from(self, g: mx.array) -> mx.array:
         """Greedy draft token from one head hidden [1, 1, H] (shape [1])."""
@@ -198,6 +273,14 @@ class MTPDecoder:
         logits = model.logits_from_hidden(h)[0]
         logprobs = _logprobs(logits, self.history[:-1] if self.history is not None else None,
                              last, self.logits_processors)
+        if self.speculative:
+            y = self.sampler.sample(logprobs, self._next_key(1)[0])
+            if self.use_head:
+                self.g = self._head(h, y)
+            self.y = self._y0 = y
+            self._append_history(y)
+            self.n_emitted = 1
+            return y, logprobs[0]
         y = self.sampler(logprobs)
         if self.use_head:
             self.g = self._head(h, y)
@@ -214,6 +297,8 @@ class MTPDecoder:
         model = self.model
         if k == 0 or not self.use_head:
             return self._plain_step()
+        if self.speculative:
+            return self._cycle_speculative(k)
 
         # 1. draft chain (d1 and g come from the previous cycle / prefill)
         drafts, g = [self.d1], self.g
@@ -265,6 +350,73 @@ class MTPDecoder:
         self.n_emitted += a + 1
         return emitted, logprobs[: a + 1], a
 
+    def _cycle_speculative(self, k: int) -> Tuple[List[int], mx.array, int]:
+        """One cycle with Leviathan–Chen verification (sampling.py)."""
+        model = self.model
+        keys = self._next_key(k + 1)
+
+        # 1. draft chain: d_j ~ q_j, q_j = the head's processed, filtered,
+        #    tempered distribution (d1 from g, the previous cycle's rewrite)
+        chained = 0
+        if self.oracle is not None and hasattr(self.oracle, "propose_dist"):
+            self._sync_generated()
+            drafts, q = self.oracle.propose_dist(self.generated, k)
+        else:
+            g, dl, ql = self.g, [], []
+            for j in range(k):
+                if j > 0:
+                    g = self._head(g, dl[-1])
+                    chained += 1
+                d, qj = self.sampler.draft(self._draft_logprobs(g, dl), keys[j])
+                dl.append(d)
+                ql.append(qj)
+            drafts, q = mx.concatenate(dl), mx.concatenate(ql)  # [k], [k, V]
+            if self.oracle is not None:  # OracleDrafter: claims q one-hot
+                drafts = self.oracle.propose(self.n_emitted, k)
+                q = (mx.arange(q.shape[-1]) == drafts[:, None]).astype(mx.float32)
+
+        # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
+        tokens = mx.concatenate([self.y, drafts])  # [k+1]
+        set_capturing(self.cache, True)
+        h = model.trunk_hidden(tokens[None], self.cache)  # [1, k+1, H]
+        logits = model.logits_from_hidden(h)[0]
+        history = self.history[:-1] if self.history is not None else None
+        logprobs = _logprobs(logits, history, tokens, self.logits_processors)
+
+        # 3. Leviathan–Chen accept in-graph; out[:a] = drafts, out[a] = residual/bonus
+        accepted, out = speculative_sample(self.sampler.target_logits(logprobs), q, drafts,
+                                           keys[k])
+
+        # 4. commit: GDN states by index; head rewritten from verified hiddens
+        #    paired with the emitted tokens
+        commit(self.cache, accepted + 1, k + 1, self.conv_kernel)
+        set_capturing(self.cache, False)
+        for c in self.head_cache:
+            c.trim(chained)  # drop the drafting chain's own entries
+        G = self._head(h, out)  # [1, k+1, H]
+        g_next = mx.take(G, accepted.reshape(1), axis=1)
+
+        # the single host synchronization of the cycle
+        packed = mx.concatenate([accepted.reshape(1), out])
+        mx.eval(packed, logprobs, g_next, self.key, [c.state for c in self.cache],
+                [c.state for c in self.head_cache])
+        values = packed.tolist()
+        a = values[0]
+        emitted = values[1 : a + 2]
+
+        trim_attention(self.cache, k - a)
+        for c in self.head_cache:
+            c.trim(k - a)
+        self.y = out[a : a + 1]
+        self.g = g_next
+        if self._need_history():
+            self._append_history(mx.array(emitted))
+        self._sync_generated()
+        self.generated.extend(emitted)
+        self.stats.record(k, a, a + 1)
+        self.n_emitted += a + 1
+        return emitted, logprobs[: a + 1], a
+
     def _plain_step(self) -> Tuple[List[int], mx.array, int]:
         """One plain decoding step (depth 0); keeps the head's cache in sync."""
         model = self.model
@@ -272,6 +424,20 @@ class MTPDecoder:
         logits = model.logits_from_hidden(h)[0]
         history = self.history[:-1] if self.history is not None else None
         logprobs = _logprobs(logits, history, self.y, self.logits_processors)
+        if self.speculative:
+            y = self.sampler.sample(logprobs, self._next_key(1)[0])
+            if self.use_head:
+                self.g = self._head(h, y)
+                mx.eval(y, logprobs, self.g, self.key)
+            else:
+                mx.eval(y, logprobs, self.key)
+            self.y = y
+            self._append_history(y)
+            self._sync_generated()
+            self.generated.extend(y.tolist())
+            self.stats.record(0, 0, 1)
+            self.n_emitted += 1
+            return y.tolist(), logprobs, 0
         y = self.sampler(logprobs)
         if self.use_head:
             self.g = self._head(h, y)
@@ -297,7 +463,8 @@ def mtp_generate_step(
     prefill_step_size: int = 2048,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stats: Optional[MTPStats] = None,
-    oracle: Optional[OracleDrafter] = None,
+    oracle=None,
+    seed: Optional[int] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like mlx_lm.generate_step, at most
     `max_tokens` of them (-1: no limit). draft_tokens=0, a model without a head,
@@ -305,7 +472,7 @@ def mtp_generate_step(
     k = 0 if mtp_disabled_by_env() else max(0, int(draft_tokens))
     dec = MTPDecoder(
         model, sampler=sampler, logits_processors=logits_processors, use_head=k > 0,
-        oracle=oracle,
+        oracle=oracle, seed=seed,
     )
     if stats is not None:
         dec.stats = stats

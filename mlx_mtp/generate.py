@@ -176,7 +176,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-context-size", type=int, default=20)
     p.add_argument("--logit-bias", type=str, default=None,
                    help='JSON object of token id -> additive bias, e.g. \'{"13": -5}\'')
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--draft-temp", type=float, default=None,
+                   help="Temperature the MTP head drafts at when sampling (default: --temp; "
+                        "0: greedy drafts). Any value keeps the output exact")
+    p.add_argument("--seed", type=int, default=None,
+                   help="Seed of mx.random: the same seed gives the same output")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--chat-template-config", type=str, default=None,
                    help="JSON of extra chat-template arguments")
@@ -205,9 +209,10 @@ def build_prompt(tokenizer, args) -> list:
 
 
 def main(argv=None):
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+    from mlx_lm.sample_utils import make_logits_processors
 
     from .load import load
+    from .sampling import make_sampler
 
     args = setup_arg_parser().parse_args(argv)
     if args.seed is not None:
@@ -221,7 +226,7 @@ def main(argv=None):
         tokenizer.add_eos_token(eos)
     prompt = build_prompt(tokenizer, args)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
-                           top_k=args.top_k)
+                           top_k=args.top_k, draft_temp=args.draft_temp)
     logit_bias = {int(k): v for k, v in json.loads(args.logit_bias).items()} if args.logit_bias else None
     processors = make_logits_processors(logit_bias, args.repetition_penalty,
                                         args.repetition_context_size)
