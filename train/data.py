@@ -1,0 +1,170 @@
+"""Corpus and tokenizer for the demo model (CPython standard library sources).
+
+Deterministic: the file list is the sorted relative paths of the stdlib's
+`*.py` files (tests, codec tables and generated data excluded); a file is
+held out when the first byte of sha256(relative path) is < 13 (about 5%),
+so the split does not depend on which other files exist. Documents are
+joined with `<|endoftext|>`.
+
+Chat examples: the `mlx_mtp.generate` CLI applies the tokenizer's chat
+template by default, so part of the training stream teaches the model that
+template: the user turn is a function's signature (`def name(args):`) taken
+from a training file, the assistant turn is the whole function, dedented.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import random
+import sysconfig
+import textwrap
+from pathlib import Path
+from typing import List, Tuple
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# The usual Qwen ChatML template (as mlx_mtp/synthetic.py's).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+EXCLUDED_DIRS = {
+    "test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data",
+    "__pycache__", "lib2to3", "turtledemo", "ensurepip", "distutils",
+}
+EXCLUDED_NAME_PREFIXES = ("_sysconfigdata", "config-")
+MAX_FILE_BYTES = 400_000
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(rel: str) -> bool:
+    return hashlib.sha256(rel.encode()).digest()[0] < 13
+
+
+def list_files(root: Path = None) -> List[Tuple[str, Path]]:
+    root = root or stdlib_root()
+    out = []
+    for p in root.rglob("*.py"):
+        rel = p.relative_to(root).as_posix()
+        parts = rel.split("/")
+        if any(d in EXCLUDED_DIRS or d.startswith(EXCLUDED_NAME_PREFIXES) for d in parts[:-1]):
+            continue
+        if parts[-1].startswith(EXCLUDED_NAME_PREFIXES):
+            continue
+        if p.stat().st_size > MAX_FILE_BYTES or p.stat().st_size < 200:
+            continue
+        out.append((rel, p))
+    out.sort()
+    return out
+
+
+def read_text(p: Path):
+    try:
+        return p.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def split_corpus(root: Path = None):
+    """-> (train_docs, heldout_docs) as lists of (relpath, text)."""
+    train, held = [], []
+    for rel, p in list_files(root):
+        text = read_text(p)
+        if text is None:
+            continue
+        (held if is_heldout(rel) else train).append((rel, text))
+    return train, held
+
+
+def function_examples(docs, max_chars: int = 1200) -> List[Tuple[str, str]]:
+    """(signature, dedented function source) for functions of the given docs."""
+    out = []
+    for _, text in docs:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if not node.body or node.body[0].lineno <= node.lineno:
+                continue
+            # skip functions whose signature spans several lines
+            if node.body[0].lineno - node.lineno > 1 and not isinstance(node.body[0], ast.Expr):
+                continue
+            head = lines[node.lineno - 1].strip()
+            if not head.endswith(":"):
+                continue
+            src = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            src = textwrap.dedent(src)
+            if len(src) > max_chars:
+                continue
+            out.append((head, src))
+    return out
+
+
+def chat_text(signature: str, source: str) -> str:
+    return (f"<|im_start|>user\n{signature}<|im_end|>\n"
+            f"<|im_start|>assistant\n{source}<|im_end|>\n")
+
+
+def build_documents(train_docs, seed: int, chat_fraction: float):
+    """Training documents: files plus chat examples, shuffled with `seed`."""
+    rng = random.Random(seed)
+    docs = [t for _, t in train_docs]
+    n_chars = sum(map(len, docs))
+    ex = function_examples(train_docs)
+    rng.shuffle(ex)
+    chat, chars = [], 0
+    budget = chat_fraction * n_chars / (1 - chat_fraction)
+    for sig, src in ex:
+        if chars >= budget:
+            break
+        t = chat_text(sig, src)
+        chat.append(t)
+        chars += len(t)
+    docs = docs + chat
+    rng.shuffle(docs)
+    return docs, len(chat)
+
+
+def train_tokenizer(docs: List[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    return tok
+
+
+def save_tokenizer(tok, path: Path):
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_prefix_space": False,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=1))
