@@ -344,7 +344,8 @@ def _mutate(name, dial, old, new):
 
 
 @pytest.mark.parametrize("dial,backend,fused", [("metal", METAL, False), ("metal", METAL, True),
-                                                ("cuda", TWIN, False)])
+                                                ("cuda", TWIN, False)],
+                         ids=["metal-exact", "metal-fused", "twin-exact"])
 def test_mutation_in_delta_update_is_caught(dial, backend, fused):
     """Flip the first '+' of the delta update: the comparison must fail."""
     case = GDN_CASES[1]
