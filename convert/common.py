@@ -150,6 +150,9 @@ def check_destination(out: Path, source: Optional[Path], force: bool) -> Path:
 
 def make_staging(out: Path, tag: str = "tmp") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in out.parent.glob(f".{out.name}.*-*") if p.is_dir())
+    if stale:
+        warn(f"leftover folder(s) of an interrupted run in {out.parent}: {', '.join(stale)} (safe to delete)")
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{tag}-", dir=out.parent))
     if out.is_dir():  # keep an existing folder's permissions
         os.chmod(staging, out.stat().st_mode & 0o7777)
