@@ -90,7 +90,9 @@ def draft_project(hidden, weight, scales=None, biases=None, *, group_size: int =
                   bits: int = 0, vocab_ids=None, top_k: int = 1,
                   backend: Optional[str] = None):
     be = backend or globals()["backend"]()
-    if be == "ref" or top_k > 32:
+    # kernel: float weights or mlx_lm affine quantization with bits dividing 32
+    supported = bits in (0, 2, 4, 8) and (not bits or biases is not None)
+    if be == "ref" or top_k > 32 or not supported:
         return reference.draft_project(hidden, weight, scales, biases, group_size=group_size,
                                        bits=bits, vocab_ids=vocab_ids, top_k=top_k)
     from . import kernels

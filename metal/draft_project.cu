@@ -9,7 +9,7 @@
 //          top-K (logit, position in the scored list), sorted best first
 // template: InT, WT, ST, OT (the matmul result dtype the reference rounds
 //          logits to), N (<= 8), H, V (rows scored), K (<= 32), BITS (0: float
-//          weight, 4 or 8), GS, HAS_IDS, SG (SIMD-groups per threadgroup), RPT
+//          weight, 2, 4 or 8), GS, HAS_IDS, SG (SIMD-groups per threadgroup), RPT
 //          (rows per threadgroup, a multiple of SG), G
 // grid (32*SG*G, 1, 1), threadgroup (32*SG, 1, 1). SIMD-group s of threadgroup
 // g scores rows g*RPT + s + j*SG; each row's dot products are lane-strided

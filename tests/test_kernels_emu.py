@@ -318,6 +318,7 @@ DRAFT_CASES = [
     (1, 256, 800, mx.bfloat16, 4, 0, 1),
     (4, 128, 600, mx.float32, 4, 150, 3),
     (2, 256, 640, mx.bfloat16, 8, 300, 2),
+    (1, 128, 300, mx.float32, 2, 0, 2),
     (1, 1024, 8192, mx.bfloat16, 4, 0, 1),  # real hidden size, trimmed-vocab scale
 ]
 
