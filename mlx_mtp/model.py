@@ -117,8 +117,7 @@ class _MTPMixin:
         from . import metal as kernels
 
         h = g.reshape(-1, g.shape[-1])
-        if vocab_ids is None:
-            return mx.argmax(self.logits_from_hidden(h), axis=-1)
+        # On GPUs the fused kernel never materializes the full-vocabulary logits.
         _, ids = kernels.draft_project(h, vocab_ids=vocab_ids, **self.lm_head_weights())
         return ids[:, 0]
 
