@@ -51,7 +51,12 @@ def stream_generate(
 ) -> Generator[MTPGenerationResponse, None, None]:
     """Like mlx_lm.stream_generate, decoding with the model's MTP head.
 
-    kwargs: prefill_step_size, prompt_progress_callback (as in mlx_lm).
+    sampler: `mlx_mtp.make_sampler(temp, top_p, min_p, min_tokens_to_keep,
+    top_k)` (mlx_lm's signature) samples exactly with Leviathan–Chen
+    verification; None is greedy; any other callable is still exact but
+    accepts fewer drafts.
+    kwargs: prefill_step_size, prompt_progress_callback (as in mlx_lm), seed
+    (sampling key; None draws it from mx.random, so mx.random.seed works too).
     """
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")

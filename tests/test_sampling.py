@@ -272,17 +272,25 @@ def test_chi2_kernel_greedy_drafts(trunk_logits):
     assert chi2_pvalue(simulate(p, q, 2, N, seed=7), joint) > ALPHA
 
 
-@pytest.mark.parametrize("cfg", ["temp", "top_k"])
-def test_chi2_detects_wrong_q(trunk_logits, cfg):
-    """Power: drafts sampled from q but q claimed uniform over S -> the output
-    distribution is wrong and the χ² test must reject it."""
+@pytest.mark.parametrize("cfg", ["temp", "top_k", "rep"])
+@pytest.mark.parametrize("lie", ["uniform", "target", "other_q"])
+def test_chi2_detects_wrong_q(trunk_logits, cfg, lie):
+    """Power: drafts sampled from q but a wrong q reported -> the output
+    distribution is wrong and the χ² test must reject it. Lies: uniform over
+    S; q = p (drafts then always accepted: the naive "accept what the head
+    sampled" bug); another drafter's q of the same kind (a subtle error)."""
     p, joint = exact_tables(trunk_logits, cfg)
     q = _draft_table(p, seed=3)
-    uniform = np.zeros(V)
-    uniform[S] = 1.0 / len(S)
-    claimed = {pre: uniform for pre in p}
+    if lie == "uniform":
+        uniform = np.zeros(V)
+        uniform[S] = 1.0 / len(S)
+        claimed = {pre: uniform for pre in p}
+    elif lie == "target":
+        claimed = p
+    else:
+        claimed = _draft_table(p, seed=4)
     samples = simulate(p, q, 2, N, seed=11, claimed=claimed)
-    assert chi2_pvalue(samples, joint) < 1e-6
+    assert chi2_pvalue(samples, joint) < ALPHA
 
 
 def test_kernel_accept_rates():
@@ -348,7 +356,10 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     oracle = _q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else None
     stats = MTPStats()
     samples = decoder_samples(model, cfg, k, n, oracle=oracle, stats=stats)
-    assert chi2_pvalue(samples, joint) > ALPHA
+    pvalue = chi2_pvalue(samples, joint)
+    print(f"end-to-end {cfg} depth {k} {mode}: n={n} chi2 p={pvalue:.4f} "
+          f"acceptance={stats.acceptance}")
+    assert pvalue > ALPHA
     if mode == "q":
         assert 0 < stats.accepted < stats.drafted  # both paths exercised
 
@@ -482,3 +493,18 @@ def test_opaque_sampler_fallback_is_exactly_mlx_lm_plain(models):
                                                draft_tokens=2, sampler=s,
                                                logits_processors=processors("temp"))]
     assert all(t in S for t in toks)
+
+
+def test_api_generate_with_sampling(models, flat_ckpt):
+    """temp > 0 from the public API (generate / stream_generate), seeded."""
+    import mlx_mtp
+
+    model, tok = mlx_mtp.load(flat_ckpt)
+    kw = dict(max_tokens=16, draft_tokens=3, sampler=mlx_mtp.make_sampler(0.7, top_p=0.95))
+    a = mlx_mtp.generate(model, tok, "hello", seed=11, **kw)
+    b = mlx_mtp.generate(model, tok, "hello", seed=11, **kw)
+    assert a == b
+    last = None
+    for last in mlx_mtp.stream_generate(model, tok, "hello", seed=11, **kw):
+        pass
+    assert last.drafted > 0 and last.generation_tokens == 16
