@@ -344,14 +344,19 @@ def _q_drafter(trunk_logits, cfg, mix, seed):
     return DistributionDrafter(lambda pre: q.get(pre, fallback), V, seed=seed)
 
 
-@pytest.mark.parametrize("cfg,k,mode", [("rep", 2, "head"), ("top_k", 3, "q"), ("temp", 1, "q")])
+E2E_CASES = [("rep", 2, "head"), ("top_k", 3, "q"), ("temp", 1, "q")]
+if SLOW:  # every setting at every depth
+    E2E_CASES = [(c, k, "head" if k < 3 else "q") for c in CONFIGS for k in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("cfg,k,mode", E2E_CASES)
 def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     """The real decoder, with the real head's sampled drafts or with a
     DistributionDrafter whose q overlaps p (accepts and rejections): joint of
-    the first 3 tokens. 10^4 samples with MLX_MTP_SLOW_TESTS=1, else 250
+    the first 3 tokens. 10^4 samples with MLX_MTP_SLOW_TESTS=1, else 1000
     (a sanity check; the 2·10^4-sample proofs are the kernel tests above)."""
     model = models[0]
-    n = 10000 if SLOW else 250
+    n = 10000 if SLOW else 1000
     _, joint = exact_tables(trunk_logits, cfg)
     oracle = _q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else None
     stats = MTPStats()
