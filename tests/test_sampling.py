@@ -513,3 +513,47 @@ def test_api_generate_with_sampling(models, flat_ckpt):
     for last in mlx_mtp.stream_generate(model, tok, "hello", seed=11, **kw):
         pass
     assert last.drafted > 0 and last.generation_tokens == 16
+
+
+@pytest.fixture(scope="module")
+def echo_model(tmp_path_factory):
+    """A model whose head nearly IS the trunk: trunk blocks scaled by 1e-2
+    (logits ~ a bigram of the current token), head = identity on the token's
+    embedding with the trunk's final norm. q ~ p, so Leviathan–Chen must
+    accept nearly every draft at any temperature, with every setting."""
+    import mlx_mtp
+    from mlx_mtp.synthetic import random_weights, tiny_text_config, write_checkpoint
+
+    tc = tiny_text_config()
+    H = tc["hidden_size"]
+    w = random_weights(tc, seed=7)
+    for k in list(w):
+        if k.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+            w[k] = w[k] * (0.0 if k.startswith("mtp.") else 1e-2)
+    w["mtp.fc.weight"] = np.concatenate([np.eye(H), np.zeros((H, H))], axis=1).astype(np.float32)
+    w["mtp.pre_fc_norm_embedding.weight"] = np.zeros(H, np.float32)
+    w["mtp.norm.weight"] = w["model.language_model.norm.weight"].copy()
+    return mlx_mtp.load(write_checkpoint(tmp_path_factory.mktemp("echo"), weights=w))[0]
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_head_matching_target_accepts_nearly_all(echo_model, cfg):
+    """q is computed exactly like p (processors with the drafted history,
+    filters, temperature): with a head that matches the trunk, acceptance is
+    ~1 at temp 0.6 and 1.0; greedy drafts (draft_temp=0) accept less."""
+    s, rep = CONFIGS[cfg]
+    procs = make_logits_processors(None, rep[0] if rep else None, rep[1] if rep else 20)
+    for temp in (0.6, 1.0):
+        kw = {**s, "temp": temp}
+        rates = {}
+        for dt in (None, 0.0):
+            stats = MTPStats()
+            for seed in range(3):
+                for _ in mtp_generate_step(mx.array(PROMPT), echo_model, max_tokens=24,
+                                           draft_tokens=3, sampler=make_sampler(**kw, draft_temp=dt),
+                                           logits_processors=procs, seed=seed, stats=stats):
+                    pass
+            rates[dt] = stats.accepted / stats.drafted
+        print(cfg, temp, rates)
+        assert rates[None] > 0.9, (cfg, temp, rates)
+        assert rates[0.0] < rates[None], (cfg, temp, rates)
