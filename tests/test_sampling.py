@@ -557,3 +557,14 @@ def test_head_matching_target_accepts_nearly_all(echo_model, cfg):
         print(cfg, temp, rates)
         assert rates[None] > 0.9, (cfg, temp, rates)
         assert rates[0.0] < rates[None], (cfg, temp, rates)
+
+
+@pytest.mark.parametrize("name", ["dense_bf16", "moe"])
+def test_sampling_bf16_and_moe(loaded, name):
+    """Speculative sampling runs on bf16 and MoE checkpoints, seeded."""
+    model, _, _ = loaded(name)
+    kw = dict(max_tokens=16, draft_tokens=2, sampler=make_sampler(0.8, top_k=40),
+              logits_processors=make_logits_processors(None, 1.1, 16))
+    runs = [[t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, seed=4, **kw)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 16 and all(0 <= t < V for t in runs[0])
