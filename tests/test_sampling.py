@@ -75,10 +75,18 @@ def _log_softmax(x):
 def reference_p(raw_logits, history, cfg):
     """p(. | history) over the full vocabulary, as mlx_lm would sample it."""
     s, rep = CONFIGS[cfg]
+    mask = np.zeros(V, bool)
+    mask[S] = True
+    return reference_p_general(raw_logits, history, s, rep, support=mask)
+
+
+def reference_p_general(raw_logits, history, s, rep=None, support=None):
+    """mlx_lm's sampling distribution in float64: logit bias (-1e9 outside
+    `support`), repetition penalty (penalty, context), log-softmax, top-p,
+    min-p, top-k (mlx_lm's order and tie rules), temperature."""
     x = np.asarray(raw_logits, np.float64).copy()
-    mask = np.ones(V, bool)
-    mask[S] = False
-    x[mask] += -1e9
+    if support is not None:
+        x[~support] += -1e9
     if rep:
         for t in set(history[-rep[1]:]):
             x[t] = x[t] * rep[0] if x[t] < 0 else x[t] / rep[0]
@@ -97,6 +105,25 @@ def reference_p(raw_logits, history, cfg):
     z = np.where(keep, lp / s["temp"], -np.inf)
     p = np.exp(z - z.max())
     return p / p.sum()
+
+
+def enumerate_joint(ref_model, prompt, s, rep, n_tokens, min_prob=1e-7):
+    """Exact joint distribution of the first n_tokens from trunk logits: one
+    forward over prompt + prefix for every prefix in the support."""
+    joint = {}
+
+    def rec(prefix, pr):
+        if len(prefix) == n_tokens:
+            joint[prefix] = pr
+            return
+        x = mx.array(list(prompt) + list(prefix))[None]
+        raw = np.array(ref_model(x)[0, -1].astype(mx.float32))
+        p = reference_p_general(raw, list(prompt) + list(prefix), s, rep)
+        for t in np.nonzero(p * pr > min_prob)[0]:
+            rec(prefix + (int(t),), pr * p[t])
+
+    rec((), 1.0)
+    return joint
 
 
 LM_HEAD_SCALE = 0.25  # flatter logits than the shared fixtures: more outcomes per position
@@ -568,3 +595,70 @@ def test_sampling_bf16_and_moe(loaded, name):
     runs = [[t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, seed=4, **kw)]
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 16 and all(0 <= t < V for t in runs[0])
+
+
+# -- the trained demo model (drafts mostly accepted) ------------------------------
+def _demo_path():
+    from mlx_mtp.load import demo_model_path
+
+    env = os.environ.get("MLX_MTP_DEMO_PATH")
+    return env if env else demo_model_path()
+
+
+@pytest.fixture(scope="module")
+def demo():
+    path = _demo_path()
+    if path is None:
+        pytest.skip("the demo model (mlx_mtp/demo) is not shipped in this checkout")
+    import mlx_lm
+
+    import mlx_mtp
+
+    model, tok = mlx_mtp.load(path)
+    return model, mlx_lm.load(str(path))[0], tok
+
+
+DEMO_PROMPT = "def fibonacci(n):\n"
+
+
+@pytest.mark.parametrize("k", [2, 3] if SLOW else [3])
+def test_demo_chi2_end_to_end(demo, k):
+    """χ² of the first 3 tokens on the demo model, real head drafts (accepted
+    most of the time): temp 1.0, top-k 3 (≤ 27 outcomes) with repetition
+    penalty."""
+    model, ref_model, tok = demo
+    prompt = tok.encode(DEMO_PROMPT)
+    s, rep = dict(temp=1.0, top_k=3), (1.3, 20)
+    joint = enumerate_joint(ref_model, prompt, s, rep, L)
+    n = 10000 if SLOW else 800
+    stats, samples = MTPStats(), []
+    for i in range(n):
+        dec = MTPDecoder(model, sampler=make_sampler(**s),
+                         logits_processors=make_logits_processors(None, *rep), seed=i)
+        dec.stats = stats
+        y, lp = dec.prefill(mx.array(prompt))
+        mx.eval(y, lp)
+        toks = y.tolist()
+        while len(toks) < L:
+            toks += dec.cycle(k)[0]
+        samples.append(tuple(toks[:L]))
+    pvalue = chi2_pvalue(samples, joint)
+    print(f"demo depth {k}: n={n} chi2 p={pvalue:.4f} acceptance={stats.acceptance}")
+    assert pvalue > ALPHA
+    assert stats.accepted > 0
+
+
+def test_demo_acceptance_at_temperature(demo):
+    """Acceptance of the demo head when sampling at 0.6 and 1.0 (reported in
+    the output with -s); drafts must be accepted a good part of the time."""
+    model, _, tok = demo
+    prompt = mx.array(tok.encode(DEMO_PROMPT))
+    for temp in (0.0, 0.6, 1.0):
+        stats = MTPStats()
+        for seed in range(3):
+            for _ in mtp_generate_step(prompt, model, max_tokens=48, draft_tokens=3,
+                                       sampler=make_sampler(temp), seed=seed, stats=stats):
+                pass
+        print(f"demo temp {temp}: acceptance {stats.acceptance}, "
+              f"{stats.tokens_per_cycle:.2f} tokens/cycle")
+        assert stats.acceptance[0] > 0.2
