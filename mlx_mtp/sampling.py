@@ -167,22 +167,27 @@ def speculative_sample(
     """
     k = drafts.shape[-1]
     drafts = drafts.astype(mx.int32)
-    p = mx.softmax(target_logits.astype(mx.float32), axis=-1)
-    p_k, p_bonus = p[..., :k, :], target_logits[..., k:, :].astype(mx.float32)
+    logits = target_logits.astype(mx.float32)
     q = q.astype(mx.float32)
     k_u, k_s = mx.random.split(key)
     u = mx.random.uniform(shape=drafts.shape, key=k_u)
-    pd = mx.take_along_axis(p_k, drafts[..., None], axis=-1)[..., 0]
+    lse = mx.logsumexp(logits, axis=-1)  # [..., k+1]
+    ld = mx.take_along_axis(logits[..., :k, :], drafts[..., None], axis=-1)[..., 0]
+    pd = mx.exp(ld - lse[..., :k])
     qd = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     ok = u * qd < pd  # u < p/q  <=>  accept with probability min(1, p/q)
-    accepted = mx.cumprod(ok.astype(mx.int32), axis=-1).sum(axis=-1)
-    resid = mx.maximum(p_k - q, 0.0)
+    accepted = mx.cumprod(ok.astype(mx.int32), axis=-1).sum(axis=-1)  # [...]
+    # only row a is ever emitted from: the residual (a < k) or p_{k+1} (a == k)
+    ia = accepted[..., None, None]
+    p_a = mx.exp(mx.take_along_axis(logits, ia, axis=-2)[..., 0, :]
+                 - mx.take_along_axis(lse, accepted[..., None], axis=-1))
+    q_a = mx.take_along_axis(q, mx.minimum(ia, k - 1), axis=-2)[..., 0, :]
+    resid = mx.maximum(p_a - q_a, 0.0)
     # p == q (up to rounding) rejects with probability ~0; keep the row valid
-    resid = mx.where(resid.sum(axis=-1, keepdims=True) > 0, resid, p_k)
-    rows = mx.concatenate([mx.log(resid), p_bonus], axis=-2)  # [..., k+1, V]
-    samples = mx.random.categorical(rows, key=k_s).astype(mx.int32)
-    pad = mx.zeros(drafts.shape[:-1] + (1,), mx.bool_)
-    ok_pad = mx.concatenate([ok, pad], axis=-1)
-    drafts_pad = mx.concatenate([drafts, mx.zeros(pad.shape, mx.int32)], axis=-1)
-    tokens = mx.where(ok_pad, drafts_pad, samples)
+    use_resid = (accepted < k) & (resid.sum(axis=-1) > 0)
+    row = mx.where(use_resid[..., None], resid, p_a)
+    sample = mx.random.categorical(mx.log(row), key=k_s).astype(mx.int32)  # [...]
+    pad = mx.zeros(drafts.shape[:-1] + (1,), mx.int32)
+    tokens = mx.where(mx.arange(k + 1) == accepted[..., None], sample[..., None],
+                      mx.concatenate([drafts, pad], axis=-1))
     return accepted.astype(mx.int32), tokens
