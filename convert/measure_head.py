@@ -28,7 +28,8 @@ DEFAULT_PROMPTS = [
 
 def measure(src, bits_list=(16, 8, 4), q_bits: Optional[int] = None, dtype: Optional[str] = None,
             depth: int = 3, max_tokens: int = 128, prompts: Optional[List[str]] = None,
-            workdir: Optional[Path] = None) -> Dict[int, dict]:
+            workdir: Optional[Path] = None, text: Optional[str] = None,
+            text_tokens: int = 2048) -> Dict[int, dict]:
     import contextlib
     import io
 
@@ -58,6 +59,8 @@ def measure(src, bits_list=(16, 8, 4), q_bits: Optional[int] = None, dtype: Opti
                 toks = [t for t, _, _ in mtp_generate_step(mx.array(ids), model, max_tokens=max_tokens,
                                                            draft_tokens=depth, stats=stats)]
                 generated.append(list(ids) + toks)
+            if text is not None:  # teacher-forced on the given text instead of the generations
+                generated = [tok.encode(text)[:text_tokens]]
             tf = [expected_acceptance(model, g, depth) for g in generated if len(g) > depth + 2]
             tf_acc = [sum(r["acceptance"][i] * r["starts"] for r in tf) / max(1, sum(r["starts"] for r in tf))
                       for i in range(depth)]
@@ -82,10 +85,15 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts-file", default=None, help="one prompt per line")
+    p.add_argument("--text-file", default=None,
+                   help="teacher-forced acceptance on this text (default: on the generations)")
+    p.add_argument("--text-tokens", type=int, default=2048)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     prompts = Path(a.prompts_file).read_text().splitlines() if a.prompts_file else None
-    res = measure(a.hf_path, a.bits, a.q_bits, a.dtype, a.depth, a.max_tokens, prompts)
+    text = Path(a.text_file).read_text() if a.text_file else None
+    res = measure(a.hf_path, a.bits, a.q_bits, a.dtype, a.depth, a.max_tokens, prompts,
+                  text=text, text_tokens=a.text_tokens)
     if a.json:
         print(json.dumps(res, indent=1))
         return 0
