@@ -174,6 +174,7 @@ def convert(
         )
 
     group_size = q_group_size or (src_quant or {}).get("group_size") or 64
+    mtp_bits_given = mtp_bits is not None
     if mtp_bits is None:
         mtp_bits = DEFAULT_MTP_BITS_QUANTIZED if (quantize or src_quant) else 16
 
@@ -201,6 +202,8 @@ def convert(
     if has_head and not model.has_mtp:
         warn(f"{src} has mtp.* tensors but its config declares no MTP layers: head dropped")
     head_q_before = _head_quant(model)
+    if head_q_before and not mtp_bits_given:
+        mtp_bits = head_q_before["bits"]  # an already-quantized head stays as it is
     if head_q_before and mtp_bits != head_q_before["bits"]:
         raise ConvertError(
             f"the source's head is already quantized at {head_q_before['bits']} bits; "
@@ -236,7 +239,7 @@ def convert(
         "mtp_bits": (head_q["bits"] if head_q else 16) if has_mtp else None,
         "mtp_group_size": head_q["group_size"] if head_q else None,
         "norms_shifted": True,
-        "source": str(hf_path),
+        "source": str(hf_path) if hub else str(src),
     }
 
     staging = make_staging(out)

@@ -319,3 +319,15 @@ def test_refuses_pre_quantized_hf_checkpoint(tmp_path):
     (src / "config.json").write_text(json.dumps(c))
     with pytest.raises(ConvertError, match="pre-quantized checkpoint \\(fp8\\)"):
         convert(src, tmp_path / "out")
+
+
+def test_reconverting_a_quantized_folder_keeps_its_head(hf, tmp_path):
+    q = tmp_path / "q4h4"
+    convert(hf, q, quantize=True, q_bits=4, mtp_bits=4)
+    again = tmp_path / "again"
+    s = convert(q, again)  # no -q, no --mtp-bits: kept as is
+    assert s["head"].startswith("4-bit") and s["trunk"].startswith("4-bit")
+    a, b = raw(q), raw(again)
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConvertError, match="already quantized at 4 bits"):
+        convert(q, tmp_path / "h8", mtp_bits=8)
