@@ -34,6 +34,7 @@ Emitted per cycle: d1..da and the target after them (a+1 tokens).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, List, Optional, Tuple
 
@@ -41,6 +42,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
+from .depth import DepthController
 from .caches import commit, make_trunk_cache, set_capturing, trim_attention
 from .sampling import MTPSampler, is_greedy, speculative_sample
 
@@ -184,8 +186,10 @@ class MTPDecoder:
         use_head: bool = True,
         oracle=None,
         seed: Optional[int] = None,
+        draft_vocab: Optional[mx.array] = None,
     ):
         self.model = model
+        self.draft_vocab = draft_vocab  # greedy drafts over these ids only
         self.sampler = sampler or greedy_sampler
         # Leviathan–Chen verification for samplers with known settings
         self.speculative = isinstance(sampler, MTPSampler) and sampler.speculative
@@ -208,6 +212,9 @@ class MTPDecoder:
         self.stats = MTPStats()
         self.oracle = oracle
         self.n_emitted = 0
+        # (hidden, token) pairs of plain steps the head has not seen yet: plain
+        # steps leave the head idle and it catches up before the next draft
+        self._pending: List[Tuple[mx.array, mx.array]] = []
 
     # -- helpers ---------------------------------------------------------------
     def _need_history(self) -> bool:
@@ -244,7 +251,19 @@ class MTPDecoder:
 
     def _draft_from(self, g: mx.array) -> mx.array:
         """Greedy draft token from one head hidden [1, 1, H] (shape [1])."""
-        return mx.argmax(self.model.logits_from_hidden(g)[0, -1:], axis=-1)
+        return self.model.draft_tokens_from_hidden(g[0, -1:], self.draft_vocab)
+
+    def _catch_up_head(self):
+        """Feed the head the pairs of the plain steps since it last ran (one
+        batched call), giving the hidden and first draft for the next cycle."""
+        if not self._pending:
+            return
+        h = mx.concatenate([p[0] for p in self._pending], axis=1)
+        toks = mx.concatenate([p[1] for p in self._pending])
+        self._pending = []
+        self.g = self._head(h, toks)[:, -1:]
+        if not self.speculative:
+            self.d1 = self._draft_from(self.g)
 
     # -- prefill ----------------------------------------------------------------
     def prefill(self, prompt: mx.array, prefill_step_size: int = 2048, progress=None):
@@ -297,6 +316,7 @@ class MTPDecoder:
         model = self.model
         if k == 0 or not self.use_head:
             return self._plain_step()
+        self._catch_up_head()
         if self.speculative:
             return self._cycle_speculative(k)
 
@@ -418,7 +438,7 @@ class MTPDecoder:
         return emitted, logprobs[: a + 1], a
 
     def _plain_step(self) -> Tuple[List[int], mx.array, int]:
-        """One plain decoding step (depth 0); keeps the head's cache in sync."""
+        """One plain decoding step (depth 0); the head stays idle."""
         model = self.model
         h = model.trunk_hidden(self.y[None], self.cache)
         logits = model.logits_from_hidden(h)[0]
@@ -426,11 +446,9 @@ class MTPDecoder:
         logprobs = _logprobs(logits, history, self.y, self.logits_processors)
         if self.speculative:
             y = self.sampler.sample(logprobs, self._next_key(1)[0])
+            mx.eval(y, logprobs, self.key)
             if self.use_head:
-                self.g = self._head(h, y)
-                mx.eval(y, logprobs, self.g, self.key)
-            else:
-                mx.eval(y, logprobs, self.key)
+                self._pending.append((h, y))
             self.y = y
             self._append_history(y)
             self._sync_generated()
@@ -439,12 +457,9 @@ class MTPDecoder:
             self.n_emitted += 1
             return y.tolist(), logprobs, 0
         y = self.sampler(logprobs)
+        mx.eval(y, logprobs)
         if self.use_head:
-            self.g = self._head(h, y)
-            self.d1 = self._draft_from(self.g)
-            mx.eval(y, logprobs, self.d1)
-        else:
-            mx.eval(y, logprobs)
+            self._pending.append((h, y))
         self.y = y
         self._append_history(y)
         self.stats.record(0, 0, 1)
@@ -465,15 +480,30 @@ def mtp_generate_step(
     stats: Optional[MTPStats] = None,
     oracle=None,
     seed: Optional[int] = None,
+    draft_vocab: Optional[mx.array] = None,
+    max_draft_tokens: int = 4,
+    controller: Optional[DepthController] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like mlx_lm.generate_step, at most
-    `max_tokens` of them (-1: no limit). draft_tokens=0, a model without a head,
-    or MLX_MTP_DISABLE=1 give plain decoding."""
-    k = 0 if mtp_disabled_by_env() else max(0, int(draft_tokens))
+    `max_tokens` of them (-1: no limit). draft_tokens="auto" picks the depth
+    per cycle (0..max_draft_tokens) from measured acceptance and cost;
+    draft_tokens=0, a model without a head, or MLX_MTP_DISABLE=1 give plain
+    decoding."""
+    if draft_tokens == "auto":
+        controller = controller or DepthController(max_depth=max_draft_tokens)
+        k = max_draft_tokens
+    elif isinstance(draft_tokens, str) and not draft_tokens.isdigit():
+        raise ValueError(f"draft_tokens must be an integer >= 0 or 'auto', not {draft_tokens!r}")
+    else:
+        k, controller = max(0, int(draft_tokens)), None
+    if mtp_disabled_by_env():
+        k, controller = 0, None
     dec = MTPDecoder(
         model, sampler=sampler, logits_processors=logits_processors, use_head=k > 0,
-        oracle=oracle, seed=seed,
+        oracle=oracle, seed=seed, draft_vocab=draft_vocab,
     )
+    if controller is not None and not dec.use_head:
+        controller = None
     if stats is not None:
         dec.stats = stats
     with mx.stream(generation_stream):
@@ -487,9 +517,13 @@ def mtp_generate_step(
         yield y.item(), logprobs, False
         n += 1
         while max_tokens < 0 or n < max_tokens:
-            remaining = max_tokens - n if max_tokens >= 0 else k + 1
-            depth = min(k, remaining - 1) if dec.use_head else 0
+            want = controller.next_depth() if controller is not None else k
+            remaining = max_tokens - n if max_tokens >= 0 else want + 1
+            depth = min(want, remaining - 1) if dec.use_head else 0
+            tic = time.perf_counter()
             tokens, rows, a = dec.cycle(depth)
+            if controller is not None and depth == want:
+                controller.update(depth, a, time.perf_counter() - tic)
             for i, tok in enumerate(tokens):
                 yield tok, rows[i], i < a
                 n += 1

@@ -22,13 +22,17 @@ class DepthController:
         *,
         alpha: float = 0.1,
         probe_every: int = 16,
+        max_interval: int = 256,
         hysteresis: float = 0.04,
-        initial: int = 2,
+        initial: int = 1,
         min_samples: int = 2,
     ):
         self.max_depth = max_depth
         self.alpha = alpha
         self.probe_every = probe_every
+        self.max_interval = max_interval
+        self.interval = probe_every
+        self._probe_from: Optional[int] = None
         self.hysteresis = hysteresis
         self.min_samples = min_samples
         self.k = min(initial, max_depth)
@@ -74,20 +78,19 @@ class DepthController:
         """Record one cycle of depth k that accepted `accepted` drafts in `seconds`."""
         self.cycles += 1
         self.since_probe += 1
-        n = self.cost_n.get(k, 0)
-        self.cost[k] = seconds if n == 0 else (1 - self.alpha) * self.cost[k] + self.alpha * seconds
-        self.cost_n[k] = n + 1
+        n = self.cost_n.get(k, 0) + 1
+        self.cost_n[k] = n
+        self.cost[k] = self._average(self.cost.get(k, 0.0), seconds, n)
         for j in range(min(k, accepted + 1)):  # positions reached this cycle
-            hit = 1.0 if j < accepted else 0.0
-            a = self.alpha if self.accept_n[j] else 0.5
-            self.accept[j] = (1 - a) * self.accept[j] + a * hit
             self.accept_n[j] += 1
+            hit = 1.0 if j < accepted else 0.0
+            self.accept[j] = self._average(self.accept[j], hit, self.accept_n[j], prior=1)
 
-    def observe_first_draft(self, hit: bool):
-        """At depth 0 the head may still score its would-be first draft."""
-        a = self.alpha if self.accept_n[0] else 0.5
-        self.accept[0] = (1 - a) * self.accept[0] + a * (1.0 if hit else 0.0)
-        self.accept_n[0] += 1
+    def _average(self, old: float, x: float, n: int, prior: int = 0) -> float:
+        """Running mean for the first samples, then an exponential moving
+        average, so a few cycles already give a usable estimate."""
+        w = max(self.alpha, 1.0 / (n + prior))
+        return (1 - w) * old + w * x
 
     # -- decision ----------------------------------------------------------------
     def next_depth(self) -> int:
@@ -96,18 +99,24 @@ class DepthController:
             return self._probing
         if self.cost_n.get(self.k, 0) < self.min_samples:  # measure the current depth
             return self.k
-        if self.since_probe >= self.probe_every:  # refresh a neighbour's measurements
+        if self.since_probe >= self.interval:  # refresh a neighbour's measurements
             self.since_probe = 0
             self._probe_side = -self._probe_side
             for cand in (self.k + self._probe_side, self.k - self._probe_side):
                 if 0 <= cand <= self.max_depth:
                     self._probing, self._probe_left = cand, self.min_samples - 1
+                    self._probe_from = self.k
                     return cand
         best_k, best = self.k, self.throughput(self.k) or 0.0
         for cand in range(self.max_depth + 1):
             t = self.throughput(cand)
             if t is not None and t > best * (1 + self.hysteresis):
                 best_k, best = cand, t
+        if self._probe_from is not None:
+            # probes that change nothing come ever more rarely (bounded cost)
+            self.interval = (self.probe_every if best_k != self._probe_from
+                             else min(2 * self.interval, self.max_interval))
+            self._probe_from = None
         self.k = best_k
         return self.k
 

@@ -190,3 +190,23 @@ def test_one_host_sync_per_cycle(loaded, monkeypatch):
     for _ in range(5):
         dec.cycle(3)
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("rate", [None, 0.5, 0.95])
+def test_auto_depth_parity(loaded, rate):
+    """draft_tokens='auto' switches depth (0 included) between cycles; the
+    head catches up on the pairs of plain steps; output stays identical."""
+    from mlx_mtp.depth import DepthController
+
+    model, ref_model, tok = loaded("dense")
+    V = model.language_model.args.vocab_size
+    ref = reference(ref_model, tok, LONG, max_tokens=120)
+    ctl = DepthController(max_depth=4, probe_every=4)
+    oracle = OracleDrafter(ref, rate, V, seed=5) if rate is not None else None
+    p = mx.array(tok.encode(LONG))
+    got = [t for t, _, _ in mtp_generate_step(p, model, max_tokens=120, draft_tokens="auto",
+                                              oracle=oracle, controller=ctl)]
+    assert got == ref
+    assert len(ctl.cost) >= 2  # it did move between depths
+    if rate is None:  # the random head never pays: plain decoding wins
+        assert ctl.k == 0
