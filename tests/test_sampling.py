@@ -618,19 +618,19 @@ def demo():
     return model, mlx_lm.load(str(path))[0], tok
 
 
-DEMO_PROMPT = "def fibonacci(n):\n"
+DEMO_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):"]
 
 
 @pytest.mark.parametrize("k", [2, 3] if SLOW else [3])
 def test_demo_chi2_end_to_end(demo, k):
     """χ² of the first 3 tokens on the demo model, real head drafts (accepted
-    most of the time): temp 1.0, top-k 3 (≤ 27 outcomes) with repetition
-    penalty."""
+    much of the time): temp 1.0, top-k 2 (≤ 8 outcomes) with repetition
+    penalty. 300 samples (10^4 with MLX_MTP_SLOW_TESTS=1)."""
     model, ref_model, tok = demo
-    prompt = tok.encode(DEMO_PROMPT)
-    s, rep = dict(temp=1.0, top_k=3), (1.3, 20)
+    prompt = tok.encode(DEMO_PROMPTS[0])
+    s, rep = dict(temp=1.0, top_k=2), (1.3, 20)
     joint = enumerate_joint(ref_model, prompt, s, rep, L)
-    n = 10000 if SLOW else 800
+    n = 10000 if SLOW else 300
     stats, samples = MTPStats(), []
     for i in range(n):
         dec = MTPDecoder(model, sampler=make_sampler(**s),
@@ -649,16 +649,17 @@ def test_demo_chi2_end_to_end(demo, k):
 
 
 def test_demo_acceptance_at_temperature(demo):
-    """Acceptance of the demo head when sampling at 0.6 and 1.0 (reported in
-    the output with -s); drafts must be accepted a good part of the time."""
+    """Acceptance of the demo head at temp 0, 0.6 and 1.0 (printed with -s):
+    sampled drafts (q = the head at the target's temperature) must be
+    accepted a good part of the time, not only greedy ones."""
     model, _, tok = demo
-    prompt = mx.array(tok.encode(DEMO_PROMPT))
     for temp in (0.0, 0.6, 1.0):
         stats = MTPStats()
-        for seed in range(3):
-            for _ in mtp_generate_step(prompt, model, max_tokens=48, draft_tokens=3,
-                                       sampler=make_sampler(temp), seed=seed, stats=stats):
+        for seed, text in enumerate(DEMO_PROMPTS):
+            for _ in mtp_generate_step(mx.array(tok.encode(text)), model, max_tokens=40,
+                                       draft_tokens=3, sampler=make_sampler(temp), seed=seed,
+                                       stats=stats):
                 pass
         print(f"demo temp {temp}: acceptance {stats.acceptance}, "
               f"{stats.tokens_per_cycle:.2f} tokens/cycle")
-        assert stats.acceptance[0] > 0.2
+        assert stats.acceptance[0] > 0.25
