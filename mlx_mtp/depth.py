@@ -58,16 +58,18 @@ class DepthController:
     def estimated_cost(self, k: int) -> Optional[float]:
         if self.cost_n.get(k, 0) >= self.min_samples:
             return self.cost[k]
-        # interpolate from measured depths: linear in k through the two nearest
         known = sorted(d for d, n in self.cost_n.items() if n >= self.min_samples)
-        if len(known) >= 2:
-            lo = max((d for d in known if d < k), default=known[0])
-            hi = min((d for d in known if d > k), default=known[-1])
-            if lo == hi:
-                lo, hi = known[0], known[-1]
-            slope = (self.cost[hi] - self.cost[lo]) / (hi - lo)
-            return self.cost[lo] + slope * (k - lo)
-        return None
+        if len(known) < 2:
+            return None
+        # least-squares line through the measured depths, never decreasing in k
+        # (noise must not make a deeper cycle look cheaper than a measured one)
+        xs, ys = known, [self.cost[d] for d in known]
+        mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx_) ** 2 for x in xs)
+        slope = max(slope, 0.0)
+        est = my + slope * (k - mx_)
+        floor = max((self.cost[d] for d in known if d < k), default=0.0)
+        return max(est, floor)
 
     def throughput(self, k: int) -> Optional[float]:
         c = self.estimated_cost(k)
