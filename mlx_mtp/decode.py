@@ -498,6 +498,12 @@ def mtp_generate_step(
         k, controller = max(0, int(draft_tokens)), None
     if mtp_disabled_by_env():
         k, controller = 0, None
+    if k > 0 and not is_greedy(sampler) and not isinstance(sampler, MTPSampler):
+        import warnings
+
+        warnings.warn("mlx_mtp: this sampler cannot be introspected, so drafts are verified by "
+                      "exact match (still exact, fewer accepted); build it with "
+                      "mlx_mtp.make_sampler for Leviathan-Chen acceptance", stacklevel=2)
     dec = MTPDecoder(
         model, sampler=sampler, logits_processors=logits_processors, use_head=k > 0,
         oracle=oracle, seed=seed, draft_vocab=draft_vocab,
