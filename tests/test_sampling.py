@@ -539,7 +539,8 @@ def test_api_generate_with_sampling(models, flat_ckpt):
     last = None
     for last in mlx_mtp.stream_generate(model, tok, "hello", seed=11, **kw):
         pass
-    assert last.drafted > 0 and last.generation_tokens == 16
+    assert last.drafted > 0
+    assert last.generation_tokens == 16 or last.finish_reason == "stop"
 
 
 @pytest.fixture(scope="module")
