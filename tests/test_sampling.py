@@ -398,7 +398,7 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("k,mode", [(1, "head"), (3, "head"), (2, "head_greedy"), (2, "oracle"),
-                                    (3, "q")])
+                                    (3, "q"), ("auto", "q")])
 def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
     """Every emitted token's log-prob row (what plain decoding would sample
     from, processors applied with that position's history) equals mlx_lm's
