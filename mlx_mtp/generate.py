@@ -27,7 +27,7 @@ class MTPGenerationResponse(GenerationResponse):
     accepted: int = 0
     acceptance: List[float] = field(default_factory=list)
     tokens_per_cycle: float = 0.0
-    draft_tokens: int = 0
+    draft_tokens: Union[int, str] = 0
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
@@ -44,7 +44,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, mx.array, List[int]],
     max_tokens: int = 256,
-    draft_tokens: int = 2,
+    draft_tokens: Union[int, str] = "auto",
     sampler=None,
     logits_processors=None,
     **kwargs,
@@ -110,7 +110,7 @@ def generate(
     tokenizer,
     prompt: Union[str, List[int]],
     max_tokens: int = 256,
-    draft_tokens: int = 2,
+    draft_tokens: Union[int, str] = "auto",
     verbose: bool = False,
     sampler=None,
     logits_processors=None,
@@ -159,6 +159,18 @@ def print_stats(response: MTPGenerationResponse, model=None, file=None):
 DEFAULT_PROMPT = "def fibonacci(n):"
 
 
+def _depth_arg(s: str):
+    if s == "auto":
+        return s
+    try:
+        k = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected an integer >= 0 or 'auto'") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError("expected an integer >= 0 or 'auto'")
+    return k
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mlx_mtp.generate",
@@ -170,8 +182,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Message to the model ('-' reads stdin)")
     p.add_argument("--system-prompt", type=str, default=None)
     p.add_argument("--max-tokens", "-m", type=int, default=100)
-    p.add_argument("--draft-tokens", type=int, default=2,
-                   help="MTP draft depth k (0: plain decoding)")
+    p.add_argument("--draft-tokens", type=_depth_arg, default="auto",
+                   help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
+                        "measured acceptance and cost, 0 (plain decoding) included")
+    p.add_argument("--max-draft-tokens", type=int, default=4, help="largest depth 'auto' tries")
+    p.add_argument("--draft-vocab", type=str, default=None,
+                   help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
+                        "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
     p.add_argument("--top-p", type=float, default=0.0)
     p.add_argument("--min-p", type=float, default=0.0)
@@ -235,10 +252,18 @@ def main(argv=None):
     logit_bias = {int(k): v for k, v in json.loads(args.logit_bias).items()} if args.logit_bias else None
     processors = make_logits_processors(logit_bias, args.repetition_penalty,
                                         args.repetition_context_size)
+    from . import draft_vocab
+
+    try:
+        vocab = draft_vocab.load(args.draft_vocab, tokenizer, model.language_model.args.vocab_size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     text = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, draft_tokens=args.draft_tokens,
         verbose=args.verbose, sampler=sampler, logits_processors=processors,
-        prefill_step_size=args.prefill_step_size,
+        prefill_step_size=args.prefill_step_size, draft_vocab=vocab,
+        max_draft_tokens=args.max_draft_tokens,
     )
     if not args.verbose:
         print(text)
