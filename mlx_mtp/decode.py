@@ -241,13 +241,39 @@ class MTPDecoder:
 
     def _draft_logprobs(self, g: mx.array, drafts: List[mx.array]) -> mx.array:
         """The head's log-probs [1, V] from hidden g, processed with the history
-        the drafted position would have (history + drafts so far)."""
-        logits = self.model.logits_from_hidden(g)[0, -1:]
+        the drafted position would have (history + drafts so far). With a
+        trimmed draft vocabulary only its rows are projected; the others get
+        -inf (q = 0 there: still exact, Leviathan–Chen's residual covers them)."""
+        if self.draft_vocab is None:
+            logits = self.model.logits_from_hidden(g)[0, -1:]
+        else:
+            logits = self._trimmed_draft_logits(g[0, -1:])
         if self.logits_processors:
             tokens = mx.concatenate([self.history] + drafts) if drafts else self.history
             for proc in self.logits_processors:
                 logits = proc(tokens, logits)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _trimmed_draft_logits(self, h: mx.array) -> mx.array:
+        """Head logits [1, V] over the draft vocabulary rows only (-inf elsewhere)."""
+        if getattr(self, "_draft_rows", None) is None:  # gathered once per generation
+            w = dict(self.model.lm_head_weights())
+            ids = self.draft_vocab
+            rows = {"weight": w["weight"][ids]}
+            if w.get("scales") is not None:
+                rows.update(scales=w["scales"][ids], biases=w["biases"][ids],
+                            group_size=w["group_size"], bits=w["bits"])
+            self._draft_rows = rows
+        r = self._draft_rows
+        if "scales" in r:
+            sub = mx.quantized_matmul(h, r["weight"], r["scales"], r["biases"], transpose=True,
+                                      group_size=r["group_size"], bits=r["bits"])
+        else:
+            sub = h @ r["weight"].T
+        V = self.model.lm_head_weights()["weight"].shape[0]
+        full = mx.full((1, V), -float("inf"), dtype=sub.dtype)
+        full[:, self.draft_vocab] = sub
+        return full
 
     def _draft_from(self, g: mx.array) -> mx.array:
         """Greedy draft token from one head hidden [1, 1, H] (shape [1])."""

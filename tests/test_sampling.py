@@ -345,13 +345,14 @@ def _first_tokens(model, cfg, k, n_tokens, seed, oracle=None, draft_temp=None):
         seed=seed, oracle=oracle)]
 
 
-def decoder_samples(model, cfg, k, n, oracle=None, seed0=1000, stats=None, n_tokens=L):
+def decoder_samples(model, cfg, k, n, oracle=None, seed0=1000, stats=None, n_tokens=L,
+                    draft_vocab=None):
     """First n_tokens of n generations by MTPDecoder (prefill, then cycles at
     depth k; every token after the first comes from a draft/verify cycle)."""
     out = []
     for i in range(n):
         dec = MTPDecoder(model, sampler=sampler(cfg), logits_processors=processors(cfg),
-                         oracle=oracle, seed=seed0 + i)
+                         oracle=oracle, seed=seed0 + i, draft_vocab=draft_vocab)
         if stats is not None:
             dec.stats = stats
         y, lp = dec.prefill(mx.array(PROMPT))
@@ -371,7 +372,8 @@ def _q_drafter(trunk_logits, cfg, mix, seed):
     return DistributionDrafter(lambda pre: q.get(pre, fallback), V, seed=seed)
 
 
-E2E_CASES = [("rep", 2, "head"), ("top_k", 3, "q"), ("temp", 1, "q")]
+E2E_CASES = [("rep", 2, "head"), ("top_k", 3, "q"), ("temp", 1, "q"), ("min_p", 2, "head_vocab")]
+DRAFT_VOCAB = sorted(set(range(50)) | set(S[:3]))  # q = 0 on S[3:]: only the residual emits them
 if SLOW:  # every setting at every depth
     E2E_CASES = [(c, k, "head" if k < 3 else "q") for c in CONFIGS for k in (1, 2, 3)]
 
@@ -386,8 +388,9 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     n = 10000 if SLOW else 1000
     _, joint = exact_tables(trunk_logits, cfg)
     oracle = _q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else None
+    vocab = mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None
     stats = MTPStats()
-    samples = decoder_samples(model, cfg, k, n, oracle=oracle, stats=stats)
+    samples = decoder_samples(model, cfg, k, n, oracle=oracle, stats=stats, draft_vocab=vocab)
     pvalue = chi2_pvalue(samples, joint)
     print(f"end-to-end {cfg} depth {k} {mode}: n={n} chi2 p={pvalue:.4f} "
           f"acceptance={stats.acceptance}")
@@ -398,7 +401,7 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("k,mode", [(1, "head"), (3, "head"), (2, "head_greedy"), (2, "oracle"),
-                                    (3, "q"), ("auto", "q")])
+                                    (3, "q"), ("auto", "q"), (3, "head_vocab")])
 def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
     """Every emitted token's log-prob row (what plain decoding would sample
     from, processors applied with that position's history) equals mlx_lm's
@@ -415,7 +418,8 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
     got = list(mtp_generate_step(
         mx.array(PROMPT), model, max_tokens=20, draft_tokens=k,
         sampler=sampler(cfg, draft_temp=0.0 if mode == "head_greedy" else None),
-        logits_processors=processors(cfg), seed=9, oracle=oracle, stats=stats))
+        logits_processors=processors(cfg), seed=9, oracle=oracle, stats=stats,
+        draft_vocab=mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None))
     toks = [t for t, _, _ in got]
     seq = mx.array(PROMPT + toks)
     logits = ref_model(seq[None])[0, len(PROMPT) - 1 : -1].astype(mx.float32)
@@ -664,3 +668,25 @@ def test_demo_acceptance_at_temperature(demo):
         print(f"demo temp {temp}: acceptance {stats.acceptance}, "
               f"{stats.tokens_per_cycle:.2f} tokens/cycle")
         assert stats.acceptance[0] > 0.25
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_trimmed_draft_logits(flat_ckpt, bits):
+    """Sampling drafts over a trimmed vocabulary project only its rows (float
+    or quantized lm_head): equal to the full projection there, -inf elsewhere."""
+    import mlx.nn as nn
+
+    import mlx_mtp
+
+    model = mlx_mtp.load(flat_ckpt)[0]
+    if bits:
+        nn.quantize(model.language_model, group_size=64, bits=bits,
+                    class_predicate=lambda p, m: p.endswith("lm_head"))
+    ids = mx.array(DRAFT_VOCAB)
+    dec = MTPDecoder(model, sampler=sampler("temp"), draft_vocab=ids)
+    h = mx.random.normal((1, model.language_model.args.hidden_size), key=mx.random.key(2))
+    got = np.array(dec._trimmed_draft_logits(h))[0]
+    full = np.array(model.logits_from_hidden(h))[0]
+    np.testing.assert_allclose(got[DRAFT_VOCAB], full[DRAFT_VOCAB], rtol=1e-5, atol=1e-5)
+    rest = np.setdiff1d(np.arange(V), DRAFT_VOCAB)
+    assert np.all(np.isneginf(got[rest]))
