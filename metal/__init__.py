@@ -57,7 +57,7 @@ def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None,
                 fused: Optional[bool] = None):
     be = backend or globals()["backend"]()
     if be == "ref" or not _fast(fused):
-        return reference.conv_verify(conv_state, qkv, weight)
+        return reference.conv_verify_compiled(conv_state, qkv, weight)
     from . import kernels
 
     return kernels.conv_verify(conv_state, qkv, weight, backend=be)
@@ -71,7 +71,7 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] =
     # Exact mode mirrors plain decoding, which uses mlx_lm's Metal kernel only
     # for Dk % 32 == 0 (its ops path otherwise, and always on CUDA).
     if be == "ref" or (not fast and (be.endswith("cuda") or Dk % 32 != 0)):
-        return reference.gdn_verify(q, k, v, a, b, A_log, dt_bias, state)
+        return reference.gdn_verify_compiled(q, k, v, a, b, A_log, dt_bias, state)
     from . import kernels
 
     return kernels.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be, fused=fast)

@@ -63,6 +63,13 @@ def gdn_verify(
     return mx.concatenate(ys, axis=1), mx.stack(states, axis=1)
 
 
+# The same function traced once per shape (T, batch, dtype): on the CPU backend
+# it runs several times faster (fewer graph nodes and launches per cycle) and,
+# as tests/test_reference_compiled.py checks, bit-identical to the eager one.
+gdn_verify_compiled = mx.compile(gdn_verify)
+conv_verify_compiled = mx.compile(conv_verify)
+
+
 def commit(
     states: Sequence[mx.array],
     conv_inputs: Sequence[mx.array],
