@@ -388,6 +388,7 @@ E2E_CASES = [("rep", 2, "head"), ("top_k", 3, "q"), ("temp", 1, "q"), ("min_p", 
 DRAFT_VOCAB = sorted(set(range(50)) | set(S[:3]))  # q = 0 on S[3:]: only the residual emits them
 if SLOW:  # every setting at every depth
     E2E_CASES = [(c, k, "head" if k < 3 else "q") for c in CONFIGS for k in (1, 2, 3)]
+    E2E_CASES += [("min_p", 2, "head_vocab")]
 
 
 @pytest.mark.parametrize("cfg,k,mode", E2E_CASES)
