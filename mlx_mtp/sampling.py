@@ -42,7 +42,12 @@ class MTPSampler:
 
     draft_temp: the temperature the MTP head drafts at (None: the target's
     `temp`; 0: greedy drafts, q one-hot). The head's logits go through the
-    same logits processors and top-p/top-k/min-p filters as the target.
+    same logits processors and top-p/top-k/min-p filters as the target. Any
+    value is exact; the default measured best: on the demo model at depth 3,
+    temp 0.6 accepted [65%, 44%, 33%] per position with q at 0.6, against
+    [40%, 21%, 12%] with greedy drafts, [56%, 28%, 20%] at 0.3 and
+    [65%, 40%, 24%] at 0.8; temp 1.0: [72%, 48%, 31%] at 1.0, [14%, 4%, 2%]
+    greedy, [43%, 23%, 15%] at 0.6, [70%, 44%, 27%] at 1.3.
     """
 
     def __init__(
