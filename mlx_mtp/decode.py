@@ -343,83 +343,14 @@ class MTPDecoder:
         if k == 0 or not self.use_head:
             return self._plain_step()
         self._catch_up_head()
+
+        # 1. draft (d1 and g come from the previous cycle / prefill)
+
         if self.speculative:
-            return self._cycle_speculative(k)
-
-        # 1. draft chain (d1 and g come from the previous cycle / prefill)
-        drafts, g = [self.d1], self.g
-        for _ in range(k - 1):
-            g = self._head(g, drafts[-1])
-            drafts.append(self._draft_from(g))
-        drafts = mx.concatenate(drafts)  # [k]
-        if self.oracle is not None:
-            drafts = self.oracle.propose(self.n_emitted, k)
-
-        # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
-        tokens = mx.concatenate([self.y, drafts])  # [k+1]
-        set_capturing(self.cache, True)
-        h = model.trunk_hidden(tokens[None], self.cache)  # [1, k+1, H]
-        logits = model.logits_from_hidden(h)[0]
-        history = self.history[:-1] if self.history is not None else None
-        logprobs = _logprobs(logits, history, tokens, self.logits_processors)
-
-        # 3. accept in-graph: a = length of the prefix where draft == target
-        targets = self.sampler(logprobs).astype(mx.int32)  # [k+1]
-        matches = (drafts.astype(mx.int32) == targets[:k]).astype(mx.int32)
-        accepted = mx.cumprod(matches).sum()
-
-        # 4. commit: GDN states by index; head rewritten from verified hiddens
-        commit(self.cache, accepted + 1, k + 1, self.conv_kernel)
-        set_capturing(self.cache, False)
-        for c in self.head_cache:
-            c.trim(k - 1)  # drop the drafting chain's own entries
-        G = self._head(h, targets)  # [1, k+1, H]
-        g_next = mx.take(G, accepted.reshape(1), axis=1)
-        d1_next = self._draft_from(g_next)
-
-        # the single host synchronization of the cycle
-        packed = mx.concatenate([accepted.reshape(1), targets])
-        mx.eval(packed, logprobs, g_next, d1_next, [c.state for c in self.cache],
-                [c.state for c in self.head_cache])
-        values = packed.tolist()
-        a = values[0]
-        emitted = values[1 : a + 2]
-
-        trim_attention(self.cache, k - a)
-        for c in self.head_cache:
-            c.trim(k - a)
-        self.y = targets[a : a + 1]
-        self.g, self.d1 = g_next, d1_next
-        if self._need_history():
-            self._append_history(mx.array(emitted))
-        self.stats.record(k, a, a + 1)
-        self.n_emitted += a + 1
-        return emitted, logprobs[: a + 1], a
-
-    def _cycle_speculative(self, k: int) -> Tuple[List[int], mx.array, int]:
-        """One cycle with Leviathan–Chen verification (sampling.py)."""
-        model = self.model
-        keys = self._next_key(k + 1)
-
-        # 1. draft chain: d_j ~ q_j, q_j = the head's processed, filtered,
-        #    tempered distribution (d1 from g, the previous cycle's rewrite)
-        chained = 0
-        if self.oracle is not None and hasattr(self.oracle, "propose_dist"):
-            self._sync_generated()
-            drafts, q = self.oracle.propose_dist(self.generated, k)
+            keys = self._next_key(k + 1)
+            drafts, q, chained = self._draft_sampled(k, keys)
         else:
-            g, dl, ql = self.g, [], []
-            for j in range(k):
-                if j > 0:
-                    g = self._head(g, dl[-1])
-                    chained += 1
-                d, qj = self.sampler.draft(self._draft_logprobs(g, dl), keys[j])
-                dl.append(d)
-                ql.append(qj)
-            drafts, q = mx.concatenate(dl), mx.concatenate(ql)  # [k], [k, V]
-            if self.oracle is not None:  # OracleDrafter: claims q one-hot
-                drafts = self.oracle.propose(self.n_emitted, k)
-                q = (mx.arange(q.shape[-1]) == drafts[:, None]).astype(mx.float32)
+            drafts, chained = self._draft_greedy(k)
 
         # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
         tokens = mx.concatenate([self.y, drafts])  # [k+1]
@@ -429,23 +360,31 @@ class MTPDecoder:
         history = self.history[:-1] if self.history is not None else None
         logprobs = _logprobs(logits, history, tokens, self.logits_processors)
 
-        # 3. Leviathan–Chen accept in-graph; out[:a] = drafts, out[a] = residual/bonus
-        accepted, out = speculative_sample(self.sampler.target_logits(logprobs), q, drafts,
-                                           keys[k])
+        # 3. accept in-graph: `accepted` drafts, then out[accepted] is emitted
+        #    after them (out[:accepted] == drafts[:accepted])
+        if self.speculative:  # Leviathan–Chen: residual or bonus sample
+            accepted, out = speculative_sample(self.sampler.target_logits(logprobs), q,
+                                               drafts, keys[k])
+        else:  # match: keep drafts while they equal the sampler's choice
+            out = self.sampler(logprobs).astype(mx.int32)  # [k+1]
+            matches = (drafts.astype(mx.int32) == out[:k]).astype(mx.int32)
+            accepted = mx.cumprod(matches).sum()
 
-        # 4. commit: GDN states by index; head rewritten from verified hiddens
-        #    paired with the emitted tokens
+        # 4. commit: GDN states by index; the head's drafting entries are
+        #    dropped and rewritten from the verified hiddens paired with the
+        #    emitted tokens, which yields the next cycle's first draft
         commit(self.cache, accepted + 1, k + 1, self.conv_kernel)
         set_capturing(self.cache, False)
         for c in self.head_cache:
-            c.trim(chained)  # drop the drafting chain's own entries
+            c.trim(chained)
         G = self._head(h, out)  # [1, k+1, H]
         g_next = mx.take(G, accepted.reshape(1), axis=1)
+        d1_next = None if self.speculative else self._draft_from(g_next)
 
         # the single host synchronization of the cycle
         packed = mx.concatenate([accepted.reshape(1), out])
-        mx.eval(packed, logprobs, g_next, self.key, [c.state for c in self.cache],
-                [c.state for c in self.head_cache])
+        mx.eval(packed, logprobs, g_next, d1_next, self.key if self.speculative else None,
+                [c.state for c in self.cache], [c.state for c in self.head_cache])
         values = packed.tolist()
         a = values[0]
         emitted = values[1 : a + 2]
@@ -454,14 +393,48 @@ class MTPDecoder:
         for c in self.head_cache:
             c.trim(k - a)
         self.y = out[a : a + 1]
-        self.g = g_next
+        self.g, self.d1 = g_next, d1_next
         if self._need_history():
             self._append_history(mx.array(emitted))
-        self._sync_generated()
-        self.generated.extend(emitted)
+        if self.speculative:
+            self._sync_generated()
+            self.generated.extend(emitted)
         self.stats.record(k, a, a + 1)
         self.n_emitted += a + 1
         return emitted, logprobs[: a + 1], a
+
+    def _draft_greedy(self, k: int) -> Tuple[mx.array, int]:
+        """d1 (from the previous cycle) and k-1 chained greedy drafts [k];
+        returns them and how many entries the chain added to the head's cache."""
+        drafts, g = [self.d1], self.g
+        for _ in range(k - 1):
+            g = self._head(g, drafts[-1])
+            drafts.append(self._draft_from(g))
+        drafts = mx.concatenate(drafts)
+        if self.oracle is not None:
+            drafts = self.oracle.propose(self.n_emitted, k)
+        return drafts, k - 1
+
+    def _draft_sampled(self, k: int, keys: mx.array) -> Tuple[mx.array, mx.array, int]:
+        """Drafts d_j ~ q_j with q_j the head's processed, filtered, tempered
+        distribution (d1 from g, the previous cycle's rewrite). Returns
+        (drafts [k], q [k, V], entries the chain added to the head's cache)."""
+        if self.oracle is not None and hasattr(self.oracle, "propose_dist"):
+            self._sync_generated()
+            drafts, q = self.oracle.propose_dist(self.generated, k)
+            return drafts, q, 0
+        g, dl, ql = self.g, [], []
+        for j in range(k):
+            if j > 0:
+                g = self._head(g, dl[-1])
+            d, qj = self.sampler.draft(self._draft_logprobs(g, dl), keys[j])
+            dl.append(d)
+            ql.append(qj)
+        drafts, q = mx.concatenate(dl), mx.concatenate(ql)  # [k], [k, V]
+        if self.oracle is not None:  # OracleDrafter: claims q one-hot
+            drafts = self.oracle.propose(self.n_emitted, k)
+            q = (mx.arange(q.shape[-1]) == drafts[:, None]).astype(mx.float32)
+        return drafts, q, k - 1
 
     def _plain_step(self) -> Tuple[List[int], mx.array, int]:
         """One plain decoding step (depth 0); the head stays idle."""
