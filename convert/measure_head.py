@@ -60,7 +60,7 @@ def measure(src, bits_list=(16, 8, 4), q_bits: Optional[int] = None, dtype: Opti
                                                            draft_tokens=depth, stats=stats)]
                 generated.append(list(ids) + toks)
             if text is not None:  # teacher-forced on the given text instead of the generations
-                generated = [tok.encode(text)[:text_tokens]]
+                generated = [tok.encode(text[: text_tokens * 16])[:text_tokens]]
             tf = [expected_acceptance(model, g, depth) for g in generated if len(g) > depth + 2]
             tf_acc = [sum(r["acceptance"][i] * r["starts"] for r in tf) / max(1, sum(r["starts"] for r in tf))
                       for i in range(depth)]
