@@ -136,6 +136,21 @@ def step_costs(model, prompt_ids, depths, reps=20) -> dict:
                 c.trim(1)
 
         out["draft_s"] = timed(draft, reps)
+
+        # head-cache rewrite of a depth-k cycle: the head over k+1 verified
+        # hiddens, then the next first draft from one row
+        for k in depths:
+            if k > 0:
+                hk = h[:, -(k + 1):]
+                toks = mx.array(prompt_ids[-(k + 1):])[None]
+
+                def rewrite(hk=hk, toks=toks, k=k):
+                    x = model.mtp(hk, model.embed(toks), hc)
+                    mx.eval(model.draft_tokens_from_hidden(x[0, -1:]))
+                    for c in hc:
+                        c.trim(k + 1)
+
+                out[f"rewrite{k}_s"] = timed(rewrite, reps)
     return out
 
 
@@ -230,6 +245,8 @@ def main(argv=None):
             "depth": k, "tok_s": tps, "ratio": tps / base_tps,
             "acceptance": agg[k].acceptance, "tokens_per_cycle": agg[k].tokens_per_cycle,
             "verify_cost": costs.get(f"verify{k + 1}_s", costs["decode_s"]) / costs["decode_s"],
+            "cycles": agg[k].cycles,
+            "cycle_s": tot[k][1] / agg[k].cycles if agg[k].cycles else 0.0,
         })
     info = machine_info()
     print(f"model: {path}   device: {info['device']}   mlx {info['mlx']}   BLAS: {info['blas']}")
@@ -243,6 +260,22 @@ def main(argv=None):
         acc = " ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
         print(f"{r['depth']:>5} {r['tok_s']:>8.1f} {r['ratio']:>8.2f}x {r['tokens_per_cycle']:>9.2f} "
               f"{r['verify_cost']:>18.2f}  {acc}")
+    if model.has_mtp:
+        print("where a cycle's time goes (ms; stage costs measured alone, host = the rest):")
+        print(f"{'depth':>5} {'cycle':>7} {'draft':>7} {'verify':>7} {'rewrite':>8} {'host+sync':>9}")
+        for r in rows:
+            k = r["depth"]
+            if k == 0 or not r["cycles"]:
+                continue
+            cyc = r["cycle_s"]
+            dr = (k - 1) * costs["draft_s"]
+            ve = costs[f"verify{k + 1}_s"]
+            rw = costs[f"rewrite{k}_s"]
+            r["breakdown_ms"] = {"cycle": cyc * 1e3, "draft": dr * 1e3, "verify": ve * 1e3,
+                                 "rewrite": rw * 1e3, "host": (cyc - dr - ve - rw) * 1e3}
+            b = r["breakdown_ms"]
+            print(f"{k:>5} {b['cycle']:>7.2f} {b['draft']:>7.2f} {b['verify']:>7.2f} "
+                  f"{b['rewrite']:>8.2f} {b['host']:>9.2f}")
     print(f"outputs identical to mlx_lm: {'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
