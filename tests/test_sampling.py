@@ -10,16 +10,20 @@ Layers of proof:
      `speculative_sample`, with target rows from the trunk and a drafter q that
      overlaps p (so acceptances AND rejections happen), including multi-cycle
      paths (rejections at depth 1 need a second cycle for t3).
-  2. A drafter that lies about q (claims uniform, samples something else)
-     must FAIL the same χ² test: the tests have power.
-  3. End to end through MTPDecoder with the real head (and with a
-     DistributionDrafter): χ² on the first 2 tokens at fewer samples, the
-     verify rows the decoder yields equal mlx_lm's teacher-forced processed
-     log-probs at every emitted position (so GDN commit / KV trim / processor
-     history are right after every accept pattern), one host sync per cycle,
-     seed reproducibility (API and CLI), greedy unchanged.
+  2. Drafters that lie about q (claim uniform; claim q = p, i.e. the naive
+     "accept what the head sampled"; claim another drafter's q) must FAIL the
+     same χ² test: the tests have power.
+  3. End to end through MTPDecoder with the real head (also over a trimmed
+     draft vocabulary) or a DistributionDrafter: χ² on the first 3 tokens at
+     10³ samples (10⁴ and every setting × depth with MLX_MTP_SLOW_TESTS=1);
+     the log-prob rows the decoder yields equal mlx_lm's teacher-forced
+     processed ones at every emitted position (so GDN commit / KV trim /
+     processor history are right after every accept pattern); a head that
+     matches the trunk is accepted ~always (q is computed like p); one host
+     sync per cycle; seed reproducibility (API and CLI); greedy unchanged.
+  4. On the demo model (when shipped): χ² end to end with its trained head,
+     and acceptance at temperatures 0, 0.6, 1.0.
 A restricted support S (logit bias -1e9 elsewhere) keeps the χ² bins populated.
-Set MLX_MTP_SLOW_TESTS=1 for end-to-end χ² at 10⁴ samples (minutes on CPU).
 """
 
 import itertools
