@@ -120,4 +120,10 @@ def ship(hf_path: Path, demo_dir: Path):
     shutil.rmtree(tmp)
     for name, text in keep.items():
         (demo_dir / name).write_text(text)
+    # the converter records its source folder; do not ship a local path
+    cfg_file = demo_dir / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if isinstance(cfg.get("mlx_mtp"), dict) and "source" in cfg["mlx_mtp"]:
+        cfg["mlx_mtp"]["source"] = "train/train.py (released-layout export)"
+        cfg_file.write_text(json.dumps(cfg, indent=4))
     return r.returncode == 0
