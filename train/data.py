@@ -165,6 +165,6 @@ def save_tokenizer(tok, path: Path):
         "pad_token": "<|endoftext|>",
         "unk_token": None,
         "add_prefix_space": False,
-        "model_max_length": 4096,
+        "model_max_length": 1048576,
         "chat_template": CHAT_TEMPLATE,
     }, indent=1))
