@@ -174,6 +174,18 @@ class DistributionDrafter:
         return mx.array(drafts, dtype=mx.int32), mx.array(np.stack(qs))
 
 
+def _mix_seed(seed: int) -> int:
+    """splitmix64 of the user's seed. MLX keys of nearby seeds (key(i), then
+    split) give measurably correlated samples (counts over seeds 0..N-1 are
+    under-dispersed, as with mx.random.seed(i) in mlx_lm); mixing makes runs
+    with seeds 0, 1, 2, ... independent."""
+    m = (1 << 64) - 1
+    z = (int(seed) + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
 class MTPDecoder:
     """State of one MTP generation over a model from `mlx_mtp.load`."""
 
@@ -196,7 +208,7 @@ class MTPDecoder:
         if oracle is not None and hasattr(oracle, "propose_dist") and not self.speculative:
             raise ValueError("a DistributionDrafter needs an MTPSampler with temp > 0")
         if self.speculative:
-            self.key = (mx.random.key(seed) if seed is not None
+            self.key = (mx.random.key(_mix_seed(seed)) if seed is not None
                         else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
         self.generated: List[int] = []  # host copy, kept for DistributionDrafter
         self._y0: Optional[mx.array] = None  # prefill's token, not yet in `generated`
