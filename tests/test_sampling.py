@@ -15,7 +15,7 @@ Layers of proof:
      same χ² test: the tests have power.
   3. End to end through MTPDecoder with the real head (also over a trimmed
      draft vocabulary) or a DistributionDrafter: χ² on the first 3 tokens at
-     10³ samples (10⁴ and every setting × depth with MLX_MTP_SLOW_TESTS=1);
+     800 samples (10⁴ and every setting × depth with MLX_MTP_SLOW_TESTS=1);
      the log-prob rows the decoder yields equal mlx_lm's teacher-forced
      processed ones at every emitted position (so GDN commit / KV trim /
      processor history are right after every accept pattern); a head that
@@ -361,7 +361,7 @@ def _first_tokens(model, cfg, k, n_tokens, seed, oracle=None, draft_temp=None):
         seed=seed, oracle=oracle)]
 
 
-def decoder_samples(model, cfg, k, n, oracle=None, seed0=1000, stats=None, n_tokens=L,
+def decoder_samples(model, cfg, k, n, oracle=None, seed0=1 << 20, stats=None, n_tokens=L,
                     draft_vocab=None):
     """First n_tokens of n generations by MTPDecoder (prefill, then cycles at
     depth k; every token after the first comes from a draft/verify cycle)."""
@@ -399,10 +399,10 @@ if SLOW:  # every setting at every depth
 def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     """The real decoder, with the real head's sampled drafts or with a
     DistributionDrafter whose q overlaps p (accepts and rejections): joint of
-    the first 3 tokens. 10^4 samples with MLX_MTP_SLOW_TESTS=1, else 1000
+    the first 3 tokens. 10^4 samples with MLX_MTP_SLOW_TESTS=1, else 800
     (a sanity check; the 2·10^4-sample proofs are the kernel tests above)."""
     model = models[0]
-    n = 10000 if SLOW else 1000
+    n = 10000 if SLOW else 800
     _, joint = exact_tables(trunk_logits, cfg)
     oracle = _q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else None
     vocab = mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None
@@ -648,12 +648,12 @@ DEMO_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):"]
 def test_demo_chi2_end_to_end(demo, k):
     """χ² of the first 3 tokens on the demo model, real head drafts (accepted
     much of the time): temp 1.0, top-k 2 (≤ 8 outcomes) with repetition
-    penalty. 300 samples (10^4 with MLX_MTP_SLOW_TESTS=1)."""
+    penalty. 200 samples (10^4 with MLX_MTP_SLOW_TESTS=1)."""
     model, ref_model, tok = demo
     prompt = tok.encode(DEMO_PROMPTS[0])
     s, rep = dict(temp=1.0, top_k=2), (1.3, 20)
     joint = enumerate_joint(ref_model, prompt, s, rep, L)
-    n = 10000 if SLOW else 300
+    n = 10000 if SLOW else 200
     stats, samples = MTPStats(), []
     for i in range(n):
         dec = MTPDecoder(model, sampler=make_sampler(**s),
