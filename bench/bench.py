@@ -164,7 +164,7 @@ def main(argv=None):
                    help="draft the trunk's own greedy output, right with this probability")
     p.add_argument("--prompts", type=str, default=None, help="file with one prompt per paragraph")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--depths", type=str, default="0,1,2,3,4")
+    p.add_argument("--depths", type=str, default="0,1,2,3,4,auto")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", type=str, default="bench/results/bench.json")
     args = p.parse_args(argv)
@@ -181,7 +181,8 @@ def main(argv=None):
     model, tok = mlx_mtp.load(path)
     # the baseline is mlx_lm's own loader and generate_step on the same weights
     ref_model, _ = mlx_lm.load(str(path))
-    depths = [int(d) for d in args.depths.split(",")]
+    depths = [d if d == "auto" else int(d) for d in args.depths.split(",")]
+    fixed = [d for d in depths if d != "auto"]
     prompts = DEFAULT_PROMPTS
     if args.prompts:
         prompts = [s for s in Path(args.prompts).read_text().split("\n\n") if s.strip()]
@@ -210,7 +211,7 @@ def main(argv=None):
 
     # warm-up (compilation, allocator)
     ref0, _, _ = run_mlx_lm(prompt_ids[0][:8])
-    run_mtp(prompt_ids[0][:8], max(depths), ref0)
+    run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0)
 
     tot = {"mlx_lm": [0, 0.0]}
     tot.update({k: [0, 0.0] for k in depths})
@@ -236,7 +237,7 @@ def main(argv=None):
                     a.drafted_at[i] += d
                     a.accepted_at[i] += c
 
-    costs = step_costs(model, prompt_ids[0], depths)
+    costs = step_costs(model, prompt_ids[0], fixed)
     base_tps = tot["mlx_lm"][0] / tot["mlx_lm"][1]
     rows = []
     for k in depths:
@@ -244,7 +245,8 @@ def main(argv=None):
         rows.append({
             "depth": k, "tok_s": tps, "ratio": tps / base_tps,
             "acceptance": agg[k].acceptance, "tokens_per_cycle": agg[k].tokens_per_cycle,
-            "verify_cost": costs.get(f"verify{k + 1}_s", costs["decode_s"]) / costs["decode_s"],
+            "verify_cost": (costs.get(f"verify{k + 1}_s", costs["decode_s"]) / costs["decode_s"]
+                            if k != "auto" else float("nan")),
             "cycles": agg[k].cycles,
             "cycle_s": tot[k][1] / agg[k].cycles if agg[k].cycles else 0.0,
         })
@@ -265,7 +267,7 @@ def main(argv=None):
         print(f"{'depth':>5} {'cycle':>7} {'draft':>7} {'verify':>7} {'rewrite':>8} {'host+sync':>9}")
         for r in rows:
             k = r["depth"]
-            if k == 0 or not r["cycles"]:
+            if k in (0, "auto") or not r["cycles"]:
                 continue
             cyc = r["cycle_s"]
             dr = (k - 1) * costs["draft_s"]
