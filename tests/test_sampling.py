@@ -178,8 +178,9 @@ def exact_tables(trunk_logits, cfg):
 
 
 def chi2_pvalue(samples, joint):
-    """samples: iterable of L-tuples. Bins with expected count < 5 are pooled;
-    a sample outside the support gets its own (expected ~0) bin."""
+    """samples: iterable of L-tuples. Bins with expected count < 10 are pooled
+    (keeps Pearson's χ² near its asymptotic law with many bins); a sample
+    outside the support fails outright."""
     n = len(samples)
     counts = {}
     for s in samples:
@@ -189,7 +190,7 @@ def chi2_pvalue(samples, joint):
         return 0.0
     obs, exp, pool_o, pool_e = [], [], 0, 0.0
     for seq, pr in joint.items():
-        if pr * n >= 5:
+        if pr * n >= 10:
             obs.append(counts.get(seq, 0))
             exp.append(pr * n)
         else:
