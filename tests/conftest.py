@@ -59,3 +59,32 @@ def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt):
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def count_host_syncs(monkeypatch):
+    """Start counting mx.eval / mx.async_eval calls made by mlx_mtp.decode;
+    returns the list that grows by one per call."""
+    import mlx.core as mx
+
+    import mlx_mtp.decode as decode
+
+    def start():
+        calls = []
+
+        class CountingMX:
+            def __getattr__(self, name):
+                return getattr(mx, name)
+
+            def eval(self, *a, **k):
+                calls.append(1)
+                return mx.eval(*a, **k)
+
+            def async_eval(self, *a, **k):
+                calls.append(1)
+                return mx.async_eval(*a, **k)
+
+        monkeypatch.setattr(decode, "mx", CountingMX())
+        return calls
+
+    return start

@@ -164,29 +164,13 @@ def test_rollback_leaves_caches_as_plain_decoding(loaded, rate):
         assert mx.allclose(mine.values[..., :n, :], want.values[..., :n, :], atol=1e-4)
 
 
-def test_one_host_sync_per_cycle(loaded, monkeypatch):
-    import mlx_mtp.decode as decode
-
+def test_one_host_sync_per_cycle(loaded, count_host_syncs):
     model, ref_model, tok = loaded("dense")
     V = model.language_model.args.vocab_size
     ref = reference(ref_model, tok, SHORT, max_tokens=30)
     dec = MTPDecoder(model, oracle=OracleDrafter(ref, 0.5, V, seed=1))
     dec.prefill(mx.array(tok.encode(SHORT)))
-    calls = []
-
-    class CountingMX:
-        def __getattr__(self, name):
-            return getattr(mx, name)
-
-        def eval(self, *a, **k):
-            calls.append(1)
-            return mx.eval(*a, **k)
-
-        def async_eval(self, *a, **k):
-            calls.append(1)
-            return mx.async_eval(*a, **k)
-
-    monkeypatch.setattr(decode, "mx", CountingMX())
+    calls = count_host_syncs()
     for _ in range(5):
         dec.cycle(3)
     assert len(calls) == 5

@@ -483,29 +483,13 @@ def test_cli_seed(flat_ckpt, capsys):
     assert outs[0] == outs[1] and outs[0] != outs[2]
 
 
-def test_one_host_sync_per_sampling_cycle(models, monkeypatch):
-    import mlx_mtp.decode as decode
-
+def test_one_host_sync_per_sampling_cycle(models, count_host_syncs):
     model = models[0]
     dec = MTPDecoder(model, sampler=sampler("top_k"), logits_processors=processors("top_k"),
                      seed=0)
     y, lp = dec.prefill(mx.array(PROMPT))
     mx.eval(y, lp)
-    calls = []
-
-    class CountingMX:
-        def __getattr__(self, name):
-            return getattr(mx, name)
-
-        def eval(self, *a, **k):
-            calls.append(1)
-            return mx.eval(*a, **k)
-
-        def async_eval(self, *a, **k):
-            calls.append(1)
-            return mx.async_eval(*a, **k)
-
-    monkeypatch.setattr(decode, "mx", CountingMX())
+    calls = count_host_syncs()
     for _ in range(5):
         dec.cycle(3)
     assert len(calls) == 5
