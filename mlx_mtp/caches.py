@@ -104,8 +104,97 @@ def commit(cache: list, consumed: mx.array, verified: int, conv_kernel: int):
     return picked
 
 
-def trim_attention(cache: List, n: int):
-    if n > 0:
+def trim_attention(cache: List, n):
+    """Drop the last n attention entries: n is an int (exact-length KVCache),
+    or a device scalar for PaddedKVCaches (no host sync)."""
+    if isinstance(n, mx.array):
         for c in cache:
-            if isinstance(c, KVCache):
+            if isinstance(c, PaddedKVCache):
                 c.trim(n)
+    elif n > 0:
+        for c in cache:
+            if isinstance(c, (KVCache, PaddedKVCache)):
+                c.trim(n)
+
+
+class PaddedKVCache:
+    """Attention KV cache whose length lives on the device (pipelined decoding).
+
+    Keys and values sit in buffers of reserved capacity (grown in blocks) and
+    `offset` is a device scalar, so a cycle can roll back by the accepted count
+    without the host knowing it: the next cycle writes at `offset` and masks
+    out everything past it. Masked keys add exact zeros to the softmax, so on
+    MLX's CPU backend attention over the buffer equals attention over the
+    exact-length keys bit for bit with the bundled BLAS (tests check it);
+    other BLAS libraries may round the padded matmuls differently (~1e-7).
+    Duck-types mlx_lm's KVCache for its attention layers (rope offset,
+    update_and_fetch, make_mask).
+    """
+
+    block = 256
+
+    def __init__(self, keys: mx.array, values: mx.array, length: int):
+        self.keys, self.values = keys, values  # [B, H, capacity, D]
+        self.offset = mx.array(length, dtype=mx.int32)
+        self.bound = length  # host-side upper bound on `offset`
+
+    @classmethod
+    def from_kv_cache(cls, cache: KVCache, reserve: int = 0) -> "PaddedKVCache":
+        n = cache.offset
+        out = cls(cache.keys[..., :n, :], cache.values[..., :n, :], n)
+        out.reserve(n + reserve)
+        return out
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def reserve(self, length: int):
+        """Make room for `length` entries (whole blocks; the shape only ever
+        changes here, so compiled graphs see a new shape once per block)."""
+        if length <= self.capacity:
+            return
+        cap = -(-length // self.block) * self.block
+        B, H, n, _ = self.keys.shape
+        pad = lambda x: mx.concatenate(
+            [x, mx.zeros((B, H, cap - n, x.shape[-1]), x.dtype)], axis=2)
+        self.keys, self.values = pad(self.keys), pad(self.values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        L = keys.shape[2]
+        if self.bound + L > self.capacity:
+            raise RuntimeError("PaddedKVCache: reserve() capacity before the forward")
+        start = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        self.offset = self.offset + L
+        self.bound += L
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        # query i (at position offset + i) sees keys 0..offset + i
+        visible = mx.arange(N, dtype=mx.int32)[:, None] + self.offset
+        return mx.arange(self.capacity, dtype=mx.int32)[None] <= visible
+
+    def trim(self, n):
+        """Drop the last n entries; n may be a device scalar."""
+        self.offset = self.offset - n
+        if isinstance(n, int):
+            self.bound -= n
+
+    def set_bound(self, length: int):
+        """The host learned the exact length (a late read)."""
+        self.bound = length
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    def __bool__(self):  # mlx_lm tests `if cache and hasattr(cache, "make_mask")`
+        return True
+
+
+def to_padded(cache: list, reserve: int = 0) -> list:
+    """Replace the KVCaches of a filled cache list by PaddedKVCaches."""
+    return [PaddedKVCache.from_kv_cache(c, reserve) if isinstance(c, KVCache) else c
+            for c in cache]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generator, List, Optional, Tuple
 
@@ -43,7 +44,8 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
 from .depth import DepthController
-from .caches import commit, make_trunk_cache, set_capturing, trim_attention
+from .caches import (PaddedKVCache, commit, make_trunk_cache, set_capturing, to_padded,
+                     trim_attention)
 from .sampling import MTPSampler, is_greedy, speculative_sample
 
 
@@ -224,6 +226,7 @@ class MTPDecoder:
         self.stats = MTPStats()
         self.oracle = oracle
         self.n_emitted = 0
+        self.pipelined = False
         # (hidden, token) pairs of plain steps the head has not seen yet: plain
         # steps leave the head idle and it catches up before the next draft
         self._pending: List[Tuple[mx.array, mx.array]] = []
@@ -351,13 +354,31 @@ class MTPDecoder:
     def cycle(self, k: int) -> Tuple[List[int], mx.array, int]:
         """Draft k tokens, verify, commit. Returns (emitted tokens, their
         log-prob rows [a+1, V], a = accepted drafts). k == 0 is a plain step."""
-        model = self.model
+        pending = self.launch(k)
+        mx.eval(pending.outputs)
+        return self.land(pending)
+
+    def launch(self, k: int) -> "PendingCycle":
+        """Build one cycle's graph (nothing is evaluated); see `_launch_drafted`."""
         if k == 0 or not self.use_head:
-            return self._plain_step()
+            pending = self._launch_plain()
+        else:
+            pending = self._launch_drafted(k)
+        if self.pipelined:
+            self._inflight.append(pending.k)
+        return pending
+
+    def _launch_drafted(self, k: int) -> "PendingCycle":
+        """Build one cycle's graph (nothing is evaluated). Every state the next
+        cycle needs is left as a lazy device array; only the host-side trims of
+        exact-length caches wait for `land`. With padded caches
+        (`start_pipeline`) those trims are in-graph too, so the next cycle can
+        be launched before this one is read."""
+        model = self.model
+        self._reserve(k + 1 + len(self._pending))
         self._catch_up_head()
 
         # 1. draft (d1 and g come from the previous cycle / prefill)
-
         if self.speculative:
             keys = self._next_key(k + 1)
             drafts, q, chained = self._draft_sampled(k, keys)
@@ -391,21 +412,35 @@ class MTPDecoder:
             c.trim(chained)
         G = self._head(h, out)  # [1, k+1, H]
         g_next = mx.take(G, accepted.reshape(1), axis=1)
-        d1_next = None if self.speculative else self._draft_from(g_next)
+        self.g = g_next
+        self.d1 = None if self.speculative else self._draft_from(g_next)
+        if self.pipelined:  # roll back on the device: no host value needed
+            trim_attention(self.cache, k - accepted)
+            trim_attention(self.head_cache, k - accepted)
+            self.y = mx.take(out, accepted.reshape(1))
 
-        # the single host synchronization of the cycle
         packed = mx.concatenate([accepted.reshape(1), out])
-        mx.eval(packed, logprobs, g_next, d1_next, self.key if self.speculative else None,
-                [c.state for c in self.cache], [c.state for c in self.head_cache])
-        values = packed.tolist()
+        outputs = [packed, logprobs, self.g, self.d1, self.key if self.speculative else None,
+                   [c.state for c in self.cache], [c.state for c in self.head_cache]]
+        return PendingCycle(k, packed, logprobs, out, outputs)
+
+    def land(self, pending: "PendingCycle") -> Tuple[List[int], mx.array, int]:
+        """Read a launched cycle (the one host transfer of the cycle) and do its
+        host bookkeeping. Returns (emitted tokens, log-prob rows, accepted)."""
+        k = pending.k
+        values = pending.packed.tolist()
         a = values[0]
         emitted = values[1 : a + 2]
-
-        trim_attention(self.cache, k - a)
-        for c in self.head_cache:
-            c.trim(k - a)
-        self.y = out[a : a + 1]
-        self.g, self.d1 = g_next, d1_next
+        if k > 0 and not self.pipelined:
+            trim_attention(self.cache, k - a)
+            trim_attention(self.head_cache, k - a)
+            self.y = pending.out[a : a + 1]
+        if self.pipelined:
+            self._landed_len += a + 1
+            self._inflight.popleft()
+            bound = self._landed_len + sum(j + 1 for j in self._inflight)
+            for c in self._padded_caches():
+                c.set_bound(bound)
         if self._need_history():
             self._append_history(mx.array(emitted))
         if self.speculative:
@@ -413,7 +448,7 @@ class MTPDecoder:
             self.generated.extend(emitted)
         self.stats.record(k, a, a + 1)
         self.n_emitted += a + 1
-        return emitted, logprobs[: a + 1], a
+        return emitted, pending.logprobs[: a + 1], a
 
     def _draft_greedy(self, k: int) -> Tuple[mx.array, int]:
         """d1 (from the previous cycle) and k-1 chained greedy drafts [k];
@@ -448,34 +483,62 @@ class MTPDecoder:
             q = (mx.arange(q.shape[-1]) == drafts[:, None]).astype(mx.float32)
         return drafts, q, k - 1
 
-    def _plain_step(self) -> Tuple[List[int], mx.array, int]:
+    def _launch_plain(self) -> "PendingCycle":
         """One plain decoding step (depth 0); the head stays idle."""
         model = self.model
+        self._reserve(1)
         h = model.trunk_hidden(self.y[None], self.cache)
         logits = model.logits_from_hidden(h)[0]
         history = self.history[:-1] if self.history is not None else None
         logprobs = _logprobs(logits, history, self.y, self.logits_processors)
         if self.speculative:
             y = self.sampler.sample(logprobs, self._next_key(1)[0])
-            mx.eval(y, logprobs, self.key)
-            if self.use_head:
-                self._pending.append((h, y))
-            self.y = y
-            self._append_history(y)
-            self._sync_generated()
-            self.generated.extend(y.tolist())
-            self.stats.record(0, 0, 1)
-            self.n_emitted += 1
-            return y.tolist(), logprobs, 0
-        y = self.sampler(logprobs)
-        mx.eval(y, logprobs)
+        else:
+            y = self.sampler(logprobs)
+        y = y.astype(mx.int32)
         if self.use_head:
             self._pending.append((h, y))
         self.y = y
-        self._append_history(y)
-        self.stats.record(0, 0, 1)
-        self.n_emitted += 1
-        return y.tolist(), logprobs, 0
+        packed = mx.concatenate([mx.zeros((1,), mx.int32), y])
+        outputs = [packed, logprobs, self.key if self.speculative else None,
+                   [c.state for c in self.cache]]
+        return PendingCycle(0, packed, logprobs, y, outputs)
+
+    # -- pipelining -------------------------------------------------------------
+    def start_pipeline(self, reserve: int = 0):
+        """Switch to device-resident cache lengths (after prefill), so cycles
+        can be launched before the previous one is read (`launch`/`land`)."""
+        if self.logits_processors or self.oracle is not None:
+            raise ValueError("pipelined decoding needs no logits processors and no oracle")
+        self.cache = to_padded(self.cache, reserve)
+        if self.head_cache is not None:
+            self.head_cache = to_padded(self.head_cache, reserve)
+        self.pipelined = True
+        self._landed_len = next((c.bound for c in self._padded_caches()), 0)
+        self._inflight = deque()
+
+    def _padded_caches(self):
+        for c in list(self.cache) + list(self.head_cache or []):
+            if isinstance(c, PaddedKVCache):
+                yield c
+
+    def _reserve(self, n: int):
+        """Room for n more entries in every padded cache (one cycle's worth)."""
+        if self.pipelined:
+            for c in self._padded_caches():
+                c.reserve(c.bound + n)
+
+
+@dataclass
+class PendingCycle:
+    """A launched cycle: `packed` = [accepted, emitted candidates...]."""
+
+    k: int
+    packed: mx.array
+    logprobs: mx.array
+    out: mx.array
+    outputs: list
+    wanted: bool = True  # depth was the controller's choice (not capped)
 
 
 def mtp_generate_step(
@@ -494,12 +557,14 @@ def mtp_generate_step(
     draft_vocab: Optional[mx.array] = None,
     max_draft_tokens: int = 4,
     controller: Optional[DepthController] = None,
+    pipeline: bool = True,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like mlx_lm.generate_step, at most
     `max_tokens` of them (-1: no limit). draft_tokens="auto" picks the depth
     per cycle (0..max_draft_tokens) from measured acceptance and cost;
     draft_tokens=0, a model without a head, or MLX_MTP_DISABLE=1 give plain
-    decoding."""
+    decoding. pipeline=True double-buffers cycles (device-resident cache
+    lengths); logits processors and oracles use the synchronous loop."""
     if draft_tokens == "auto":
         controller = controller or DepthController(max_depth=max_draft_tokens)
         k = max_draft_tokens
@@ -523,28 +588,79 @@ def mtp_generate_step(
         controller = None
     if stats is not None:
         dec.stats = stats
+    pipelined = pipeline and not logits_processors and oracle is None
     with mx.stream(generation_stream):
         y, logprobs = dec.prefill(prompt, prefill_step_size, prompt_progress_callback)
         mx.eval(y, logprobs)
         if prompt_progress_callback:
             prompt_progress_callback(prompt.size, prompt.size)
-        n = 0
         if max_tokens == 0:
             return
         yield y.item(), logprobs, False
-        n += 1
-        while max_tokens < 0 or n < max_tokens:
+        if max_tokens == 1:
+            return
+        cycles = _pipelined_cycles if pipelined else _synchronous_cycles
+        yield from cycles(dec, k, controller, max_tokens, prompt.size)
+
+
+def _depth(dec: MTPDecoder, want: int, remaining: int) -> int:
+    """Never draft past what the caller can still take."""
+    return min(want, remaining - 1) if dec.use_head else 0
+
+
+def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
+    """Launch a cycle, read it, yield its tokens; then the next."""
+    n = 1
+    while max_tokens < 0 or n < max_tokens:
+        want = controller.next_depth() if controller is not None else k
+        depth = _depth(dec, want, max_tokens - n if max_tokens >= 0 else want + 1)
+        tic = time.perf_counter()
+        tokens, rows, a = dec.cycle(depth)
+        if controller is not None and depth == want:
+            controller.update(depth, a, time.perf_counter() - tic)
+        for i, tok in enumerate(tokens):
+            yield tok, rows[i], i < a
+            n += 1
+            if n == max_tokens:
+                return
+        if n % 256 < len(tokens):
+            mx.clear_cache()
+
+
+def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len):
+    """Double-buffered: cycle n+1 is built and queued (mx.async_eval) before
+    cycle n is read, so the device never waits for Python. Tokens are read one
+    cycle late; a cycle launched past EOS or max_tokens is simply never read
+    (nothing of it reaches the caller). The controller sees each cycle when it
+    is read; its cost is the time between two reads, i.e. the device's pace."""
+    n = 1
+    reserve = (max_tokens if max_tokens > 0 else 0) + (k or 0) + 2
+    dec.start_pipeline(reserve)
+    inflight: Optional[PendingCycle] = None
+    tic = time.perf_counter()
+    while True:
+        launched = None
+        # the in-flight cycle emits at least one token
+        remaining = max_tokens - n - (1 if inflight is not None else 0)
+        if max_tokens < 0 or remaining > 0:
             want = controller.next_depth() if controller is not None else k
-            remaining = max_tokens - n if max_tokens >= 0 else want + 1
-            depth = min(want, remaining - 1) if dec.use_head else 0
-            tic = time.perf_counter()
-            tokens, rows, a = dec.cycle(depth)
-            if controller is not None and depth == want:
-                controller.update(depth, a, time.perf_counter() - tic)
-            for i, tok in enumerate(tokens):
-                yield tok, rows[i], i < a
-                n += 1
-                if n == max_tokens:
-                    return
-            if n % 256 < len(tokens):
-                mx.clear_cache()
+            depth = _depth(dec, want, remaining if max_tokens >= 0 else want + 1)
+            launched = dec.launch(depth)
+            launched.wanted = depth == want
+            mx.async_eval(launched.outputs)
+        if inflight is None:
+            inflight = launched
+            continue
+        tokens, rows, a = dec.land(inflight)
+        toc = time.perf_counter()
+        if controller is not None and inflight.wanted:
+            controller.update(inflight.k, a, toc - tic)
+        tic = toc
+        for i, tok in enumerate(tokens):
+            yield tok, rows[i], i < a
+            n += 1
+            if n == max_tokens:
+                return
+        if n % 256 < len(tokens):
+            mx.clear_cache()
+        inflight = launched
