@@ -2,13 +2,32 @@
 
 Rounds alternate mlx_lm's own generation and mlx_mtp at each depth, so both
 see the same machine state. Prints tok/s (generation only, prompt excluded),
-the ratio to mlx_lm, acceptance per draft position, tokens per cycle, and the
-measured costs verify(k+1)/decode(1) and draft-step/decode(1); writes JSON
-with the machine, MLX version and the BLAS library actually loaded.
+the ratio to mlx_lm (pooled over all rounds, and per round: median and
+min-max, which is what to trust on a noisy shared machine), acceptance per
+draft position, tokens per cycle, the measured costs verify(k+1)/decode(1)
+and draft-step/decode(1), and for fixed depths k > 0 the ideal ratio
+tokens_per_cycle / (verify(k+1)/decode + k * draft/decode) with the achieved
+fraction of it ("efficiency"); writes JSON with the machine, MLX version and
+the BLAS library actually loaded.
+
+Flags beyond the model/prompt ones:
+  --depths 0,1,2,auto   depths to run (mlx_mtp's default pipelined loop)
+  --sync                also run the synchronous loop (pipeline=False) at each
+                        depth, as rows "k sync", in the same rounds
+  --rounds N            alternating rounds (default 3)
+  --trace               time a few steady-state cycles of one generation
+                        (first prompt), pipelined and synchronous: host graph
+                        build, async_eval, host blocked in land, land
+                        bookkeeping, period; estimates how much host time the
+                        device hides; prints an ASCII timeline of one cycle
+  --trace-depth K       depth of the trace (default: best fixed depth measured)
+  --trace-cycles N      steady-state cycles traced (default 8)
+  --trace-repeats N     trace runs of each loop, interleaved (default 3); the
+                        median one is shown, the hidden fraction of all
 
 On Linux CPU use an fp32 model with OpenBLAS preloaded (DESIGN.md §5):
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-    python bench/bench.py --model mlx_mtp/demo --depths 0,1,2,3,4
+    python bench/bench.py --model mlx_mtp/demo --depths 0,1,2,3,4 --sync --trace
 
   python bench/bench.py --synthetic --oracle-rate 0.8   # random weights, oracle drafts
 """
@@ -154,6 +173,150 @@ def step_costs(model, prompt_ids, depths, reps=20) -> dict:
     return out
 
 
+def trace_run(model, ids, k, n_cycles, mode) -> tuple:
+    """One generation of `n_cycles` cycles at depth k on prompt ids, with each
+    cycle's host events stamped by time.perf_counter(). Modes:
+      "pipelined": the loop of decode._pipelined_cycles (cycle n+1 is launched
+                   and async_eval'ed, then cycle n is landed);
+      "sync":      the loop of decode._synchronous_cycles (exact-length caches:
+                   launch, mx.eval, land);
+      "lockstep":  the pipelined caches (start_pipeline) but each cycle
+                   evaluated alone (launch, mx.eval, land): its eval time is
+                   the device time of the same cycle with nothing overlapped.
+    The wait inside land (its .tolist()) is timed as an mx.eval of the packed
+    result just before land, which then reads an evaluated array.
+    Returns (records, emitted tokens); record i belongs to the i-th landed
+    cycle (in "pipelined" its build/queue stamps are of the cycle launched in
+    the same loop iteration, i.e. cycle i+1)."""
+    from mlx_lm.generate import generation_stream
+
+    from mlx_mtp.decode import MTPDecoder
+
+    pc = time.perf_counter
+    dec = MTPDecoder(model, use_head=k > 0)
+    recs, out = [], []
+    with mx.stream(generation_stream):
+        y, lp = dec.prefill(mx.array(ids))
+        mx.eval(y, lp)
+        out.append(y.item())
+        if mode != "sync":
+            dec.start_pipeline((n_cycles + 2) * (k + 1) + 2)
+        if mode == "pipelined":
+            inflight = None
+            while len(recs) < n_cycles:
+                rec = {}
+                rec["build0"] = pc()
+                launched = dec.launch(k)
+                rec["build1"] = pc()
+                mx.async_eval(launched.outputs)
+                rec["queued"] = pc()
+                if inflight is None:
+                    inflight = launched
+                    continue
+                rec["wait0"] = pc()
+                mx.eval(inflight.packed)
+                rec["wait1"] = pc()
+                tokens, _, a = dec.land(inflight)
+                rec["land1"] = pc()
+                out.extend(tokens)
+                rec["yield"] = pc()
+                rec["accepted"] = a
+                recs.append(rec)
+                inflight = launched
+            mx.eval(inflight.outputs)  # the last launched cycle is never read
+        else:
+            for _ in range(n_cycles):
+                rec = {}
+                rec["build0"] = pc()
+                pending = dec.launch(k)
+                rec["build1"] = rec["queued"] = pc()
+                rec["wait0"] = pc()
+                mx.eval(pending.outputs)
+                rec["wait1"] = pc()
+                tokens, _, a = dec.land(pending)
+                rec["land1"] = pc()
+                out.extend(tokens)
+                rec["yield"] = pc()
+                rec["accepted"] = a
+                recs.append(rec)
+    return recs, out
+
+
+def trace_summary(recs, busy, warm) -> dict:
+    """Per-cycle times (s) of the steady-state records (index >= warm, each
+    with a predecessor for the period) and the hidden-host-time estimate.
+    busy[i] = device time of cycle i measured alone."""
+    rows = []
+    for i in range(max(warm, 1), len(recs)):
+        r, prev = recs[i], recs[i - 1]
+        build = r["build1"] - r["build0"]
+        queue = r["queued"] - r["build1"]
+        blocked = r["wait1"] - r["wait0"]
+        land = r["land1"] - r["wait1"]
+        yld = r["yield"] - r["land1"]
+        period = r["wait1"] - prev["wait1"]  # land to land
+        # host work only: the async_eval call is not counted, since on MLX's
+        # CPU backend it blocks while many ops are queued (waiting, not work)
+        host = build + land + yld
+        idle = max(0.0, period - busy[i])
+        rows.append(dict(build=build, async_eval=queue, blocked=blocked, land=land,
+                         yield_=yld, host=host, period=period, busy=busy[i], idle=idle,
+                         accepted=r["accepted"]))
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "accepted"}
+    host_sum = sum(r["host"] for r in rows)
+    idle_sum = sum(r["idle"] for r in rows)
+    hidden = min(1.0, max(0.0, 1.0 - idle_sum / host_sum)) if host_sum > 0 else float("nan")
+    return {"median_s": med, "hidden_fraction": hidden, "cycles": rows}
+
+
+def device_spans(recs, busy, pipelined) -> list:
+    """(start, end) of each landed cycle's device work. Synchronous: its eval.
+    Pipelined (estimated): the device runs cycles in order, cycle i from when
+    its ops are queued (its async_eval starts, in the iteration before it is
+    landed) and the previous cycle is done, for its lockstep busy time; its
+    end is capped by when the host saw it done (land's wait end)."""
+    if not pipelined:
+        return [(r["wait0"], r["wait1"]) for r in recs]
+    spans = []
+    for i, r in enumerate(recs):
+        if i == 0:
+            end = r["wait1"]
+        else:
+            end = min(r["wait1"], max(recs[i - 1]["build1"], spans[-1][1]) + busy[i])
+        spans.append((max(end - busy[i], spans[-1][1] if spans else -float("inf")), end))
+    return spans
+
+
+def ascii_timeline(rec, spans, pipelined, width=64) -> list:
+    """One loop iteration as ms offsets from its graph build start, and bars:
+    host  b=graph build  q=async_eval call  W=blocked waiting for the device
+          l=land bookkeeping  y=yield  .=other;
+    device  = the cycle landed in this iteration, + the next one."""
+    t0 = rec["build0"]
+    ms = lambda t: (t - t0) * 1e3
+    events = [("build start", rec["build0"]), ("build end", rec["build1"])]
+    if pipelined:
+        events.append(("eval queued (async_eval returned)", rec["queued"]))
+    events += [("land wait start", rec["wait0"]),
+               ("land wait end (.tolist() returned)", rec["wait1"]),
+               ("land end", rec["land1"]), ("tokens yielded", rec["yield"])]
+    span = max(rec["yield"] - t0, 1e-9)
+    col = lambda t: min(width, max(0, round((t - t0) / span * width)))
+    host = ["."] * width
+    for a, b, ch in (("build0", "build1", "b"), ("build1", "queued", "q"), ("wait0", "wait1", "W"),
+                     ("wait1", "land1", "l"), ("land1", "yield", "y")):
+        for c in range(col(rec[a]), col(rec[b])):
+            host[c] = ch
+    dev = [" "] * width
+    for (a, b), ch in zip(spans, "=+"):
+        for c in range(col(a), col(b)):
+            dev[c] = ch
+    lines = [f"    {ms(t):7.2f} ms  {name}" for name, t in events]
+    lines.append(f"    host   |{''.join(host)}|  0..{span * 1e3:.2f} ms")
+    lines.append(f"    device |{''.join(dev)}|" + ("  (estimated)" if pipelined else ""))
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder / HF repo (default: demo model)")
@@ -165,7 +328,16 @@ def main(argv=None):
     p.add_argument("--prompts", type=str, default=None, help="file with one prompt per paragraph")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--depths", type=str, default="0,1,2,3,4,auto")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sync", action="store_true",
+                   help="also run the synchronous loop (pipeline=False) at each depth")
+    p.add_argument("--trace", action="store_true",
+                   help="time steady-state cycles of one generation, pipelined and synchronous")
+    p.add_argument("--trace-depth", type=int, default=None,
+                   help="depth of the trace (default: best fixed depth > 0 measured, else 2)")
+    p.add_argument("--trace-cycles", type=int, default=8)
+    p.add_argument("--trace-repeats", type=int, default=3,
+                   help="trace runs per loop (interleaved); the median one is shown")
     p.add_argument("--json", type=str, default="bench/results/bench.json")
     args = p.parse_args(argv)
 
@@ -183,27 +355,35 @@ def main(argv=None):
     ref_model, _ = mlx_lm.load(str(path))
     depths = [d if d == "auto" else int(d) for d in args.depths.split(",")]
     fixed = [d for d in depths if d != "auto"]
+    # (label, depth, pipelined): each depth's sync row right after its pipelined one
+    variants = []
+    for k in depths:
+        variants.append((str(k), k, True))
+        if args.sync:
+            variants.append((f"{k} sync", k, False))
     prompts = DEFAULT_PROMPTS
     if args.prompts:
         prompts = [s for s in Path(args.prompts).read_text().split("\n\n") if s.strip()]
     prompt_ids = [tok.encode(s) for s in prompts]
     V = model.language_model.args.vocab_size
 
-    def run_mlx_lm(ids):
+    def run_mlx_lm(ids, max_tokens=None):
         t0, n = None, 0
         out = []
-        for tkn, _ in generate_step(mx.array(ids), ref_model, max_tokens=args.max_tokens):
+        for tkn, _ in generate_step(mx.array(ids), ref_model,
+                                    max_tokens=max_tokens or args.max_tokens):
             if t0 is None:
                 t0 = time.perf_counter()  # first token = end of prompt processing
             out.append(tkn)
         return out, len(out) - 1, time.perf_counter() - t0
 
-    def run_mtp(ids, k, ref):
+    def run_mtp(ids, k, ref, pipeline=True):
         stats = MTPStats()
         oracle = OracleDrafter(ref, args.oracle_rate, V) if args.oracle_rate is not None else None
         t0, out = None, []
         for tkn, _, _ in mtp_generate_step(mx.array(ids), model, max_tokens=args.max_tokens,
-                                           draft_tokens=k, stats=stats, oracle=oracle):
+                                           draft_tokens=k, stats=stats, oracle=oracle,
+                                           pipeline=pipeline):
             if t0 is None:
                 t0 = time.perf_counter()
             out.append(tkn)
@@ -212,22 +392,25 @@ def main(argv=None):
     # warm-up (compilation, allocator)
     ref0, _, _ = run_mlx_lm(prompt_ids[0][:8])
     run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0)
+    if args.sync:
+        run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0, pipeline=False)
 
-    tot = {"mlx_lm": [0, 0.0]}
-    tot.update({k: [0, 0.0] for k in depths})
-    agg = {k: MTPStats() for k in depths}
-    mismatches = 0
+    # per round: [tokens, seconds] for mlx_lm and every variant
+    labels = ["mlx_lm"] + [v[0] for v in variants]
+    per_round = {lab: [[0, 0.0] for _ in range(args.rounds)] for lab in labels}
+    agg = {v[0]: MTPStats() for v in variants}
+    mismatches = {v[0]: 0 for v in variants}
     for r in range(args.rounds):
         for ids in prompt_ids:
             ref, n, dt = run_mlx_lm(ids)
-            tot["mlx_lm"][0] += n
-            tot["mlx_lm"][1] += dt
-            for k in depths:
-                out, n, dt, st = run_mtp(ids, k, ref)
-                mismatches += out != ref
-                tot[k][0] += n
-                tot[k][1] += dt
-                a = agg[k]
+            per_round["mlx_lm"][r][0] += n
+            per_round["mlx_lm"][r][1] += dt
+            for lab, k, pipe in variants:
+                out, n, dt, st = run_mtp(ids, k, ref, pipeline=pipe)
+                mismatches[lab] += out != ref
+                per_round[lab][r][0] += n
+                per_round[lab][r][1] += dt
+                a = agg[lab]
                 a.cycles += st.cycles
                 a.emitted += st.emitted
                 for i, (d, c) in enumerate(zip(st.drafted_at, st.accepted_at)):
@@ -237,34 +420,63 @@ def main(argv=None):
                     a.drafted_at[i] += d
                     a.accepted_at[i] += c
 
+    def pooled(lab):
+        n = sum(x[0] for x in per_round[lab])
+        t = sum(x[1] for x in per_round[lab])
+        return n / t, t
+
     costs = step_costs(model, prompt_ids[0], fixed)
-    base_tps = tot["mlx_lm"][0] / tot["mlx_lm"][1]
+    dec_s = costs["decode_s"]
+    base_tps, _ = pooled("mlx_lm")
+    base_round = [n / t for n, t in per_round["mlx_lm"]]
     rows = []
-    for k in depths:
-        tps = tot[k][0] / tot[k][1]
+    for lab, k, pipe in variants:
+        tps, t = pooled(lab)
+        rr = [(n / dt) / b for (n, dt), b in zip(per_round[lab], base_round)]
+        tpc = agg[lab].tokens_per_cycle
+        ideal = eff = None
+        if k not in (0, "auto") and f"verify{k + 1}_s" in costs:
+            denom = costs[f"verify{k + 1}_s"] / dec_s + k * costs.get("draft_s", 0.0) / dec_s
+            ideal = tpc / denom
+            eff = (tps / base_tps) / ideal
         rows.append({
-            "depth": k, "tok_s": tps, "ratio": tps / base_tps,
-            "acceptance": agg[k].acceptance, "tokens_per_cycle": agg[k].tokens_per_cycle,
-            "verify_cost": (costs.get(f"verify{k + 1}_s", costs["decode_s"]) / costs["decode_s"]
+            "depth": k, "label": lab, "pipeline": pipe,
+            "tok_s": tps, "ratio": tps / base_tps,
+            "ratio_rounds": rr, "ratio_median": statistics.median(rr),
+            "ratio_min": min(rr), "ratio_max": max(rr),
+            "acceptance": agg[lab].acceptance, "tokens_per_cycle": tpc,
+            "verify_cost": (costs.get(f"verify{k + 1}_s", dec_s) / dec_s
                             if k != "auto" else float("nan")),
-            "cycles": agg[k].cycles,
-            "cycle_s": tot[k][1] / agg[k].cycles if agg[k].cycles else 0.0,
+            "ideal": ideal, "efficiency": eff,
+            "cycles": agg[lab].cycles,
+            "cycle_s": t / agg[lab].cycles if agg[lab].cycles else 0.0,
+            "mismatches": mismatches[lab],
         })
     info = machine_info()
     print(f"model: {path}   device: {info['device']}   mlx {info['mlx']}   BLAS: {info['blas']}")
     print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.max_tokens} tokens each, greedy"
           + (f", oracle drafter at rate {args.oracle_rate}" if args.oracle_rate is not None else ""))
-    print(f"mlx_lm: {base_tps:.1f} tok/s;  decode {costs['decode_s'] * 1e3:.2f} ms, "
+    if args.sync and args.oracle_rate is not None:
+        print("note: the oracle drafter forces the synchronous loop, so pipelined and 'sync' "
+              "rows run the same code")
+    print(f"mlx_lm: {base_tps:.1f} tok/s;  decode {dec_s * 1e3:.2f} ms, "
           f"draft step {costs.get('draft_s', 0) * 1e3:.2f} ms "
-          f"({costs.get('draft_s', 0) / costs['decode_s']:.2f}x decode)")
-    print(f"{'depth':>5} {'tok/s':>8} {'vs mlx_lm':>9} {'tok/cycle':>9} {'verify(k+1)/decode':>18}  acceptance per position")
+          f"({costs.get('draft_s', 0) / dec_s:.2f}x decode)")
+    print("vs mlx_lm: pooled tok/s ratio; median and min-max: of the per-round ratios. "
+          "ideal = tok/cycle / (verify(k+1)/decode + k*draft/decode); eff = ratio / ideal")
+    print(f"{'depth':>9} {'tok/s':>8} {'vs mlx_lm':>9} {'median':>7} {'min-max':>11} "
+          f"{'tok/cycle':>9} {'verify(k+1)/decode':>18} {'ideal':>6} {'eff':>5}  "
+          "acceptance per position")
+    fmt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
-        print(f"{r['depth']:>5} {r['tok_s']:>8.1f} {r['ratio']:>8.2f}x {r['tokens_per_cycle']:>9.2f} "
-              f"{r['verify_cost']:>18.2f}  {acc}")
+        mm = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        print(f"{r['label']:>9} {r['tok_s']:>8.1f} {r['ratio']:>8.2f}x {r['ratio_median']:>6.2f}x "
+              f"{mm:>11} {r['tokens_per_cycle']:>9.2f} {r['verify_cost']:>18.2f} "
+              f"{fmt(r['ideal'], '.2f'):>6} {fmt(r['efficiency'], '.2f'):>5}  {acc}")
     if model.has_mtp:
         print("where a cycle's time goes (ms; stage costs measured alone, host = the rest):")
-        print(f"{'depth':>5} {'cycle':>7} {'draft':>7} {'verify':>7} {'rewrite':>8} {'host+sync':>9}")
+        print(f"{'depth':>9} {'cycle':>7} {'draft':>7} {'verify':>7} {'rewrite':>8} {'host+sync':>9}")
         for r in rows:
             k = r["depth"]
             if k in (0, "auto") or not r["cycles"]:
@@ -276,20 +488,127 @@ def main(argv=None):
             r["breakdown_ms"] = {"cycle": cyc * 1e3, "draft": dr * 1e3, "verify": ve * 1e3,
                                  "rewrite": rw * 1e3, "host": (cyc - dr - ve - rw) * 1e3}
             b = r["breakdown_ms"]
-            print(f"{k:>5} {b['cycle']:>7.2f} {b['draft']:>7.2f} {b['verify']:>7.2f} "
+            print(f"{r['label']:>9} {b['cycle']:>7.2f} {b['draft']:>7.2f} {b['verify']:>7.2f} "
                   f"{b['rewrite']:>8.2f} {b['host']:>9.2f}")
-    print(f"outputs identical to mlx_lm: {'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}")
+    bad = {lab: m for lab, m in mismatches.items() if m}
+    n_bad = sum(bad.values())
+    print("outputs identical to mlx_lm: " + ("yes" if not bad else
+          f"NO ({n_bad} differ: " + ", ".join(f"{lab}: {m}" for lab, m in bad.items()) + ")"))
+
+    trace = None
+    if args.trace:
+        trace = run_trace(args, model, prompt_ids[0], rows, run_mlx_lm)
+        n_bad += not trace["identical_to_mlx_lm"]
+
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "machine": info, "model": str(path), "prompts": len(prompts), "rounds": args.rounds,
             "max_tokens": args.max_tokens, "oracle_rate": args.oracle_rate,
-            "mlx_lm_tok_s": base_tps, "costs": costs, "rows": rows,
+            "mlx_lm_tok_s": base_tps, "mlx_lm_tok_s_rounds": base_round,
+            "costs": costs, "rows": rows, "trace": trace,
             "command": " ".join([sys.executable] + sys.argv),
         }, indent=1))
         print(f"wrote {args.json}")
-    return 0 if mismatches == 0 else 1
+    return 0 if n_bad == 0 else 1
 
+
+def run_trace(args, model, ids, rows, run_mlx_lm) -> dict:
+    """The --trace section: pipelined, synchronous and lockstep runs of one
+    generation at one depth; prints per-cycle medians and one cycle's timeline."""
+    k = args.trace_depth
+    if k is None:
+        cand = [r for r in rows if r["pipeline"] and r["depth"] not in (0, "auto")]
+        k = max(cand, key=lambda r: r["tok_s"])["depth"] if cand else 2
+    if not model.has_mtp:
+        k = 0
+    warm = 3
+    n = warm + args.trace_cycles + 1  # +1: the first steady cycle needs a predecessor
+    ref, _, _ = run_mlx_lm(ids, n * (k + 1) + 2)
+    modes = ("lockstep", "pipelined", "sync")
+    reps = []  # per repeat: the three runs back to back, so they share machine state
+    for _ in range(max(1, args.trace_repeats)):
+        reps.append({m: trace_run(model, ids, k, n, m) for m in modes})
+    identical = all(out == ref[:len(out)] for runs in reps for _, out in runs.values())
+    acc = {m: [r["accepted"] for r in reps[0][m][0]] for m in modes}
+    same_cycles = all([r["accepted"] for r in runs[m][0]] == acc["pipelined"]
+                      for runs in reps for m in modes)
+    summaries = []
+    for runs in reps:
+        busy_lock = [r["wait1"] - r["wait0"] for r in runs["lockstep"][0]]
+        busy_sync = [r["wait1"] - r["wait0"] for r in runs["sync"][0]]
+        if not same_cycles:  # cycles differ: compare medians instead of cycle by cycle
+            busy_lock = [statistics.median(busy_lock)] * n
+        summaries.append(({"pipelined": trace_summary(runs["pipelined"][0], busy_lock, warm),
+                           "sync": trace_summary(runs["sync"][0], busy_sync, warm)},
+                          {"pipelined": busy_lock, "sync": busy_sync}))
+    # show the repeat whose pipelined steady-state time is the median one
+    total = lambda sm: sum(c["period"] for c in sm[0]["pipelined"]["cycles"])
+    order = sorted(range(len(reps)), key=lambda j: total(summaries[j]))
+    pick = order[len(order) // 2]
+    runs = reps[pick]
+    summ, busy_of = summaries[pick]
+    hidden_all = {m: [sm[0][m]["hidden_fraction"] for sm in summaries] for m in summ}
+
+    print(f"trace: depth {k}, first prompt, {args.trace_cycles} steady-state cycles "
+          f"(after {warm}), {len(reps)} repeats (shown: the median one, #{pick + 1}); "
+          "medians per cycle, ms:")
+    print(f"{'loop':>10} {'build':>6} {'a_eval':>6} {'land':>6} {'yield':>6} {'host':>6} "
+          f"{'blocked':>7} {'period':>7} {'dev busy':>8} {'dev idle':>8} {'hidden':>6}")
+    for m, sm in summ.items():
+        d = {key: v * 1e3 for key, v in sm["median_s"].items()}
+        print(f"{m:>10} {d['build']:>6.2f} {d['async_eval']:>6.2f} {d['land']:>6.2f} "
+              f"{d['yield_']:>6.2f} {d['host']:>6.2f} {d['blocked']:>7.2f} {d['period']:>7.2f} "
+              f"{d['busy']:>8.2f} {d['idle']:>8.2f} {sm['hidden_fraction']:>6.2f}")
+    print("  host = graph build (launch) + land bookkeeping after the read + yield; "
+          "blocked = host waiting in land's read (device time not overlapped); "
+          "period = land to land")
+    print("  a_eval = the mx.async_eval call, not counted as host work: on MLX's CPU backend "
+          "it blocks while many ops are queued, so there it is mostly waiting too")
+    print("  dev busy = the same cycle's mx.eval time when run alone (pipelined: a lockstep run "
+          "of the padded caches, launch/eval/land, build excluded; sync: its own eval); "
+          "dev idle = max(0, period - dev busy); hidden = 1 - sum(dev idle) / sum(host)")
+    print("  caveat: on the CPU backend host and 'device' share the cores, so busy measured "
+          "alone may be lower than when overlapped (hidden is then underestimated)")
+    if args.oracle_rate is not None:
+        print("  note: the trace drafts with the model's own head (the pipelined loop takes no "
+              "oracle), so its acceptance is not the oracle's")
+    for m, hs in hidden_all.items():
+        print(f"  hidden fraction over the repeats, {m}: " + " ".join(f"{h:.2f}" for h in hs))
+    if not same_cycles:
+        print("  note: accepted counts differ between the traced runs; used median device time")
+    print(f"  trace outputs identical to mlx_lm: {'yes' if identical else 'NO'}")
+    timelines = {}
+    for m in ("pipelined", "sync"):
+        recs = runs[m][0]
+        steady = list(range(max(warm, 1), len(recs)))
+        periods = {i: recs[i]["wait1"] - recs[i - 1]["wait1"] for i in steady}
+        order = sorted(steady, key=periods.get)
+        i = order[len(order) // 2]  # the cycle of median period
+        busy = busy_of[m]
+        spans = device_spans(recs, busy, m == "pipelined")
+        lines = ascii_timeline(recs[i], spans[i:i + 2], m == "pipelined")
+        print(f"  {m}: one loop iteration (cycle {i}, median period), from its build start:")
+        print("\n".join(lines))
+        t0 = recs[i]["build0"]
+        timelines[m] = {"cycle": i, **{key: (v - t0) * 1e3 for key, v in recs[i].items()
+                                       if key != "accepted"}}
+    print("    host: b build, q async_eval, W blocked in land, l land bookkeeping, y yield; "
+          "device: = the cycle landed in this iteration, + the next one; pipelined (estimated): "
+          "in order, each from when it is queued and the previous is done, for its dev busy "
+          "time, ending no later than the host saw it done")
+    return {
+        "depth": k, "warm_cycles": warm, "cycles": args.trace_cycles, "repeats": len(reps),
+        "shown_repeat": pick, "identical_to_mlx_lm": identical, "same_cycles": same_cycles,
+        "accepted": acc["pipelined"],
+        "hidden_fraction_repeats": hidden_all,
+        "device_busy_s": busy_of,
+        "pipelined": summ["pipelined"], "sync": summ["sync"],
+        "timeline_ms": timelines,
+        "raw_s": {m: [{key: (v - recs[0]["build0"]) if key != "accepted" else v
+                       for key, v in r.items()} for r in recs]
+                  for m, (recs, _) in runs.items()},
+    }
 
 if __name__ == "__main__":
     sys.exit(main())
