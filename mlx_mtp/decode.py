@@ -121,27 +121,29 @@ def _logprobs(
 
 class OracleDrafter:
     """Benchmark/test drafter: proposes the known continuation `sequence`
-    (e.g. the trunk's own greedy output), each draft right with probability
-    `accept_rate` and otherwise deliberately wrong. It replaces only the head's
-    proposals; verify, commit and the head-cache rewrite run as usual."""
+    (e.g. the trunk's own greedy output), the draft for each position right
+    with probability `accept_rate` and otherwise deliberately wrong. It
+    replaces only the head's proposals; verify, commit and the head-cache
+    rewrite run as usual. Proposals are a device-side table lookup at the
+    decoder's device-resident position, so pipelined cycles can use it."""
 
     def __init__(self, sequence: List[int], accept_rate: float = 1.0, vocab_size: int = 2,
-                 seed: int = 0):
+                 seed: int = 0, margin: int = 64):
         import random
 
-        self.sequence = list(sequence)
-        self.accept_rate = accept_rate
-        self.vocab_size = vocab_size
-        self.rng = random.Random(seed)
+        rng = random.Random(seed)
+        table = []
+        for j in range(len(sequence) + margin):
+            true = sequence[j] if j < len(sequence) else rng.randrange(vocab_size)
+            right = rng.random() < accept_rate
+            table.append(true if right else (true + 1) % vocab_size)
+        self.table = mx.array(table, dtype=mx.int32)
 
-    def propose(self, position: int, k: int) -> mx.array:
-        out = []
-        for i in range(k):
-            j = position + i
-            true = self.sequence[j] if j < len(self.sequence) else self.rng.randrange(self.vocab_size)
-            right = self.rng.random() < self.accept_rate
-            out.append(true if right else (true + 1) % self.vocab_size)
-        return mx.array(out, dtype=mx.int32)
+    def propose(self, position, k: int) -> mx.array:
+        """Drafts [k] for emitted positions position..position+k-1 (position:
+        int or device scalar; index 0 is the prompt's first generated token)."""
+        idx = mx.minimum(position + mx.arange(k, dtype=mx.int32), self.table.size - 1)
+        return mx.take(self.table, idx)
 
 
 class DistributionDrafter:
@@ -204,6 +206,7 @@ class MTPDecoder:
     ):
         self.model = model
         self.draft_vocab = draft_vocab  # greedy drafts over these ids only
+        self._draft_rows = self._gather_draft_rows() if draft_vocab is not None else None
         self.sampler = sampler or greedy_sampler
         # Leviathan–Chen verification for samplers with known settings
         self.speculative = isinstance(sampler, MTPSampler) and sampler.speculative
@@ -226,7 +229,9 @@ class MTPDecoder:
         self.stats = MTPStats()
         self.oracle = oracle
         self.n_emitted = 0
+        self.position = None  # device copy of n_emitted (an oracle's index)
         self.pipelined = False
+        self.compiled = None
         # (hidden, token) pairs of plain steps the head has not seen yet: plain
         # steps leave the head idle and it catches up before the next draft
         self._pending: List[Tuple[mx.array, mx.array]] = []
@@ -269,16 +274,20 @@ class MTPDecoder:
                 logits = proc(tokens, logits)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
+    def _gather_draft_rows(self) -> dict:
+        """The lm_head rows of the draft vocabulary, gathered once per
+        generation (eagerly, so a compiled cycle captures them as constants)."""
+        w = dict(self.model.lm_head_weights())
+        ids = self.draft_vocab
+        rows = {"weight": w["weight"][ids]}
+        if w.get("scales") is not None:
+            rows.update(scales=w["scales"][ids], biases=w["biases"][ids],
+                        group_size=w["group_size"], bits=w["bits"])
+        mx.eval({k: v for k, v in rows.items() if isinstance(v, mx.array)})
+        return rows
+
     def _trimmed_draft_logits(self, h: mx.array) -> mx.array:
         """Head logits [1, V] over the draft vocabulary rows only (-inf elsewhere)."""
-        if getattr(self, "_draft_rows", None) is None:  # gathered once per generation
-            w = dict(self.model.lm_head_weights())
-            ids = self.draft_vocab
-            rows = {"weight": w["weight"][ids]}
-            if w.get("scales") is not None:
-                rows.update(scales=w["scales"][ids], biases=w["biases"][ids],
-                            group_size=w["group_size"], bits=w["bits"])
-            self._draft_rows = rows
         r = self._draft_rows
         if "scales" in r:
             sub = mx.quantized_matmul(h, r["weight"], r["scales"], r["biases"], transpose=True,
@@ -333,15 +342,16 @@ class MTPDecoder:
         logits = model.logits_from_hidden(h)[0]
         logprobs = _logprobs(logits, self.history[:-1] if self.history is not None else None,
                              last, self.logits_processors)
+        self.position = mx.array(1, dtype=mx.int32)
         if self.speculative:
-            y = self.sampler.sample(logprobs, self._next_key(1)[0])
+            y = self.sampler.sample(logprobs, self._next_key(1)[0]).astype(mx.int32)
             if self.use_head:
                 self.g = self._head(h, y)
             self.y = self._y0 = y
             self._append_history(y)
             self.n_emitted = 1
             return y, logprobs[0]
-        y = self.sampler(logprobs)
+        y = self.sampler(logprobs).astype(mx.int32)  # one dtype for every cycle's y
         if self.use_head:
             self.g = self._head(h, y)
             self.d1 = self._draft_from(self.g)
@@ -360,7 +370,10 @@ class MTPDecoder:
 
     def launch(self, k: int) -> "PendingCycle":
         """Build one cycle's graph (nothing is evaluated); see `_launch_drafted`."""
-        if k == 0 or not self.use_head:
+        k = k if self.use_head else 0
+        if self.compiled is not None:
+            pending = self.compiled.launch(k)
+        elif k == 0:
             pending = self._launch_plain()
         else:
             pending = self._launch_drafted(k)
@@ -407,6 +420,8 @@ class MTPDecoder:
         #    dropped and rewritten from the verified hiddens paired with the
         #    emitted tokens, which yields the next cycle's first draft
         commit(self.cache, accepted + 1, k + 1, self.conv_kernel)
+        if self.oracle is not None:
+            self.position = self.position + accepted + 1
         set_capturing(self.cache, False)
         for c in self.head_cache:
             c.trim(chained)
@@ -459,7 +474,7 @@ class MTPDecoder:
             drafts.append(self._draft_from(g))
         drafts = mx.concatenate(drafts)
         if self.oracle is not None:
-            drafts = self.oracle.propose(self.n_emitted, k)
+            drafts = self.oracle.propose(self.position, k)
         return drafts, k - 1
 
     def _draft_sampled(self, k: int, keys: mx.array) -> Tuple[mx.array, mx.array, int]:
@@ -479,7 +494,7 @@ class MTPDecoder:
             ql.append(qj)
         drafts, q = mx.concatenate(dl), mx.concatenate(ql)  # [k], [k, V]
         if self.oracle is not None:  # OracleDrafter: claims q one-hot
-            drafts = self.oracle.propose(self.n_emitted, k)
+            drafts = self.oracle.propose(self.position, k)
             q = (mx.arange(q.shape[-1]) == drafts[:, None]).astype(mx.float32)
         return drafts, q, k - 1
 
@@ -496,6 +511,8 @@ class MTPDecoder:
         else:
             y = self.sampler(logprobs)
         y = y.astype(mx.int32)
+        if self.oracle is not None:
+            self.position = self.position + 1
         if self.use_head:
             self._pending.append((h, y))
         self.y = y
@@ -505,15 +522,20 @@ class MTPDecoder:
         return PendingCycle(0, packed, logprobs, y, outputs)
 
     # -- pipelining -------------------------------------------------------------
-    def start_pipeline(self, reserve: int = 0):
+    def start_pipeline(self, reserve: int = 0, compile: bool = False):
         """Switch to device-resident cache lengths (after prefill), so cycles
         can be launched before the previous one is read (`launch`/`land`)."""
-        if self.logits_processors or self.oracle is not None:
-            raise ValueError("pipelined decoding needs no logits processors and no oracle")
+        if self.logits_processors or hasattr(self.oracle, "propose_dist"):
+            raise ValueError("pipelined decoding needs no logits processors and no "
+                             "DistributionDrafter")
         self.cache = to_padded(self.cache, reserve)
         if self.head_cache is not None:
             self.head_cache = to_padded(self.head_cache, reserve)
         self.pipelined = True
+        if compile:
+            from .compiled import CompiledCycles
+
+            self.compiled = CompiledCycles(self)
         self._landed_len = next((c.bound for c in self._padded_caches()), 0)
         self._inflight = deque()
 
@@ -558,13 +580,15 @@ def mtp_generate_step(
     max_draft_tokens: int = 4,
     controller: Optional[DepthController] = None,
     pipeline: bool = True,
+    compiled: bool = False,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like mlx_lm.generate_step, at most
     `max_tokens` of them (-1: no limit). draft_tokens="auto" picks the depth
     per cycle (0..max_draft_tokens) from measured acceptance and cost;
     draft_tokens=0, a model without a head, or MLX_MTP_DISABLE=1 give plain
     decoding. pipeline=True double-buffers cycles (device-resident cache
-    lengths); logits processors and oracles use the synchronous loop."""
+    lengths); logits processors and a DistributionDrafter use the synchronous
+    loop."""
     if draft_tokens == "auto":
         controller = controller or DepthController(max_depth=max_draft_tokens)
         k = max_draft_tokens
@@ -588,7 +612,7 @@ def mtp_generate_step(
         controller = None
     if stats is not None:
         dec.stats = stats
-    pipelined = pipeline and not logits_processors and oracle is None
+    pipelined = pipeline and not logits_processors and not hasattr(oracle, "propose_dist")
     with mx.stream(generation_stream):
         y, logprobs = dec.prefill(prompt, prefill_step_size, prompt_progress_callback)
         mx.eval(y, logprobs)
@@ -599,8 +623,10 @@ def mtp_generate_step(
         yield y.item(), logprobs, False
         if max_tokens == 1:
             return
-        cycles = _pipelined_cycles if pipelined else _synchronous_cycles
-        yield from cycles(dec, k, controller, max_tokens, prompt.size)
+        if pipelined:
+            yield from _pipelined_cycles(dec, k, controller, max_tokens, prompt.size, compiled)
+        else:
+            yield from _synchronous_cycles(dec, k, controller, max_tokens, prompt.size)
 
 
 def _depth(dec: MTPDecoder, want: int, remaining: int) -> int:
@@ -627,7 +653,7 @@ def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
             mx.clear_cache()
 
 
-def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len):
+def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compile=False):
     """Double-buffered: cycle n+1 is built and queued (mx.async_eval) before
     cycle n is read, so the device never waits for Python. Tokens are read one
     cycle late; a cycle launched past EOS or max_tokens is simply never read
@@ -635,7 +661,7 @@ def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len):
     is read; its cost is the time between two reads, i.e. the device's pace."""
     n = 1
     reserve = (max_tokens if max_tokens > 0 else 0) + (k or 0) + 2
-    dec.start_pipeline(reserve)
+    dec.start_pipeline(reserve, compile=compile)
     inflight: Optional[PendingCycle] = None
     tic = time.perf_counter()
     while True:

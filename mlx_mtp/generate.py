@@ -186,6 +186,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
                         "measured acceptance and cost, 0 (plain decoding) included")
     p.add_argument("--max-draft-tokens", type=int, default=4, help="largest depth 'auto' tries")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="read every cycle before building the next (default: double-buffered)")
     p.add_argument("--draft-vocab", type=str, default=None,
                    help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
                         "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
@@ -263,7 +265,7 @@ def main(argv=None):
         model, tokenizer, prompt, max_tokens=args.max_tokens, draft_tokens=args.draft_tokens,
         verbose=args.verbose, sampler=sampler, logits_processors=processors,
         prefill_step_size=args.prefill_step_size, draft_vocab=vocab,
-        max_draft_tokens=args.max_draft_tokens,
+        max_draft_tokens=args.max_draft_tokens, pipeline=not args.no_pipeline,
     )
     if not args.verbose:
         print(text)
