@@ -522,7 +522,7 @@ class MTPDecoder:
         return PendingCycle(0, packed, logprobs, y, outputs)
 
     # -- pipelining -------------------------------------------------------------
-    def start_pipeline(self, reserve: int = 0, compile: bool = False):
+    def start_pipeline(self, reserve: int = 0, compiled: bool = False):
         """Switch to device-resident cache lengths (after prefill), so cycles
         can be launched before the previous one is read (`launch`/`land`)."""
         if self.logits_processors or hasattr(self.oracle, "propose_dist"):
@@ -532,7 +532,7 @@ class MTPDecoder:
         if self.head_cache is not None:
             self.head_cache = to_padded(self.head_cache, reserve)
         self.pipelined = True
-        if compile:
+        if compiled:
             from .compiled import CompiledCycles
 
             self.compiled = CompiledCycles(self)
@@ -653,7 +653,7 @@ def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
             mx.clear_cache()
 
 
-def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compile=False):
+def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False):
     """Double-buffered: cycle n+1 is built and queued (mx.async_eval) before
     cycle n is read, so the device never waits for Python. Tokens are read one
     cycle late; a cycle launched past EOS or max_tokens is simply never read
@@ -661,7 +661,7 @@ def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compile=False)
     is read; its cost is the time between two reads, i.e. the device's pace."""
     n = 1
     reserve = (max_tokens if max_tokens > 0 else 0) + (k or 0) + 2
-    dec.start_pipeline(reserve, compile=compile)
+    dec.start_pipeline(reserve, compiled=compiled)
     inflight: Optional[PendingCycle] = None
     tic = time.perf_counter()
     while True:
