@@ -6,13 +6,14 @@ and rolls attention caches back on the device (PaddedKVCache, device-resident
 `offset`). These tests compare its outputs and caches with the synchronous
 loop (`pipeline=False`) and with plain mlx_lm decoding.
 
-The fixtures' random heads almost never draft right, and an OracleDrafter
-forces the synchronous loop; so accepted and partially accepted cycles are
-driven by `device_oracle`, which replaces the head's greedy drafts by the
-known continuation IN-GRAPH (the draft position comes from the trunk cache's
-device-side length), with a fixed pattern of deliberately wrong drafts. The
-head still runs its chain and its cache rewrite; verify, commit and the
-device-side rollback run for real.
+The fixtures' random heads almost never draft right, so accepted and
+partially accepted cycles are driven by `device_oracle`, which replaces the
+head's greedy drafts by the known continuation IN-GRAPH, with a fixed pattern
+of deliberately wrong drafts. It reads the draft position from the trunk
+cache's length (device-side when pipelined), not from the decoder's own
+bookkeeping, and leaves the decoder's `oracle` unset, so exactly the
+head-drafting path runs. The head still runs its chain and its cache
+rewrite; verify, commit and the device-side rollback run for real.
 """
 
 import itertools
