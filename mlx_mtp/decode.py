@@ -560,7 +560,6 @@ class PendingCycle:
     logprobs: mx.array
     out: mx.array
     outputs: list
-    wanted: bool = True  # depth was the controller's choice (not capped)
 
 
 def mtp_generate_step(
@@ -629,20 +628,16 @@ def mtp_generate_step(
             yield from _synchronous_cycles(dec, k, controller, max_tokens, prompt.size)
 
 
-def _depth(dec: MTPDecoder, want: int, remaining: int) -> int:
-    """Never draft past what the caller can still take."""
-    return min(want, remaining - 1) if dec.use_head else 0
-
-
 def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
     """Launch a cycle, read it, yield its tokens; then the next."""
     n = 1
     while max_tokens < 0 or n < max_tokens:
-        want = controller.next_depth() if controller is not None else k
-        depth = _depth(dec, want, max_tokens - n if max_tokens >= 0 else want + 1)
+        # the depth is never capped by max_tokens (extra tokens are dropped):
+        # both loops then split the same random keys for a seed
+        depth = controller.next_depth() if controller is not None else k
         tic = time.perf_counter()
         tokens, rows, a = dec.cycle(depth)
-        if controller is not None and depth == want:
+        if controller is not None:
             controller.update(depth, a, time.perf_counter() - tic)
         for i, tok in enumerate(tokens):
             yield tok, rows[i], i < a
@@ -669,17 +664,14 @@ def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False
         # the in-flight cycle emits at least one token
         remaining = max_tokens - n - (1 if inflight is not None else 0)
         if max_tokens < 0 or remaining > 0:
-            want = controller.next_depth() if controller is not None else k
-            depth = _depth(dec, want, remaining if max_tokens >= 0 else want + 1)
-            launched = dec.launch(depth)
-            launched.wanted = depth == want
+            launched = dec.launch(controller.next_depth() if controller is not None else k)
             mx.async_eval(launched.outputs)
         if inflight is None:
             inflight = launched
             continue
         tokens, rows, a = dec.land(inflight)
         toc = time.perf_counter()
-        if controller is not None and inflight.wanted:
+        if controller is not None:
             controller.update(inflight.k, a, toc - tic)
         tic = toc
         for i, tok in enumerate(tokens):
