@@ -12,6 +12,10 @@ the BLAS library actually loaded.
 
 Flags beyond the model/prompt ones:
   --depths 0,1,2,auto   depths to run (mlx_mtp's default pipelined loop)
+  --adversarial tokens|head  random-token prompts / a head with random weights
+  --draft-vocab N|FILE  trimmed draft vocabulary for all mlx_mtp rows
+  --uncompiled          also run the pipelined loop uncompiled, rows "k nocomp"
+                        (plain rows: the defaults, pipelined and compiled)
   --sync                also run the synchronous loop (pipeline=False) at each
                         depth, as rows "k sync", in the same rounds
   --rounds N            alternating rounds (default 3)
@@ -200,7 +204,7 @@ def trace_run(model, ids, k, n_cycles, mode) -> tuple:
         mx.eval(y, lp)
         out.append(y.item())
         if mode != "sync":
-            dec.start_pipeline((n_cycles + 2) * (k + 1) + 2)
+            dec.start_pipeline((n_cycles + 2) * (k + 1) + 2, compiled=True)  # the defaults
         if mode == "pipelined":
             inflight = None
             while len(recs) < n_cycles:
@@ -331,6 +335,12 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sync", action="store_true",
                    help="also run the synchronous loop (pipeline=False) at each depth")
+    p.add_argument("--adversarial", choices=["tokens", "head"], default=None,
+                   help="random-token prompts, or a head with random weights")
+    p.add_argument("--draft-vocab", type=str, default=None,
+                   help="trimmed draft vocabulary for every mlx_mtp row (N most frequent ids, or a file)")
+    p.add_argument("--uncompiled", action="store_true",
+                   help="also run the pipelined loop without per-depth compilation")
     p.add_argument("--trace", action="store_true",
                    help="time steady-state cycles of one generation, pipelined and synchronous")
     p.add_argument("--trace-depth", type=int, default=None,
@@ -355,16 +365,32 @@ def main(argv=None):
     ref_model, _ = mlx_lm.load(str(path))
     depths = [d if d == "auto" else int(d) for d in args.depths.split(",")]
     fixed = [d for d in depths if d != "auto"]
-    # (label, depth, pipelined): each depth's sync row right after its pipelined one
+    # (label, depth, mode): each depth's sync / compiled rows right after its default one
     variants = []
     for k in depths:
-        variants.append((str(k), k, True))
+        variants.append((str(k), k, "default"))
         if args.sync:
-            variants.append((f"{k} sync", k, False))
+            variants.append((f"{k} sync", k, "sync"))
+        if args.uncompiled:
+            variants.append((f"{k} nocomp", k, "uncompiled"))
     prompts = DEFAULT_PROMPTS
     if args.prompts:
         prompts = [s for s in Path(args.prompts).read_text().split("\n\n") if s.strip()]
     prompt_ids = [tok.encode(s) for s in prompts]
+    if args.adversarial == "tokens":  # text the head cannot predict
+        import random
+
+        rng = random.Random(0)
+        V0 = model.language_model.args.vocab_size
+        prompt_ids = [[rng.randrange(V0) for _ in range(48)] for _ in prompts]
+    if args.adversarial == "head":  # a head that drafts garbage, same cost
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        mx.random.seed(0)
+        params = [(k, mx.random.normal(v.shape, dtype=v.dtype) * 0.05)
+                  for k, v in tree_flatten(model.mtp.parameters())]
+        model.mtp.update(tree_unflatten(params))
+        mx.eval(model.mtp.parameters())
     V = model.language_model.args.vocab_size
 
     def run_mlx_lm(ids, max_tokens=None):
@@ -377,13 +403,19 @@ def main(argv=None):
             out.append(tkn)
         return out, len(out) - 1, time.perf_counter() - t0
 
-    def run_mtp(ids, k, ref, pipeline=True):
+    from mlx_mtp import draft_vocab as dv
+
+    vocab = dv.load(args.draft_vocab, tok, V) if args.draft_vocab else None
+    modes = {"default": {}, "sync": dict(pipeline=False),
+             "uncompiled": dict(pipeline=True, compiled=False)}
+
+    def run_mtp(ids, k, ref, mode="default"):
         stats = MTPStats()
         oracle = OracleDrafter(ref, args.oracle_rate, V) if args.oracle_rate is not None else None
         t0, out = None, []
         for tkn, _, _ in mtp_generate_step(mx.array(ids), model, max_tokens=args.max_tokens,
                                            draft_tokens=k, stats=stats, oracle=oracle,
-                                           pipeline=pipeline):
+                                           draft_vocab=vocab, **modes[mode]):
             if t0 is None:
                 t0 = time.perf_counter()
             out.append(tkn)
@@ -392,8 +424,8 @@ def main(argv=None):
     # warm-up (compilation, allocator)
     ref0, _, _ = run_mlx_lm(prompt_ids[0][:8])
     run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0)
-    if args.sync:
-        run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0, pipeline=False)
+    for mode in ("sync",) * args.sync + ("uncompiled",) * args.uncompiled:
+        run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0, mode)
 
     # per round: [tokens, seconds] for mlx_lm and every variant
     labels = ["mlx_lm"] + [v[0] for v in variants]
@@ -405,8 +437,8 @@ def main(argv=None):
             ref, n, dt = run_mlx_lm(ids)
             per_round["mlx_lm"][r][0] += n
             per_round["mlx_lm"][r][1] += dt
-            for lab, k, pipe in variants:
-                out, n, dt, st = run_mtp(ids, k, ref, pipeline=pipe)
+            for lab, k, mode in variants:
+                out, n, dt, st = run_mtp(ids, k, ref, mode)
                 mismatches[lab] += out != ref
                 per_round[lab][r][0] += n
                 per_round[lab][r][1] += dt
@@ -430,7 +462,7 @@ def main(argv=None):
     base_tps, _ = pooled("mlx_lm")
     base_round = [n / t for n, t in per_round["mlx_lm"]]
     rows = []
-    for lab, k, pipe in variants:
+    for lab, k, mode in variants:
         tps, t = pooled(lab)
         rr = [(n / dt) / b for (n, dt), b in zip(per_round[lab], base_round)]
         tpc = agg[lab].tokens_per_cycle
@@ -440,7 +472,7 @@ def main(argv=None):
             ideal = tpc / denom
             eff = (tps / base_tps) / ideal
         rows.append({
-            "depth": k, "label": lab, "pipeline": pipe,
+            "depth": k, "label": lab, "mode": mode,
             "tok_s": tps, "ratio": tps / base_tps,
             "ratio_rounds": rr, "ratio_median": statistics.median(rr),
             "ratio_min": min(rr), "ratio_max": max(rr),
@@ -456,9 +488,6 @@ def main(argv=None):
     print(f"model: {path}   device: {info['device']}   mlx {info['mlx']}   BLAS: {info['blas']}")
     print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.max_tokens} tokens each, greedy"
           + (f", oracle drafter at rate {args.oracle_rate}" if args.oracle_rate is not None else ""))
-    if args.sync and args.oracle_rate is not None:
-        print("note: the oracle drafter forces the synchronous loop, so pipelined and 'sync' "
-              "rows run the same code")
     print(f"mlx_lm: {base_tps:.1f} tok/s;  decode {dec_s * 1e3:.2f} ms, "
           f"draft step {costs.get('draft_s', 0) * 1e3:.2f} ms "
           f"({costs.get('draft_s', 0) / dec_s:.2f}x decode)")

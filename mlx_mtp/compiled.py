@@ -84,7 +84,9 @@ class CompiledCycles:
         caches = list(dec._padded_caches())
         bounds = [c.bound for c in caches]
         slots = _slots(dec)
+        traces = sum(self.traces.values())
         outs = self._fn(k)(*[_get(obj, where) for obj, where in slots])
+        traced = sum(self.traces.values()) > traces
         for (obj, where), value in zip(slots, outs):
             _set(obj, where, value)
         for c, b in zip(caches, bounds):  # host bookkeeping the replay skips
@@ -93,4 +95,4 @@ class CompiledCycles:
         if extra:
             dec._pending.append(tuple(extra))
         keep = [packed, logprobs] + list(outs[: len(slots)])
-        return PendingCycle(k, packed, logprobs, out, keep)
+        return PendingCycle(k, packed, logprobs, out, keep, traced=traced)

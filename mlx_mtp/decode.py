@@ -532,8 +532,14 @@ class MTPDecoder:
         if self.head_cache is not None:
             self.head_cache = to_padded(self.head_cache, reserve)
         self.pipelined = True
-        if compiled:
+        from . import metal as kernels
+
+        # emulated kernels (tests) run on the host: they cannot be traced
+        if compiled and not kernels.backend().startswith("emu"):
             from .compiled import CompiledCycles
+
+            # a lazy weight captured by the trace would be recomputed every call
+            mx.eval(self.model.parameters())
 
             self.compiled = CompiledCycles(self)
         self._landed_len = next((c.bound for c in self._padded_caches()), 0)
@@ -560,6 +566,7 @@ class PendingCycle:
     logprobs: mx.array
     out: mx.array
     outputs: list
+    traced: bool = False  # its launch traced a compiled graph (slow, not a cost sample)
 
 
 def mtp_generate_step(
@@ -579,15 +586,16 @@ def mtp_generate_step(
     max_draft_tokens: int = 4,
     controller: Optional[DepthController] = None,
     pipeline: bool = True,
-    compiled: bool = False,
+    compiled: bool = True,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like mlx_lm.generate_step, at most
     `max_tokens` of them (-1: no limit). draft_tokens="auto" picks the depth
     per cycle (0..max_draft_tokens) from measured acceptance and cost;
     draft_tokens=0, a model without a head, or MLX_MTP_DISABLE=1 give plain
     decoding. pipeline=True double-buffers cycles (device-resident cache
-    lengths); logits processors and a DistributionDrafter use the synchronous
-    loop."""
+    lengths) and compiled=True runs each depth's cycle as one mx.compile'd
+    graph; logits processors and a DistributionDrafter use the synchronous
+    loop (exact-length caches, every cycle read before the next is built)."""
     if draft_tokens == "auto":
         controller = controller or DepthController(max_depth=max_draft_tokens)
         k = max_draft_tokens
@@ -652,8 +660,13 @@ def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False
     """Double-buffered: cycle n+1 is built and queued (mx.async_eval) before
     cycle n is read, so the device never waits for Python. Tokens are read one
     cycle late; a cycle launched past EOS or max_tokens is simply never read
-    (nothing of it reaches the caller). The controller sees each cycle when it
-    is read; its cost is the time between two reads, i.e. the device's pace."""
+    (nothing of it reaches the caller).
+
+    The controller learns acceptance when a cycle is read. A cost sample is
+    the time between two reads, given to the cycle the host waited on: on GPU
+    backends the one being read; on MLX's CPU backend async_eval itself runs
+    all but the last few queued ops (its scheduler keeps at most ~10 tasks in
+    flight), so there it is the one just launched."""
     n = 1
     reserve = (max_tokens if max_tokens > 0 else 0) + (k or 0) + 2
     dec.start_pipeline(reserve, compiled=compiled)
@@ -663,16 +676,23 @@ def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False
         launched = None
         # the in-flight cycle emits at least one token
         remaining = max_tokens - n - (1 if inflight is not None else 0)
+        t0 = time.perf_counter()
         if max_tokens < 0 or remaining > 0:
             launched = dec.launch(controller.next_depth() if controller is not None else k)
             mx.async_eval(launched.outputs)
+        t1 = time.perf_counter()
         if inflight is None:
             inflight = launched
+            tic = t1
             continue
         tokens, rows, a = dec.land(inflight)
         toc = time.perf_counter()
         if controller is not None:
-            controller.update(inflight.k, a, toc - tic)
+            controller.update_acceptance(inflight.k, a)
+            waited_on = launched if launched is not None and t1 - t0 > toc - t1 else inflight
+            # a period that traced (or first ran) a compiled graph is not a cost sample
+            if not (waited_on.traced or (launched is not None and launched.traced)):
+                controller.update_cost(waited_on.k, toc - tic)
         tic = toc
         for i, tok in enumerate(tokens):
             yield tok, rows[i], i < a

@@ -42,10 +42,13 @@ class DepthController:
         self.cost: Dict[int, float] = {}
         self.cost_n: Dict[int, int] = {}
         self.cycles = 0
-        self.since_probe = 0
+        # the first probe comes early: a head that cannot draft this text
+        # should cost only a few cycles before depth 0 is measured
+        self.since_probe = max(0, probe_every - 4)
         self._probing = self.k
         self._probe_left = 0
         self._probe_side = -1
+        self._probe_start_n = 0
 
     # -- model -----------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -78,15 +81,21 @@ class DepthController:
     # -- feedback ----------------------------------------------------------------
     def update(self, k: int, accepted: int, seconds: float):
         """Record one cycle of depth k that accepted `accepted` drafts in `seconds`."""
+        self.update_acceptance(k, accepted)
+        self.update_cost(k, seconds)
+
+    def update_acceptance(self, k: int, accepted: int):
         self.cycles += 1
         self.since_probe += 1
-        n = self.cost_n.get(k, 0) + 1
-        self.cost_n[k] = n
-        self.cost[k] = self._average(self.cost.get(k, 0.0), seconds, n)
         for j in range(min(k, accepted + 1)):  # positions reached this cycle
             self.accept_n[j] += 1
             hit = 1.0 if j < accepted else 0.0
             self.accept[j] = self._average(self.accept[j], hit, self.accept_n[j], prior=1)
+
+    def update_cost(self, k: int, seconds: float):
+        n = self.cost_n.get(k, 0) + 1
+        self.cost_n[k] = n
+        self.cost[k] = self._average(self.cost.get(k, 0.0), seconds, n)
 
     def _average(self, old: float, x: float, n: int, prior: int = 0) -> float:
         """Running mean for the first samples, then an exponential moving
@@ -96,17 +105,25 @@ class DepthController:
 
     # -- decision ----------------------------------------------------------------
     def next_depth(self) -> int:
-        if self._probe_left > 0:  # finish a probe: a few cycles at a neighbour depth
+        if self._probe_left > 0:  # finish a probe: cycles at a neighbour depth until it
+            # has min_samples new cost samples (they may arrive a cycle late, or be
+            # skipped, e.g. a cycle that compiled its graph), a bounded number of times
+            new = self.cost_n.get(self._probing, 0) - self._probe_start_n
             self._probe_left -= 1
-            return self._probing
+            if new < self.min_samples:
+                return self._probing
+            self._probe_left = 0
         if self.cost_n.get(self.k, 0) < self.min_samples:  # measure the current depth
             return self.k
         if self.since_probe >= self.interval:  # refresh a neighbour's measurements
             self.since_probe = 0
             self._probe_side = -self._probe_side
+            if self.k > 0 and self.accept[self.k - 1] < 0.5:
+                self._probe_side = -1  # drafts at depth k mostly fail: look shallower
             for cand in (self.k + self._probe_side, self.k - self._probe_side):
                 if 0 <= cand <= self.max_depth:
-                    self._probing, self._probe_left = cand, self.min_samples - 1
+                    self._probing, self._probe_left = cand, self.min_samples + 2
+                    self._probe_start_n = self.cost_n.get(cand, 0)
                     self._probe_from = self.k
                     return cand
         best_k, best = self.k, self.throughput(self.k) or 0.0

@@ -188,8 +188,8 @@ def test_auto_depth_parity(loaded, rate):
     class ModelCostController(DepthController):
         # deterministic cycle costs (decode units): timing noise on a busy
         # machine must not decide what this test checks
-        def update(self, k, accepted, seconds):
-            super().update(k, accepted, 1.0 + 0.3 * k)
+        def update_cost(self, k, seconds):
+            super().update_cost(k, 1.0 + 0.3 * k)
 
     ctl = ModelCostController(max_depth=4, probe_every=4)
     oracle = OracleDrafter(ref, rate, V, seed=5) if rate is not None else None
