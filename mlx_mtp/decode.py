@@ -636,6 +636,18 @@ def mtp_generate_step(
             yield from _synchronous_cycles(dec, k, controller, max_tokens, prompt.size)
 
 
+def _emit(tokens, rows, a, n, max_tokens):
+    """Yield one cycle's tokens, never past max_tokens; returns the new count."""
+    for i, tok in enumerate(tokens):
+        yield tok, rows[i], i < a
+        n += 1
+        if n == max_tokens:
+            break
+    if n % 256 < len(tokens):
+        mx.clear_cache()
+    return n
+
+
 def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
     """Launch a cycle, read it, yield its tokens; then the next."""
     n = 1
@@ -647,13 +659,9 @@ def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
         tokens, rows, a = dec.cycle(depth)
         if controller is not None:
             controller.update(depth, a, time.perf_counter() - tic)
-        for i, tok in enumerate(tokens):
-            yield tok, rows[i], i < a
-            n += 1
-            if n == max_tokens:
-                return
-        if n % 256 < len(tokens):
-            mx.clear_cache()
+        n = yield from _emit(tokens, rows, a, n, max_tokens)
+        if n == max_tokens:
+            return
 
 
 def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False):
@@ -668,7 +676,9 @@ def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False
     all but the last few queued ops (its scheduler keeps at most ~10 tasks in
     flight), so there it is the one just launched."""
     n = 1
-    reserve = (max_tokens if max_tokens > 0 else 0) + (k or 0) + 2
+    # room for the whole generation, including the last cycles' drafts past
+    # max_tokens, so the compiled graphs never see the capacity change
+    reserve = (max_tokens if max_tokens > 0 else 0) + 2 * (k + 1) + 2
     dec.start_pipeline(reserve, compiled=compiled)
     inflight: Optional[PendingCycle] = None
     tic = time.perf_counter()
@@ -694,11 +704,7 @@ def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False
             if not (waited_on.traced or (launched is not None and launched.traced)):
                 controller.update_cost(waited_on.k, toc - tic)
         tic = toc
-        for i, tok in enumerate(tokens):
-            yield tok, rows[i], i < a
-            n += 1
-            if n == max_tokens:
-                return
-        if n % 256 < len(tokens):
-            mx.clear_cache()
+        n = yield from _emit(tokens, rows, a, n, max_tokens)
+        if n == max_tokens:
+            return
         inflight = launched
