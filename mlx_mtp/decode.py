@@ -29,6 +29,13 @@ A cycle with depth k:
      the hidden of the next cycle's first draft (sampling mode drafts d1 at
      the start of the cycle, when the history the processors need is known).
 Emitted per cycle: d1..da and the target after them (a+1 tokens).
+
+`launch(k)` builds a cycle's graph, `land()` reads it. The synchronous loop
+lands each cycle before launching the next (exact-length caches, host trims).
+The pipelined loop (`start_pipeline`) first gives attention caches a device
+length (caches.PaddedKVCache), so the trims are in-graph too and cycle n+1 is
+queued before cycle n is read; compiled.py then runs each depth's cycle as one
+mx.compile'd graph.
 """
 
 from __future__ import annotations
