@@ -199,6 +199,19 @@ def trace_run(model, ids, k, n_cycles, mode) -> tuple:
     pc = time.perf_counter
     dec = MTPDecoder(model, use_head=k > 0)
     recs, out = [], []
+
+    def land(rec, pending, wait_for):
+        """Stamp the wait for `wait_for`, then land `pending` and record it."""
+        rec["wait0"] = pc()
+        mx.eval(wait_for)
+        rec["wait1"] = pc()
+        tokens, _, a = dec.land(pending)
+        rec["land1"] = pc()
+        out.extend(tokens)
+        rec["yield"] = pc()
+        rec["accepted"] = a
+        recs.append(rec)
+
     with mx.stream(generation_stream):
         y, lp = dec.prefill(mx.array(ids))
         mx.eval(y, lp)
@@ -217,15 +230,7 @@ def trace_run(model, ids, k, n_cycles, mode) -> tuple:
                 if inflight is None:
                     inflight = launched
                     continue
-                rec["wait0"] = pc()
-                mx.eval(inflight.packed)
-                rec["wait1"] = pc()
-                tokens, _, a = dec.land(inflight)
-                rec["land1"] = pc()
-                out.extend(tokens)
-                rec["yield"] = pc()
-                rec["accepted"] = a
-                recs.append(rec)
+                land(rec, inflight, inflight.packed)
                 inflight = launched
             mx.eval(inflight.outputs)  # the last launched cycle is never read
         else:
@@ -234,15 +239,7 @@ def trace_run(model, ids, k, n_cycles, mode) -> tuple:
                 rec["build0"] = pc()
                 pending = dec.launch(k)
                 rec["build1"] = rec["queued"] = pc()
-                rec["wait0"] = pc()
-                mx.eval(pending.outputs)
-                rec["wait1"] = pc()
-                tokens, _, a = dec.land(pending)
-                rec["land1"] = pc()
-                out.extend(tokens)
-                rec["yield"] = pc()
-                rec["accepted"] = a
-                recs.append(rec)
+                land(rec, pending, pending.outputs)
     return recs, out
 
 

@@ -638,9 +638,9 @@ def mtp_generate_step(
         if max_tokens == 1:
             return
         if pipelined:
-            yield from _pipelined_cycles(dec, k, controller, max_tokens, prompt.size, compiled)
+            yield from _pipelined_cycles(dec, k, controller, max_tokens, compiled)
         else:
-            yield from _synchronous_cycles(dec, k, controller, max_tokens, prompt.size)
+            yield from _synchronous_cycles(dec, k, controller, max_tokens)
 
 
 def _emit(tokens, rows, a, n, max_tokens):
@@ -655,7 +655,7 @@ def _emit(tokens, rows, a, n, max_tokens):
     return n
 
 
-def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
+def _synchronous_cycles(dec, k, controller, max_tokens):
     """Launch a cycle, read it, yield its tokens; then the next."""
     n = 1
     while max_tokens < 0 or n < max_tokens:
@@ -671,7 +671,7 @@ def _synchronous_cycles(dec, k, controller, max_tokens, prompt_len):
             return
 
 
-def _pipelined_cycles(dec, k, controller, max_tokens, prompt_len, compiled=False):
+def _pipelined_cycles(dec, k, controller, max_tokens, compiled=False):
     """Double-buffered: cycle n+1 is built and queued (mx.async_eval) before
     cycle n is read, so the device never waits for Python. Tokens are read one
     cycle late; a cycle launched past EOS or max_tokens is simply never read

@@ -39,7 +39,7 @@ def _run(model, prompt_ids, k, max_tokens, oracle=None):
     y, _ = dec.prefill(prompt_ids)
     mx.eval(y)
     out = [y.item()] + [t for t, _, _ in _pipelined_cycles(dec, k, None, max_tokens,
-                                                           prompt_ids.size, compiled=True)]
+                                                           compiled=True)]
     return dec, out
 
 
@@ -68,7 +68,7 @@ def test_retrace_only_when_capacity_grows(loaded, monkeypatch):
     dec = MTPDecoder(model, oracle=OracleDrafter(ref, 0.7, V, seed=2))
     y, _ = dec.prefill(p)
     mx.eval(y)
-    gen = _pipelined_cycles(dec, 2, None, -1, p.size, compiled=True)
+    gen = _pipelined_cycles(dec, 2, None, -1, compiled=True)
     out = [y.item()] + [next(gen) for _ in range(119)]
     gen.close()
     assert [t for t, _, _ in out[1:]] == ref[1:]
