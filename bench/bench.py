@@ -115,38 +115,40 @@ def timed(fn, reps):
 
 def step_costs(model, prompt_ids, depths, reps=20) -> dict:
     """Median seconds of one trunk decode (T=1), one verify of T=k+1 tokens with
-    GDN capture, and one head draft step, at the prompt's context length. Caches
-    are rolled back after each call so the context stays fixed."""
-    from mlx_mtp.caches import make_trunk_cache, set_capturing
+    GDN capture, one head draft step and one head-cache rewrite, at the
+    prompt's context length. Caches are rolled back after each call so the
+    context stays fixed."""
+    from mlx_mtp.cache import CaptureCache
 
-    cache = make_trunk_cache(model)
-    model.trunk_hidden(mx.array(prompt_ids)[None], cache)
-    mx.eval([c.state for c in cache])
-    saved = [(c[0], c[1]) if not hasattr(c, "offset") else None for c in cache]
-
-    def restore(n):
-        for c, s in zip(cache, saved):
-            if s is None:
-                c.trim(n)
-            else:
-                c[0], c[1] = s
-                c.clear_capture()
-        set_capturing(cache, False)
+    cache = model.make_cache()
+    n_trunk = len(model.is_linear)
+    trunk = cache[:n_trunk]
+    model.trunk_hidden(mx.array(prompt_ids)[None], trunk)
+    mx.eval([c.state for c in trunk])
+    trunk = [CaptureCache(c[0], c[1]) if lin else c for c, lin in zip(trunk, model.is_linear)]
+    saved = [c.state if lin else None for c, lin in zip(trunk, model.is_linear)]
 
     def run(T, capture):
-        set_capturing(cache, capture)
+        for c in trunk:
+            if isinstance(c, CaptureCache):
+                c.capturing = capture
         toks = mx.array([prompt_ids[-1]] * T)[None]
-        h = model.trunk_hidden(toks, cache)
-        logits = model.logits_from_hidden(h)
-        mx.eval(logits, [c.state for c in cache])
-        restore(T)
+        h = model.trunk_hidden(toks, trunk)
+        mx.eval(model.logits_from_hidden(h), [c.state for c in trunk])
+        for c, s in zip(trunk, saved):
+            if s is None:
+                c.trim(T)
+            else:
+                c.state = s
 
     out = {"decode_s": timed(lambda: run(1, False), reps)}
     for k in depths:
         if k > 0:
             out[f"verify{k + 1}_s"] = timed(lambda k=k: run(k + 1, True), reps)
     if model.has_mtp:
-        hc = model.mtp.make_cache()
+        from mlx_lm.models.cache import KVCache
+
+        hc = [KVCache() for _ in model.mtp.layers]
         h = model.trunk_hidden(mx.array(prompt_ids)[None], None)
         model.mtp(h[:, :-1], model.embed(mx.array(prompt_ids)[None, 1:]), hc)
         mx.eval([c.state for c in hc])
@@ -154,22 +156,20 @@ def step_costs(model, prompt_ids, depths, reps=20) -> dict:
 
         def draft():
             x = model.mtp(g, model.embed(mx.array([[prompt_ids[-1]]])), hc)
-            mx.eval(mx.argmax(model.logits_from_hidden(x), axis=-1))
+            mx.eval(model.draft_tokens_from_hidden(x[:, -1]))
             for c in hc:
                 c.trim(1)
 
         out["draft_s"] = timed(draft, reps)
 
-        # head-cache rewrite of a depth-k cycle: the head over k+1 verified
-        # hiddens, then the next first draft from one row
+        # head-cache rewrite of a depth-k cycle: the head over k+1 verified hiddens
         for k in depths:
             if k > 0:
                 hk = h[:, -(k + 1):]
                 toks = mx.array(prompt_ids[-(k + 1):])[None]
 
                 def rewrite(hk=hk, toks=toks, k=k):
-                    x = model.mtp(hk, model.embed(toks), hc)
-                    mx.eval(model.draft_tokens_from_hidden(x[0, -1:]))
+                    mx.eval(model.mtp(hk, model.embed(toks), hc))
                     for c in hc:
                         c.trim(k + 1)
 
@@ -177,69 +177,103 @@ def step_costs(model, prompt_ids, depths, reps=20) -> dict:
     return out
 
 
-def trace_run(model, ids, k, n_cycles, mode) -> tuple:
-    """One generation of `n_cycles` cycles at depth k on prompt ids, with each
-    cycle's host events stamped by time.perf_counter(). Modes:
-      "pipelined": the loop of decode._pipelined_cycles (cycle n+1 is launched
-                   and async_eval'ed, then cycle n is landed);
-      "sync":      the loop of decode._synchronous_cycles (exact-length caches:
-                   launch, mx.eval, land);
-      "lockstep":  the pipelined caches (start_pipeline) but each cycle
-                   evaluated alone (launch, mx.eval, land): its eval time is
-                   the device time of the same cycle with nothing overlapped.
-    The wait inside land (its .tolist()) is timed as an mx.eval of the packed
-    result just before land, which then reads an evaluated array.
-    Returns (records, emitted tokens); record i belongs to the i-th landed
-    cycle (in "pipelined" its build/queue stamps are of the cycle launched in
-    the same loop iteration, i.e. cycle i+1)."""
-    from mlx_lm.generate import generation_stream
+def warm_auto(model, ids, max_depth):
+    """Trace the adaptive loop's graphs at every depth (a scripted controller)."""
+    from mlx_mtp.depth import DepthController
+    from mlx_mtp.loop import generate_tokens
 
-    from mlx_mtp.decode import MTPDecoder
+    class EveryDepth(DepthController):
+        def next_depth(self):
+            self.cycles += 1
+            return (self.cycles - 1) % (max_depth + 1)
 
-    pc = time.perf_counter
-    dec = MTPDecoder(model, use_head=k > 0)
-    recs, out = [], []
+    for _ in generate_tokens(mx.array(ids), model, max_tokens=4 * (max_depth + 1) ** 2,
+                             draft_tokens="auto", controller=EveryDepth(max_depth)):
+        pass
 
-    def land(rec, pending, wait_for):
-        """Stamp the wait for `wait_for`, then land `pending` and record it."""
-        rec["wait0"] = pc()
-        mx.eval(wait_for)
-        rec["wait1"] = pc()
-        tokens, _, a = dec.land(pending)
-        rec["land1"] = pc()
-        out.extend(tokens)
-        rec["yield"] = pc()
-        rec["accepted"] = a
-        recs.append(rec)
 
-    with mx.stream(generation_stream):
-        y, lp = dec.prefill(mx.array(ids))
-        mx.eval(y, lp)
-        out.append(y.item())
-        if mode != "sync":
-            dec.start_pipeline((n_cycles + 2) * (k + 1) + 2, compiled=True)  # the defaults
-        if mode == "pipelined":
-            inflight = None
-            while len(recs) < n_cycles:
-                rec = {}
-                rec["build0"] = pc()
-                launched = dec.launch(k)
-                rec["build1"] = pc()
-                mx.async_eval(launched.outputs)
-                rec["queued"] = pc()
-                if inflight is None:
-                    inflight = launched
-                    continue
-                land(rec, inflight, inflight.packed)
-                inflight = launched
-            mx.eval(inflight.outputs)  # the last launched cycle is never read
-        else:
-            for _ in range(n_cycles):
-                rec = {}
-                rec["build0"] = pc()
-                pending = dec.launch(k)
-                rec["build1"] = rec["queued"] = pc()
-                land(rec, pending, pending.outputs)
+def multi_turn(args, model, ref_model, tok) -> dict:
+    """A conversation of args.turns turns over a long first context: each
+    turn sends a few new tokens and generates args.max_tokens. Three runs side
+    by side, turn by turn: mlx_lm with its prompt cache, mlx_mtp with its
+    prompt cache (only the new tokens are prefilled), mlx_mtp without one
+    (the whole history prefilled every turn). Greedy; outputs must agree."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_mtp.loop import generate_tokens
+
+    context = Path(args.context_file).read_text() if args.context_file else Path(
+        json.__file__).with_name("decoder.py").read_text()
+    asks = ["\n\n# A helper for the code above:\ndef ", "\n\n# Tests:\ndef test_",
+            "\n\nclass ", "\n\nif __name__ == '__main__':\n    ", "\n\n# Usage:\n"]
+    news = [tok.encode(context + asks[0])] + [tok.encode(a) for a in asks[1:]]
+    news = (news * args.turns)[:args.turns]
+
+    def timed_gen(gen):
+        t0 = time.perf_counter()
+        out, t1 = [], None
+        for tkn in gen:
+            out.append(tkn[0])
+            if t1 is None:
+                t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        return out, t1 - t0, (len(out) - 1) / max(t2 - t1, 1e-9)
+
+    lm_cache, mtp_cache = make_prompt_cache(ref_model), model.make_cache()
+    history, rows = [], []
+    for i, new in enumerate(news):
+        full = history + new
+        r = {"turn": i + 1, "context_tokens": len(full), "new_tokens": len(new)}
+        want, r["mlx_lm_ttft"], r["mlx_lm_tps"] = timed_gen(generate_step(
+            mx.array(new), ref_model, max_tokens=args.max_tokens, prompt_cache=lm_cache))
+        got, r["mtp_ttft"], r["mtp_tps"] = timed_gen(generate_tokens(
+            mx.array(new), model, max_tokens=args.max_tokens, prompt_cache=mtp_cache))
+        plain, r["nocache_ttft"], r["nocache_tps"] = timed_gen(generate_tokens(
+            mx.array(full), model, max_tokens=args.max_tokens))
+        r["identical"] = want == got == plain
+        rows.append(r)
+        history = full + want
+    print(f"multi-turn: {len(news)} turns, first context {len(news[0])} tokens, then "
+          f"{', '.join(str(len(n)) for n in news[1:])} new tokens per turn, "
+          f"{args.max_tokens} generated per turn, greedy, draft_tokens auto")
+    print(f"{'turn':>4} {'context':>7} | {'time to first token (s)':^32} | "
+          f"{'decode tok/s':^26} | identical")
+    print(f"{'':>4} {'':>7} | {'mlx_lm+cache':>12} {'mtp+cache':>9} {'mtp, none':>9} | "
+          f"{'mlx_lm':>8} {'mtp+cache':>9} {'mtp, none':>9} |")
+    for r in rows:
+        print(f"{r['turn']:>4} {r['context_tokens']:>7} | {r['mlx_lm_ttft']:>12.3f} "
+              f"{r['mtp_ttft']:>9.3f} {r['nocache_ttft']:>9.3f} | {r['mlx_lm_tps']:>8.1f} "
+              f"{r['mtp_tps']:>9.1f} {r['nocache_tps']:>9.1f} | {'yes' if r['identical'] else 'NO'}")
+    tot = lambda key: sum(r[key] for r in rows)
+    print(f"total time to first token: mlx_lm+cache {tot('mlx_lm_ttft'):.2f} s, "
+          f"mtp+cache {tot('mtp_ttft'):.2f} s, mtp without cache {tot('nocache_ttft'):.2f} s; "
+          "decode tok/s ratio mtp+cache / mlx_lm, median over turns: "
+          f"{statistics.median(r['mtp_tps'] / r['mlx_lm_tps'] for r in rows):.2f}x")
+    return {"rows": rows, "identical": all(r["identical"] for r in rows)}
+
+
+def trace_run(model, ids, k, n_cycles, pipeline: bool) -> tuple:
+    """One generation of `n_cycles` cycles at depth k on prompt ids through the
+    decode loop (mlx_mtp.loop), which stamps each cycle it reads with
+    time.perf_counter(): build0/build1 (graph built), queued (async_eval
+    returned), wait0/wait1 (the read), land1 (bookkeeping), yield. In the
+    pipelined loop a record's build/queue stamps are of the cycle launched in
+    the same iteration (the next one). Returns (records, emitted tokens)."""
+    from mlx_mtp.loop import generate_tokens
+
+    recs = []
+    gen = generate_tokens(mx.array(ids), model, max_tokens=-1, draft_tokens=k,
+                          pipeline=pipeline, timeline=recs)
+    out = []
+    for tok, _, _ in gen:
+        out.append(tok)
+        if len(recs) > n_cycles:
+            break
+    gen.close()
+    recs = recs[:n_cycles]
+    for r in recs:
+        r.setdefault("yield", r["land1"])
     return recs, out
 
 
@@ -345,6 +379,11 @@ def main(argv=None):
     p.add_argument("--trace-cycles", type=int, default=8)
     p.add_argument("--trace-repeats", type=int, default=3,
                    help="trace runs per loop (interleaved); the median one is shown")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="also run a multi-turn conversation with and without the prompt cache")
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--context-file", type=str, default=None,
+                   help="first turn's context (default: the Python stdlib's json/decoder.py)")
     p.add_argument("--json", type=str, default="bench/results/bench.json")
     args = p.parse_args(argv)
 
@@ -352,7 +391,8 @@ def main(argv=None):
     from mlx_lm.generate import generate_step
 
     import mlx_mtp
-    from mlx_mtp.decode import MTPStats, OracleDrafter, mtp_generate_step
+    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.loop import MTPStats, generate_tokens
     from mlx_mtp.load import resolve_model_path
 
     path = synthetic_model(args) if args.synthetic else args.model
@@ -410,19 +450,22 @@ def main(argv=None):
         stats = MTPStats()
         oracle = OracleDrafter(ref, args.oracle_rate, V) if args.oracle_rate is not None else None
         t0, out = None, []
-        for tkn, _, _ in mtp_generate_step(mx.array(ids), model, max_tokens=args.max_tokens,
-                                           draft_tokens=k, stats=stats, oracle=oracle,
-                                           draft_vocab=vocab, **modes[mode]):
+        for tkn, _, _ in generate_tokens(mx.array(ids), model, max_tokens=args.max_tokens,
+                                         draft_tokens=k, stats=stats, drafter=oracle,
+                                         draft_vocab=vocab, **modes[mode]):
             if t0 is None:
                 t0 = time.perf_counter()
             out.append(tkn)
         return out, len(out) - 1, time.perf_counter() - t0, stats
 
-    # warm-up (compilation, allocator)
+    # warm-up (allocator; compiled graphs are kept on the model across generations,
+    # so every graph the rounds use is traced here: each variant, and auto's at
+    # every depth)
     ref0, _, _ = run_mlx_lm(prompt_ids[0][:8])
-    run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0)
-    for mode in ("sync",) * args.sync + ("uncompiled",) * args.uncompiled:
-        run_mtp(prompt_ids[0][:8], max(fixed or [1]), ref0, mode)
+    for _, k, mode in variants:
+        run_mtp(prompt_ids[0][:8], k, ref0, mode)
+    if "auto" in depths and model.has_mtp:
+        warm_auto(model, prompt_ids[0][:8], max_depth=4)
 
     # per round: [tokens, seconds] for mlx_lm and every variant
     labels = ["mlx_lm"] + [v[0] for v in variants]
@@ -521,6 +564,11 @@ def main(argv=None):
     print("outputs identical to mlx_lm: " + ("yes" if not bad else
           f"NO ({n_bad} differ: " + ", ".join(f"{lab}: {m}" for lab, m in bad.items()) + ")"))
 
+    turns = None
+    if args.multi_turn:
+        turns = multi_turn(args, model, ref_model, tok)
+        n_bad += not turns["identical"]
+
     trace = None
     if args.trace:
         trace = run_trace(args, model, prompt_ids[0], rows, run_mlx_lm)
@@ -532,7 +580,7 @@ def main(argv=None):
             "machine": info, "model": str(path), "prompts": len(prompts), "rounds": args.rounds,
             "max_tokens": args.max_tokens, "oracle_rate": args.oracle_rate,
             "mlx_lm_tok_s": base_tps, "mlx_lm_tok_s_rounds": base_round,
-            "costs": costs, "rows": rows, "trace": trace,
+            "costs": costs, "rows": rows, "trace": trace, "multi_turn": turns,
             "command": " ".join([sys.executable] + sys.argv),
         }, indent=1))
         print(f"wrote {args.json}")
@@ -540,29 +588,31 @@ def main(argv=None):
 
 
 def run_trace(args, model, ids, rows, run_mlx_lm) -> dict:
-    """The --trace section: pipelined, synchronous and lockstep runs of one
-    generation at one depth; prints per-cycle medians and one cycle's timeline."""
+    """The --trace section: pipelined and synchronous runs of one generation
+    at one depth; prints per-cycle medians and one cycle's timeline."""
     k = args.trace_depth
     if k is None:
-        cand = [r for r in rows if r["pipeline"] and r["depth"] not in (0, "auto")]
+        cand = [r for r in rows if r["mode"] == "default" and r["depth"] not in (0, "auto")]
         k = max(cand, key=lambda r: r["tok_s"])["depth"] if cand else 2
     if not model.has_mtp:
         k = 0
     warm = 3
     n = warm + args.trace_cycles + 1  # +1: the first steady cycle needs a predecessor
     ref, _, _ = run_mlx_lm(ids, n * (k + 1) + 2)
-    modes = ("lockstep", "pipelined", "sync")
+    modes = ("pipelined", "sync")
     reps = []  # per repeat: the three runs back to back, so they share machine state
     for _ in range(max(1, args.trace_repeats)):
-        reps.append({m: trace_run(model, ids, k, n, m) for m in modes})
+        reps.append({m: trace_run(model, ids, k, n, m == "pipelined") for m in modes})
     identical = all(out == ref[:len(out)] for runs in reps for _, out in runs.values())
     acc = {m: [r["accepted"] for r in reps[0][m][0]] for m in modes}
     same_cycles = all([r["accepted"] for r in runs[m][0]] == acc["pipelined"]
                       for runs in reps for m in modes)
     summaries = []
     for runs in reps:
-        busy_lock = [r["wait1"] - r["wait0"] for r in runs["lockstep"][0]]
-        busy_sync = [r["wait1"] - r["wait0"] for r in runs["sync"][0]]
+        # a synchronous cycle's device time: its async_eval call (on MLX's CPU
+        # backend that runs most of the work) plus the wait in its read
+        busy_sync = [r["queued"] - r["build1"] + r["wait1"] - r["wait0"] for r in runs["sync"][0]]
+        busy_lock = busy_sync
         if not same_cycles:  # cycles differ: compare medians instead of cycle by cycle
             busy_lock = [statistics.median(busy_lock)] * n
         summaries.append(({"pipelined": trace_summary(runs["pipelined"][0], busy_lock, warm),
@@ -591,14 +641,14 @@ def run_trace(args, model, ids, rows, run_mlx_lm) -> dict:
           "period = land to land")
     print("  a_eval = the mx.async_eval call, not counted as host work: on MLX's CPU backend "
           "it blocks while many ops are queued, so there it is mostly waiting too")
-    print("  dev busy = the same cycle's mx.eval time when run alone (pipelined: a lockstep run "
-          "of the padded caches, launch/eval/land, build excluded; sync: its own eval); "
+    print("  dev busy = the same cycle's device time in the synchronous run (its async_eval "
+          "call plus its read's wait); "
           "dev idle = max(0, period - dev busy); hidden = 1 - sum(dev idle) / sum(host)")
     print("  caveat: on the CPU backend host and 'device' share the cores, so busy measured "
           "alone may be lower than when overlapped (hidden is then underestimated)")
     if args.oracle_rate is not None:
-        print("  note: the trace drafts with the model's own head (the pipelined loop takes no "
-              "oracle), so its acceptance is not the oracle's")
+        print("  note: the trace drafts with the model's own head (it takes no oracle), so its "
+              "acceptance is not the oracle's")
     for m, hs in hidden_all.items():
         print(f"  hidden fraction over the repeats, {m}: " + " ".join(f"{h:.2f}" for h in hs))
     if not same_cycles:

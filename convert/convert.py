@@ -130,7 +130,7 @@ def convert(
 
     from mlx_mtp import __version__
     from mlx_mtp.load import read_config, weight_files
-    from mlx_mtp.model import MODEL_CLASSES
+    from mlx_mtp.families import MODEL_CLASSES
 
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}")

@@ -113,21 +113,6 @@ def _link_tree(src: Path, dst: Path, skip: set):
                 shutil.copy2(s, d)
 
 
-def _sanitize_head(weights: Dict, layers: int, shift: bool) -> Dict:
-    """The head part of mlx_mtp.model's sanitize: split MoE experts, shift norms once."""
-    from mlx_mtp.head import HEAD_NORM_SUFFIXES
-    from mlx_mtp.model import _split_expert_tensors, _split_fused_experts
-
-    weights = _split_expert_tensors(weights, HEAD_PREFIX)
-    for i in range(layers):
-        _split_fused_experts(weights, f"mtp.layers.{i}.mlp")
-    if shift:
-        for k, v in list(weights.items()):
-            if v.ndim == 1 and k.endswith(HEAD_NORM_SUFFIXES) and ".mlp." not in k:
-                weights[k] = v + 1.0
-    return weights
-
-
 def graft(
     mlx_dir: Union[str, Path],
     hf_path: Union[str, Path],
@@ -215,7 +200,10 @@ def graft(
     # -- build and quantize the head ------------------------------------------------
     tc = text_config(tcfg)
     head = MTPHead(TextModelArgs.from_dict(tc), layers)
-    weights = _sanitize_head(weights, layers, shift)
+    from mlx_mtp.families import MODEL_CLASSES
+
+    family = MODEL_CLASSES.get(scfg.get("model_type"), MODEL_CLASSES["qwen3_5"])[0]
+    weights = family.sanitize_head(weights, layers, shift)
     try:
         head.load_weights([(k[len(HEAD_PREFIX):], v) for k, v in weights.items()], strict=True)
     except ValueError as e:

@@ -36,7 +36,7 @@ def measure(src, bits_list=(16, 8, 4), q_bits: Optional[int] = None, dtype: Opti
     import mlx.core as mx
 
     import mlx_mtp
-    from mlx_mtp.decode import MTPStats, mtp_generate_step
+    from mlx_mtp.loop import MTPStats, generate_tokens
     from mlx_mtp.evaluate import expected_acceptance
 
     from .convert import convert
@@ -56,7 +56,7 @@ def measure(src, bits_list=(16, 8, 4), q_bits: Optional[int] = None, dtype: Opti
                     ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                 else:
                     ids = tok.encode(p)
-                toks = [t for t, _, _ in mtp_generate_step(mx.array(ids), model, max_tokens=max_tokens,
+                toks = [t for t, _, _ in generate_tokens(mx.array(ids), model, max_tokens=max_tokens,
                                                            draft_tokens=depth, stats=stats)]
                 generated.append(list(ids) + toks)
             if text is not None:  # teacher-forced on the given text instead of the generations

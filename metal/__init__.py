@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from . import reference
 
-__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "backend"]
+__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "backend", "fused_default"]
 
 
 def backend() -> str:
@@ -45,6 +45,11 @@ def backend() -> str:
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         return "cuda"
     return "ref"
+
+
+def fused_default() -> bool:
+    """Whether the fused (not bitwise-exact) kernels run by default."""
+    return _fast(None)
 
 
 def _fast(fused: Optional[bool]) -> bool:

@@ -19,7 +19,7 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "metal")) and os.pa
     __path__.append(_root)  # noqa: F821
 
 from .load import load  # noqa: E402
-from .generate import generate, stream_generate  # noqa: E402
+from .generate import generate, generate_step, stream_generate  # noqa: E402
 from .sampling import make_sampler  # noqa: E402
 
-__all__ = ["load", "generate", "stream_generate", "make_sampler", "__version__"]
+__all__ = ["load", "generate", "generate_step", "stream_generate", "make_sampler", "__version__"]

@@ -138,10 +138,3 @@ class DepthController:
             self._probe_from = None
         self.k = best_k
         return self.k
-
-    def summary(self) -> dict:
-        return {
-            "depth": self.k,
-            "acceptance_conditional": [round(a, 3) for a in self.accept],
-            "cost_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.cost.items())},
-        }

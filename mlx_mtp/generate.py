@@ -8,15 +8,21 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Generator, List, Optional, Union
+from typing import Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .decode import MTPStats, mtp_generate_step
+from .loop import MTPStats, generate_tokens, parse_depth
 
-UNSUPPORTED_KWARGS = ("max_kv_size", "kv_bits", "prompt_cache", "draft_model", "input_embeddings")
+# mlx_lm options that would change what is computed, refused with one line
+UNSUPPORTED = {
+    "max_kv_size": "a rotating KV cache",
+    "kv_bits": "a quantized KV cache",
+    "draft_model": "a separate draft model (the MTP head drafts)",
+    "input_embeddings": "input embeddings",
+}
 
 
 @dataclass
@@ -39,41 +45,98 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(prompt)
 
 
+def _check_options(kwargs: dict) -> dict:
+    """mlx_lm's generate_step options: refuse what mlx_mtp cannot do, map
+    num_draft_tokens (mlx_lm's name) to draft_tokens, drop no-op defaults."""
+    for name, what in UNSUPPORTED.items():
+        if kwargs.pop(name, None) is not None:
+            raise ValueError(f"mlx_mtp does not support {name} ({what})")
+    for name in ("kv_group_size", "quantized_kv_start"):  # only meaningful with kv_bits
+        kwargs.pop(name, None)
+    if kwargs.get("num_draft_tokens") is not None:
+        kwargs["draft_tokens"] = kwargs.pop("num_draft_tokens")
+    kwargs.pop("num_draft_tokens", None)
+    return kwargs
+
+
+def generate_step(
+    prompt: mx.array,
+    model,
+    *,
+    max_tokens: int = 256,
+    sampler=None,
+    logits_processors=None,
+    prompt_cache: Optional[list] = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback=None,
+    draft_tokens: Union[int, str] = "auto",
+    num_draft_tokens: Optional[int] = None,
+    max_draft_tokens: int = 4,
+    seed: Optional[int] = None,
+    pipeline: bool = True,
+    compiled: bool = True,
+    draft_vocab: Optional[mx.array] = None,
+    stats: Optional[MTPStats] = None,
+    max_kv_size: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    input_embeddings: Optional[mx.array] = None,
+) -> Generator[Tuple[int, mx.array], None, None]:
+    """mlx_lm's `generate_step` with MTP: yields (token, logprobs), at most
+    `max_tokens` of them (-1: no limit), exactly the tokens mlx_lm would give.
+
+    prompt_cache: from `mlx_lm.models.cache.make_prompt_cache(model)` (or
+        `model.make_cache()`); updated in place, as in mlx_lm: afterwards it
+        holds the prompt and every token yielded, so the next call only
+        prefills its new prompt. A trunk-only cache (mlx_lm's) is accepted.
+    sampler: `mlx_mtp.make_sampler(...)` samples exactly with Leviathan–Chen
+        acceptance; None is greedy; any other callable is still exact but
+        accepts fewer drafts (verified by match).
+    draft_tokens: depth k, or "auto" (per cycle from measured acceptance and
+        cost, 0 included, up to max_draft_tokens); 0 decodes plainly.
+        num_draft_tokens is mlx_lm's name for it.
+    seed: the sampling key (None: drawn from mx.random, so mx.random.seed works).
+    pipeline: queue cycle n+1 before reading cycle n (logits processors turn
+        it off); compiled: one compiled graph per depth, kept across calls.
+    draft_vocab: draft over these token ids only (see mlx_mtp.draft_vocab).
+    stats: an MTPStats to fill (drafted, accepted, acceptance per position).
+    """
+    kwargs = _check_options(dict(max_kv_size=max_kv_size, kv_bits=kv_bits,
+                                 input_embeddings=input_embeddings,
+                                 draft_tokens=draft_tokens, num_draft_tokens=num_draft_tokens))
+    for token, logprobs, _ in generate_tokens(
+            prompt, model, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=logits_processors, prompt_cache=prompt_cache,
+            prefill_step_size=prefill_step_size,
+            prompt_progress_callback=prompt_progress_callback, max_draft_tokens=max_draft_tokens,
+            seed=seed, pipeline=pipeline, compiled=compiled, draft_vocab=draft_vocab,
+            stats=stats, **kwargs):
+        yield token, logprobs
+
+
 def stream_generate(
     model,
     tokenizer,
     prompt: Union[str, mx.array, List[int]],
     max_tokens: int = 256,
     draft_tokens: Union[int, str] = "auto",
-    sampler=None,
-    logits_processors=None,
     **kwargs,
 ) -> Generator[MTPGenerationResponse, None, None]:
     """Like mlx_lm.stream_generate, decoding with the model's MTP head.
 
-    sampler: `mlx_mtp.make_sampler(temp, top_p, min_p, min_tokens_to_keep,
-    top_k)` (mlx_lm's signature) samples exactly with Leviathan–Chen
-    verification; None is greedy; any other callable is still exact but
-    accepts fewer drafts.
-    kwargs: prefill_step_size, prompt_progress_callback (as in mlx_lm), seed
-    (sampling key; None draws it from mx.random, so mx.random.seed works too).
+    kwargs: `generate_step`'s options (sampler, logits_processors,
+    prompt_cache, prefill_step_size, prompt_progress_callback, seed, ...).
     """
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
-    for k in UNSUPPORTED_KWARGS:
-        if kwargs.get(k) is not None:
-            raise ValueError(f"mlx_mtp.stream_generate does not support {k}")
-        kwargs.pop(k, None)
-    kwargs.pop("num_draft_tokens", None)
+    kwargs = _check_options(dict(kwargs, draft_tokens=draft_tokens))
+    draft_tokens = parse_depth(kwargs["draft_tokens"])
+    kwargs.pop("stream", None)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
-    stats = MTPStats()
-    gen = mtp_generate_step(
-        prompt, model, max_tokens=max_tokens, draft_tokens=draft_tokens, sampler=sampler,
-        logits_processors=logits_processors, stats=stats, **kwargs,
-    )
+    stats = kwargs.pop("stats", None) or MTPStats()
+    gen = generate_tokens(prompt, model, max_tokens=max_tokens, stats=stats, **kwargs)
 
     def response(text, token, logprobs, from_draft, n, finish):
         return MTPGenerationResponse(
@@ -89,17 +152,19 @@ def stream_generate(
         tic = time.perf_counter()
         n = 0
         token, logprobs, from_draft = None, None, False
-        for n, (token, logprobs, from_draft) in enumerate(gen, start=1):
-            if n == 1:
-                prompt_tps = prompt.size / (time.perf_counter() - tic)
-                tic = time.perf_counter()
-            if token in tokenizer.eos_token_ids:
-                break
-            detokenizer.add_token(token)
-            if n == max_tokens:
-                break
-            yield response(detokenizer.last_segment, token, logprobs, from_draft, n, None)
-        gen.close()
+        try:
+            for n, (token, logprobs, from_draft) in enumerate(gen, start=1):
+                if n == 1:
+                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    tic = time.perf_counter()
+                if token in tokenizer.eos_token_ids:
+                    break
+                detokenizer.add_token(token)
+                if n == max_tokens:
+                    break
+                yield response(detokenizer.last_segment, token, logprobs, from_draft, n, None)
+        finally:
+            gen.close()  # writes the prompt cache back
         detokenizer.finalize()
         finish = "stop" if token in tokenizer.eos_token_ids else "length"
         yield response(detokenizer.last_segment, token, logprobs, from_draft, n, finish)
@@ -182,7 +247,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Message to the model ('-' reads stdin)")
     p.add_argument("--system-prompt", type=str, default=None)
     p.add_argument("--max-tokens", "-m", type=int, default=100)
-    p.add_argument("--draft-tokens", type=_depth_arg, default="auto",
+    p.add_argument("--draft-tokens", "--num-draft-tokens", type=_depth_arg, default="auto",
                    help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
                         "measured acceptance and cost, 0 (plain decoding) included")
     p.add_argument("--max-draft-tokens", type=int, default=4, help="largest depth 'auto' tries")
@@ -210,13 +275,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="JSON of extra chat-template arguments")
     p.add_argument("--extra-eos-token", type=str, nargs="+", default=())
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prompt-cache-file", type=str, default=None,
+                   help="A prompt cache from mlx_lm.cache_prompt (or save_prompt_cache): "
+                        "the prompt continues after the cached one")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    nargs="?", const=True, default=False,
                    help="Print tokens as they come and timing / MTP statistics")
     return p
 
 
-def build_prompt(tokenizer, args) -> list:
+def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
     use_chat = not args.ignore_chat_template and tokenizer.has_chat_template
@@ -229,6 +297,11 @@ def build_prompt(tokenizer, args) -> list:
         prompt = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
+        if using_cache:  # as mlx_lm: the cached prompt is the prefix of this one
+            messages[-1]["content"] = "<query>"
+            test = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            prompt = prompt[test.index("<query>"):]
     return tokenizer.encode(prompt, add_special_tokens=not use_chat)
 
 
@@ -241,14 +314,33 @@ def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     if args.seed is not None:
         mx.random.seed(args.seed)
+    prompt_cache, model_path, tokenizer_config = None, args.model, None
+    if args.prompt_cache_file is not None:
+        from mlx_lm.models.cache import load_prompt_cache
+
+        try:
+            prompt_cache, metadata = load_prompt_cache(args.prompt_cache_file,
+                                                       return_metadata=True)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: cannot read the prompt cache {args.prompt_cache_file}: {e}",
+                  file=sys.stderr)
+            return 1
+        tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
+        cached_model = metadata.get("model")
+        if model_path is None:
+            model_path = cached_model
+        elif cached_model is not None and model_path != cached_model:
+            print(f"error: the prompt cache was made with {cached_model}, not {model_path}",
+                  file=sys.stderr)
+            return 1
     try:
-        model, tokenizer = load(args.model)
+        model, tokenizer = load(model_path, tokenizer_config=tokenizer_config)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for eos in args.extra_eos_token:
         tokenizer.add_eos_token(eos)
-    prompt = build_prompt(tokenizer, args)
+    prompt = build_prompt(tokenizer, args, using_cache=prompt_cache is not None)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
                            top_k=args.top_k, draft_temp=args.draft_temp)
     logit_bias = {int(k): v for k, v in json.loads(args.logit_bias).items()} if args.logit_bias else None
@@ -257,7 +349,7 @@ def main(argv=None):
     from . import draft_vocab
 
     try:
-        vocab = draft_vocab.load(args.draft_vocab, tokenizer, model.language_model.args.vocab_size)
+        vocab = draft_vocab.load(args.draft_vocab, tokenizer, model.vocab_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -266,6 +358,7 @@ def main(argv=None):
         verbose=args.verbose, sampler=sampler, logits_processors=processors,
         prefill_step_size=args.prefill_step_size, draft_vocab=vocab,
         max_draft_tokens=args.max_draft_tokens, pipeline=not args.no_pipeline,
+        prompt_cache=prompt_cache,
     )
     if not args.verbose:
         print(text)

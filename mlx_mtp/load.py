@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
-from .model import MODEL_CLASSES, SUPPORTED_MODEL_TYPES, mtp_num_layers
+from .families import MODEL_CLASSES, SUPPORTED_MODEL_TYPES
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo"
 
@@ -65,10 +65,6 @@ def read_config(model_path: Path) -> Dict[str, Any]:
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return config
-
-
-def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    return config.get("text_config", config)
 
 
 def safetensors_header(file: Path) -> Dict[str, Any]:

@@ -1,24 +1,27 @@
-"""The trunk (mlx_lm's own Qwen3.5 model classes) plus the MTP head.
+"""The model the decoder sees: mlx_lm's trunk with the MTP head attached.
 
-`Model` subclasses mlx_lm's `qwen3_5.Model` / `qwen3_5_moe.Model`: the trunk's
-modules, weights and `__call__` are mlx_lm's, so the object works unchanged
-with `mlx_lm.generate`. Additions: `mtp` (the head, or None when the
-checkpoint has none), GDN layers that can capture states during a verify, and
-`trunk_hidden` / `logits_from_hidden` for the decode loop.
+A family file (`families/*.py`) subclasses mlx_lm's own model classes with
+`MTPModel` and says where that family keeps its parts (`text_model`,
+`text_args`), which GDN layer class captures a verify, and how its
+checkpoints name the head's tensors (`sanitize_head`, which the converter
+uses too). Everything else — the forward pieces the decode cycle calls, the
+prompt cache layout, weight checks — is written once here, so a new family
+is one new file (docs/design.md, "Model adapter").
+
+The trunk's modules, weights and `__call__` stay mlx_lm's, so the object
+also works unchanged with `mlx_lm.generate`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import qwen3_5, qwen3_5_moe
+from mlx.utils import tree_flatten
 
-from .caches import VerifyingGatedDeltaNet, make_trunk_cache
-from .head import HEAD_NORM_SUFFIXES, MTPHead
-
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+from .cache import make_prompt_cache
+from .head import MTPHead
 
 
 class MTPWeightError(ValueError):
@@ -33,49 +36,53 @@ def mtp_num_layers(text_config: dict) -> int:
     )
 
 
-def _split_expert_tensors(weights: dict, prefix: str, num_layers_hint=None) -> dict:
-    """Accept one-tensor-per-expert MoE weights (`experts.{e}.gate_proj.weight`)
-    by stacking them into mlx_lm's `switch_mlp.*` layout."""
-    import re
+class GraphCache:
+    """Compiled decode graphs of one model, kept across generations (cycle.py
+    fills it: per depth and mode; MLX keeps one trace per input shape)."""
 
-    pat = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
-    groups: dict = {}
-    for k in list(weights):
-        m = pat.match(k)
-        if m and k.startswith(prefix):
-            groups.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = weights.pop(k)
-    for (mlp, proj, kind), per_expert in groups.items():
-        n = max(per_expert) + 1
-        missing = [e for e in range(n) if e not in per_expert]
-        if missing:
-            raise MTPWeightError(f"{mlp}.experts.{missing[0]}.{proj}.{kind} is missing")
-        weights[f"{mlp}.switch_mlp.{proj}.{kind}"] = mx.stack([per_expert[e] for e in range(n)])
-    return weights
+    def __init__(self):
+        self.fns: Dict[tuple, object] = {}
+        self.traces: Dict[tuple, int] = {}
+
+    def clear(self):
+        """Forget every graph (needed after changing the weights in place:
+        graphs hold the weights they were traced with)."""
+        self.fns.clear()
+        self.traces.clear()
 
 
-def _split_fused_experts(weights: dict, mlp: str) -> None:
-    gate_up = weights.pop(f"{mlp}.experts.gate_up_proj", None)
-    if gate_up is not None:
-        mid = gate_up.shape[-2] // 2
-        weights[f"{mlp}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
-        weights[f"{mlp}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
-        down = weights.pop(f"{mlp}.experts.down_proj", None)
-        if down is None:
-            raise MTPWeightError(f"{mlp}.experts.down_proj is missing")
-        weights[f"{mlp}.switch_mlp.down_proj.weight"] = down
+class MTPModel:
+    """Mixin for a family's model classes (first base, before mlx_lm's class)."""
 
+    # -- family hooks -------------------------------------------------------------
+    verifying_gdn = None  # the family's GDN subclass that captures a verify
 
-class _MTPMixin:
-    """Shared by the dense and MoE model classes."""
+    @property
+    def text_model(self) -> nn.Module:
+        """The trunk's inner model: embed_tokens, layers, norm."""
+        raise NotImplementedError
 
-    def _init_mtp(self):
-        text_args = self.language_model.args
-        self.mtp_layers = mtp_num_layers(self.args.text_config)
-        # Swap in GDN layers that can capture a verify (same parameters).
-        for layer in self.language_model.model.layers:
-            if layer.is_linear:
-                layer.linear_attn = VerifyingGatedDeltaNet(text_args)
-        self.mtp = MTPHead(text_args, self.mtp_layers) if self.mtp_layers > 0 else None
+    @property
+    def text_args(self):
+        raise NotImplementedError
+
+    @staticmethod
+    def sanitize_trunk_experts(weights: dict) -> dict:
+        return weights
+
+    @staticmethod
+    def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
+        """The checkpoint's `mtp.*` tensors in the head's module layout."""
+        raise NotImplementedError
+
+    # -- setup --------------------------------------------------------------------
+    def _init_mtp(self, text_config: dict):
+        self.mtp_layers = mtp_num_layers(text_config)
+        for layer in self.text_model.layers:
+            if layer.is_linear:  # same parameters, can capture a verify
+                layer.linear_attn = self.verifying_gdn(self.text_args)
+        self.mtp = MTPHead(self.text_args, self.mtp_layers) if self.mtp_layers > 0 else None
+        self.graphs = GraphCache()
 
     @property
     def has_mtp(self) -> bool:
@@ -86,25 +93,42 @@ class _MTPMixin:
             del self["mtp"]
         self.mtp = None
 
-    # -- forward pieces the decode loop needs ---------------------------------
+    @property
+    def is_linear(self) -> list:
+        """Per trunk layer: True for a GDN layer, False for attention."""
+        return [layer.is_linear for layer in self.text_model.layers]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_args.vocab_size
+
+    def make_cache(self) -> list:
+        """mlx_lm's prompt cache for the trunk, plus the head's (cache.py)."""
+        return make_prompt_cache(self.language_model.make_cache(),
+                                 len(self.mtp.layers) if self.has_mtp else 0)
+
+    # -- forward pieces the decode cycle calls ------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.language_model.model.embed_tokens(tokens)
+        return self.text_model.embed_tokens(tokens)
 
     def trunk_hidden(self, tokens: mx.array, cache) -> mx.array:
-        """Post-final-norm trunk hidden states [B, T, H]."""
-        return self.language_model.model(tokens, cache)
+        """Post-final-norm trunk hidden states [B, T, H] (cache: trunk layers)."""
+        return self.text_model(tokens, cache)
+
+    def _lm_head_module(self):
+        if self.text_args.tie_word_embeddings:
+            return self.text_model.embed_tokens
+        return self.language_model.lm_head
 
     def logits_from_hidden(self, hidden: mx.array) -> mx.array:
-        lm = self.language_model
-        if lm.args.tie_word_embeddings:
-            return lm.model.embed_tokens.as_linear(hidden)
-        return lm.lm_head(hidden)
+        if self.text_args.tie_word_embeddings:
+            return self.text_model.embed_tokens.as_linear(hidden)
+        return self.language_model.lm_head(hidden)
 
     def lm_head_weights(self) -> dict:
         """lm_head (or tied embedding) as draft_project arguments: weight and,
         when quantized, scales / biases / group_size / bits."""
-        lm = self.language_model
-        mod = lm.model.embed_tokens if lm.args.tie_word_embeddings else lm.lm_head
+        mod = self._lm_head_module()
         out = {"weight": mod.weight}
         if hasattr(mod, "scales"):
             out.update(scales=mod.scales, biases=mod.get("biases"),
@@ -121,20 +145,14 @@ class _MTPMixin:
         _, ids = kernels.draft_project(h, vocab_ids=vocab_ids, **self.lm_head_weights())
         return ids[:, 0]
 
-    def make_mtp_caches(self):
-        return make_trunk_cache(self), self.mtp.make_cache()
-
-    # -- weights ---------------------------------------------------------------
+    # -- weights ------------------------------------------------------------------
     def sanitize(self, weights):
         mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         # mlx_lm shifts zero-centred norms iff it sees an unconverted checkpoint;
         # the head's norms follow the same rule so they are shifted exactly once.
-        unconverted = any(
-            "conv1d.weight" in k and v.shape[-1] != 1 for k, v in trunk.items()
-        )
-        trunk = _split_expert_tensors(trunk, "model.language_model.")
-        trunk = super().sanitize(trunk)
+        unconverted = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in trunk.items())
+        trunk = super().sanitize(self.sanitize_trunk_experts(trunk))
         if not mtp:
             if self.has_mtp:
                 self.drop_mtp()
@@ -142,22 +160,13 @@ class _MTPMixin:
             return trunk
         if not self.has_mtp:  # tensors present but config has no head: ignore them
             return trunk
-        mtp = _split_expert_tensors(mtp, "mtp.")
-        for i in range(self.mtp_layers):
-            _split_fused_experts(mtp, f"mtp.layers.{i}.mlp")
-        if unconverted:
-            for k, v in mtp.items():
-                if v.ndim == 1 and k.endswith(HEAD_NORM_SUFFIXES) and ".mlp." not in k:
-                    mtp[k] = v + 1.0
+        mtp = self.sanitize_head(mtp, self.mtp_layers, unconverted)
         self._check_mtp(mtp)
         trunk.update(mtp)
         return trunk
 
     def _check_mtp(self, mtp: dict):
-        from mlx.utils import tree_flatten
-
-        expected = dict(tree_flatten(self.mtp.parameters()))
-        expected = {f"mtp.{k}": v for k, v in expected.items()}
+        expected = {f"mtp.{k}": v for k, v in tree_flatten(self.mtp.parameters())}
         quantized = any(k.endswith(".scales") for k in mtp)
         for name, param in expected.items():
             if name not in mtp:
@@ -165,27 +174,8 @@ class _MTPMixin:
             got = tuple(mtp[name].shape)
             if not quantized and got != tuple(param.shape):
                 raise MTPWeightError(
-                    f"MTP tensor {name} has shape {got}, expected {tuple(param.shape)}"
-                )
+                    f"MTP tensor {name} has shape {got}, expected {tuple(param.shape)}")
         if not quantized:
             extra = sorted(set(mtp) - set(expected))
             if extra:
                 raise MTPWeightError(f"unexpected MTP tensor {extra[0]}")
-
-
-class Model(_MTPMixin, qwen3_5.Model):
-    def __init__(self, args: qwen3_5.ModelArgs):
-        super().__init__(args)
-        self._init_mtp()
-
-
-class MoeModel(_MTPMixin, qwen3_5_moe.Model):
-    def __init__(self, args: qwen3_5_moe.ModelArgs):
-        super().__init__(args)
-        self._init_mtp()
-
-
-MODEL_CLASSES = {
-    "qwen3_5": (Model, qwen3_5.ModelArgs),
-    "qwen3_5_moe": (MoeModel, qwen3_5_moe.ModelArgs),
-}

@@ -42,7 +42,16 @@ def no_mtp_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt):
+def q4_ckpt(tmp_path_factory, dense_ckpt):
+    """The dense checkpoint converted by mlx_mtp.convert: trunk 4-bit, head 8-bit."""
+    from mlx_mtp.convert import convert
+
+    out = tmp_path_factory.mktemp("q4") / "q4"
+    return convert(dense_ckpt, out, quantize=True, q_bits=4)["output"]
+
+
+@pytest.fixture(scope="session")
+def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt, q4_ckpt):
     """name -> (mlx_mtp model, mlx_lm model, tokenizer), loaded once."""
     import mlx_lm
 
@@ -52,8 +61,9 @@ def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt):
 
     def get(name):
         if name not in cache:
-            path = {"dense": dense_ckpt, "dense_bf16": dense_bf16_ckpt, "moe": moe_ckpt}[name]
-            model, tok = mlx_mtp.load(path)
+            path = {"dense": dense_ckpt, "dense_bf16": dense_bf16_ckpt, "moe": moe_ckpt,
+                    "q4": q4_ckpt}[name]
+            model, tok = mlx_mtp.load(path, quiet=True)
             ref, _ = mlx_lm.load(str(path))
             cache[name] = (model, ref, tok)
         return cache[name]
@@ -63,11 +73,11 @@ def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt):
 
 @pytest.fixture
 def count_host_syncs(monkeypatch):
-    """Start counting mx.eval / mx.async_eval calls made by mlx_mtp.decode;
-    returns the list that grows by one per call."""
+    """Start counting mx.eval / mx.async_eval calls made by the decode loop;
+    returns the list of their names, one per call."""
     import mlx.core as mx
 
-    import mlx_mtp.decode as decode
+    import mlx_mtp.loop as decode
 
     def start():
         calls = []
@@ -77,11 +87,11 @@ def count_host_syncs(monkeypatch):
                 return getattr(mx, name)
 
             def eval(self, *a, **k):
-                calls.append(1)
+                calls.append("eval")
                 return mx.eval(*a, **k)
 
             def async_eval(self, *a, **k):
-                calls.append(1)
+                calls.append("async_eval")
                 return mx.async_eval(*a, **k)
 
         monkeypatch.setattr(decode, "mx", CountingMX())

@@ -1,94 +1,145 @@
-"""Compiled pipelined cycles (mlx_mtp/compiled.py): same tokens as mlx_lm and as
-the uncompiled loop, and one trace per depth for a whole generation."""
+"""Compiled graphs and cache capacity.
+
+A step runs through a graph compiled once per (step, depth, mode) and kept
+on the model, so later generations do not retrace; MLX retraces only when a
+KV buffer grows by a block. Buffers grow in blocks as the context does
+(max_tokens reserves nothing), and attention never runs over more than one
+block past the live length.
+"""
+
+import time
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
 
-from mlx_mtp import make_sampler
-from mlx_mtp.caches import PaddedKVCache
-from mlx_mtp.decode import MTPDecoder, MTPStats, OracleDrafter, _pipelined_cycles, mtp_generate_step
-
-from test_parity import LONG, SHORT, reference
-
-
-def _tokens(model, tok, prompt, k, max_tokens=40, **kw):
-    p = mx.array(tok.encode(prompt))
-    return [t for t, _, _ in mtp_generate_step(p, model, max_tokens=max_tokens, draft_tokens=k,
-                                               pipeline=True, compiled=True, **kw)]
+import mlx_mtp
+import mlx_mtp.cache as cache_mod
+from mlx_mtp.cache import PaddedKVCache, capacity_for
+from mlx_mtp.drafters import OracleDrafter
+from util import LONG, OPENBLAS, SHORT, mtp, reference
 
 
-@pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe"])
-@pytest.mark.parametrize("rate", [None, 1.0, 0.6, 0.0])
-def test_compiled_greedy_parity(loaded, name, rate):
-    model, ref_model, tok = loaded(name)
-    V = model.language_model.args.vocab_size
-    for prompt, step in [(SHORT, 2048), (LONG, 16)]:
-        ref = reference(ref_model, tok, prompt, prefill_step_size=step)
-        for k in [0, 1, 2, 3, "auto"]:
-            stats = MTPStats()
-            oracle = OracleDrafter(ref, rate, V, seed=3) if rate is not None else None
-            got = _tokens(model, tok, prompt, k, oracle=oracle, prefill_step_size=step,
-                          stats=stats)
-            assert got == ref, f"{name} depth {k} rate {rate}"
-            if rate == 1.0 and k not in (0, "auto"):
-                assert stats.acceptance == [1.0] * k
+def traces_by_depth(model):
+    out = {}
+    for key, n in model.graphs.traces.items():
+        out[(key[0], key[1])] = out.get((key[0], key[1]), 0) + n
+    return out
 
 
-def _run(model, prompt_ids, k, max_tokens, oracle=None):
-    dec = MTPDecoder(model, oracle=oracle)
-    y, _ = dec.prefill(prompt_ids)
-    mx.eval(y)
-    out = [y.item()] + [t for t, _, _ in _pipelined_cycles(dec, k, None, max_tokens,
-                                                           compiled=True)]
-    return dec, out
-
-
-def test_one_trace_per_depth_as_context_grows(loaded):
-    """max_tokens known: capacity is reserved up front, so a 200-token
-    generation at depth 2 traces the depth-2 graph once (plus the plain step
-    the max_tokens cap may force), however long the context gets."""
+def test_two_generations_trace_each_depth_once(loaded):
+    """Two generations in a row (and a third continuing a prompt cache) trace
+    each depth's graph once in total."""
     model, ref_model, tok = loaded("dense")
-    V = model.language_model.args.vocab_size
-    p = mx.array(tok.encode(SHORT))
-    ref = reference(ref_model, tok, SHORT, max_tokens=200)
-    dec, out = _run(model, p, 2, 200, OracleDrafter(ref, 0.7, V, seed=1))
-    assert out == ref
-    assert dec.compiled.traces[2] == 1
-    assert all(n == 1 for n in dec.compiled.traces.values())
-    assert dec.stats.cycles > 50
+    model.graphs.clear()
+    for k in (1, 2, 3, "auto"):
+        cache = model.make_cache()
+        for prompt in (SHORT, LONG):
+            ids = tok.encode(prompt)
+            assert mtp(model, ids, k, 30) == reference(ref_model, ids, 30)
+        mtp(model, tok.encode(SHORT), k, 20, prompt_cache=cache)
+        mtp(model, tok.encode(LONG), k, 20, prompt_cache=cache)
+    assert {("cycle", 1), ("cycle", 2), ("cycle", 3)} <= set(traces_by_depth(model))
+    # one graph per depth and mode (fixed depths, and auto's with the ring)
+    assert all(n == 1 for n in model.graphs.traces.values()), model.graphs.traces
 
 
 def test_retrace_only_when_capacity_grows(loaded, monkeypatch):
-    """No max_tokens (-1): caches grow in whole blocks, one trace per block."""
-    monkeypatch.setattr(PaddedKVCache, "block", 32)
+    """Unbounded generation: one trace per distinct buffer capacity."""
+    monkeypatch.setattr(cache_mod, "BLOCK", 32)
     model, ref_model, tok = loaded("dense")
-    V = model.language_model.args.vocab_size
-    p = mx.array(tok.encode(SHORT))
-    ref = reference(ref_model, tok, SHORT, max_tokens=120)
-    dec = MTPDecoder(model, oracle=OracleDrafter(ref, 0.7, V, seed=2))
-    y, _ = dec.prefill(p)
-    mx.eval(y)
-    gen = _pipelined_cycles(dec, 2, None, -1, compiled=True)
-    out = [y.item()] + [next(gen) for _ in range(119)]
-    gen.close()
-    assert [t for t, _, _ in out[1:]] == ref[1:]
-    caps = {c.capacity for c in dec._padded_caches()}
-    assert all(c % 32 == 0 for c in caps)
-    blocks = max(caps) // 32
-    assert 2 <= dec.compiled.traces[2] <= blocks
+    model.graphs.clear()
+    ids = tok.encode(SHORT)
+    want = reference(ref_model, ids, 330)
+    cache = model.make_cache()
+    got = mtp(model, ids, 2, -1, take=330, prompt_cache=cache,
+              drafter=OracleDrafter(want, 0.7, model.vocab_size, seed=2))
+    assert got == want
+    length = len(ids) + 330
+    # mlx_lm's prefill buffer (256), then whole blocks as the context grew
+    capacities = {256} | {capacity_for(n) for n in range(257, length + 4)}
+    assert cache[3].keys.shape[2] == max(capacities) <= capacity_for(length + 3)
+    assert 2 <= traces_by_depth(model)[("cycle", 2)] <= len(capacities)
+
+
+def test_max_tokens_reserves_nothing(loaded):
+    """A huge max_tokens costs what a small one does (buffers follow the context)."""
+    model, _, tok = loaded("dense")
+    ids = tok.encode(SHORT)
+    times = {}
+    for max_tokens in (30, 10**9):
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        mtp(model, ids, 2, max_tokens, take=20, prompt_cache=cache)
+        times[max_tokens] = time.perf_counter() - t0
+        assert cache[3].keys.shape[2] == 256
+    assert times[10**9] < 5 * times[30] + 1
+
+
+def test_capacity_for():
+    assert [capacity_for(n) for n in (1, 256, 257, 2048, 2049, 4097, 10000)] == \
+        [256, 256, 512, 2048, 2304, 4608, 10240]
+    for n in range(1, 40000, 97):
+        c = capacity_for(n)
+        assert n <= c <= n + max(256, n // 8)
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_compiled_sampling_matches_uncompiled(loaded, k):
-    """Same seed, same keys split in the same order: identical samples. The
-    last cycle may differ (depth capped by an upper bound near max_tokens),
-    so generate with slack and compare the prefix."""
+def test_compiled_sampling_matches_eager(loaded, k):
+    """Same seed, same keys split in the same order: identical samples."""
     model, _, tok = loaded("dense")
-    p = mx.array(tok.encode(LONG))
-    runs = []
-    for compiled in (False, True):
-        sampler = make_sampler(0.9, top_p=0.95)
-        runs.append([t for t, _, _ in mtp_generate_step(
-            p, model, max_tokens=50, draft_tokens=k, sampler=sampler, seed=11,
-            pipeline=True, compiled=compiled)][:40])
+    ids = tok.encode(LONG)
+    runs = [mtp(model, ids, k, 40, sampler=mlx_mtp.make_sampler(0.9, top_p=0.95), seed=11,
+                compiled=compiled) for compiled in (False, True)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
+def test_padded_attention_equals_kv_cache(T, dtype):
+    """Queries of T positions over a cache, then a device-side rollback that
+    leaves stale entries in the buffer, three times: attention through the
+    padded buffer equals attention through exact-length keys."""
+    Hq, Hkv, D, n = 4, 2, 16, 11
+    key = iter(mx.random.split(mx.random.key(T), 16))
+    rand = lambda *s: mx.random.normal(s, key=next(key)).astype(dtype)
+    plain = KVCache()
+    plain.update_and_fetch(rand(1, Hkv, n, D), rand(1, Hkv, n, D))
+    padded = PaddedKVCache.from_kv_cache(plain).grown(n + 3 * T)
+    bitwise = []
+    for r in range(3):
+        q, k, v = rand(1, Hq, T, D), rand(1, Hkv, T, D), rand(1, Hkv, T, D)
+        x = mx.zeros((1, T, 1))
+        outs = []
+        for c in (plain, padded):
+            mask = create_attention_mask(x, c)  # as the model does: before the update
+            K, V = c.update_and_fetch(k, v)
+            outs.append(scaled_dot_product_attention(q, K, V, c, D ** -0.5, mask))
+        assert plain.offset == padded.lengths.item()
+        assert outs[0].dtype == outs[1].dtype == dtype
+        assert mx.allclose(outs[0], outs[1], atol=1e-5 if dtype == mx.float32 else 1e-2)
+        bitwise.append(mx.array_equal(outs[0], outs[1]).item())
+        back = r % T  # roll back, leaving `back` stale entries past the length
+        plain.trim(back)
+        padded.trim(mx.array([back], dtype=mx.int32))
+    if OPENBLAS:
+        pytest.skip("bitwise check needs MLX's bundled BLAS")
+    assert bitwise == [True] * 3
+
+
+def test_per_row_lengths():
+    """Rows of one buffer write and mask at their own lengths (batching)."""
+    D = 4
+    keys = mx.zeros((2, 1, 8, D))
+    c = PaddedKVCache(keys, keys, mx.array([2, 5], dtype=mx.int32))
+    new = mx.arange(2 * 2 * D, dtype=mx.float32).reshape(2, 1, 2, D) + 1
+    K, _ = c.update_and_fetch(new, new)
+    assert mx.array_equal(K[0, :, 2:4], new[0]) and mx.array_equal(K[1, :, 5:7], new[1])
+    assert not mx.any(K[0, :, 4:]).item() and not mx.any(K[1, :, :5]).item()
+    assert c.lengths.tolist() == [4, 7]
+    mask = PaddedKVCache(keys, keys, mx.array([2, 5], dtype=mx.int32)).make_mask(2)
+    assert mask.shape == (2, 1, 2, 8)
+    assert mask[0, 0].sum(axis=-1).tolist() == [3, 4] and mask[1, 0].sum(axis=-1).tolist() == [6, 7]
+    c.trim(mx.array([1, 3], dtype=mx.int32))
+    assert c.lengths.tolist() == [3, 4]

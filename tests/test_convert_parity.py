@@ -37,7 +37,8 @@ def reference(path):
 @pytest.mark.parametrize("name", ["q8", "q4", "q4h4", "moe_q4"])
 def test_greedy_parity_with_mlx_lm(converted, name):
     import mlx_mtp
-    from mlx_mtp.decode import MTPStats, OracleDrafter, mtp_generate_step
+    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.loop import MTPStats, generate_tokens
 
     ref, _, _ = reference(converted[name])
     model, _ = mlx_mtp.load(converted[name], quiet=True)
@@ -45,7 +46,7 @@ def test_greedy_parity_with_mlx_lm(converted, name):
     depths = (1, 2, 3) if name != "moe_q4" else (2,)
     for k in depths:
         stats = MTPStats()
-        got = [t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS,
+        got = [t for t, _, _ in generate_tokens(mx.array(PROMPT), model, max_tokens=N_TOKENS,
                                                  draft_tokens=k, stats=stats)]
         assert got == ref, f"{name}: head drafts, depth {k}"
         assert stats.drafted > 0
@@ -53,8 +54,8 @@ def test_greedy_parity_with_mlx_lm(converted, name):
         # head is almost never right)
         oracle = OracleDrafter(ref, accept_rate=0.7, vocab_size=259, seed=k)
         stats = MTPStats()
-        got = [t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS,
-                                                 draft_tokens=k, stats=stats, oracle=oracle)]
+        got = [t for t, _, _ in generate_tokens(mx.array(PROMPT), model, max_tokens=N_TOKENS,
+                                                 draft_tokens=k, stats=stats, drafter=oracle)]
         assert got == ref, f"{name}: oracle drafts, depth {k}"
         assert stats.accepted > 0
 

@@ -58,7 +58,8 @@ def ckpt(tmp_path_factory):
 
 
 def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
-    from mlx_mtp.decode import OracleDrafter, mtp_generate_step
+    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.loop import generate_tokens
 
     import mlx_mtp
 
@@ -80,8 +81,8 @@ def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
     assert calls, "plain decoding did not run the emulated mlx_lm kernel"
     V = model.language_model.args.vocab_size
     for k, rate in [(2, 0.6), (3, 1.0)]:
-        got = [t for t, _, _ in mtp_generate_step(
+        got = [t for t, _, _ in generate_tokens(
             prompt, model, max_tokens=n, draft_tokens=k,
-            oracle=OracleDrafter(ref, rate, V, seed=k))]
+            drafter=OracleDrafter(ref, rate, V, seed=k))]
         assert got == ref, f"depth {k}"
     assert verify_calls, "MTP verify did not run gdn_verify.metal"

@@ -1,204 +1,209 @@
-"""Greedy MTP output must be token-identical to mlx_lm greedy decoding.
+"""Greedy MTP output is token-identical to mlx_lm's greedy decoding.
 
-The random heads of the fixtures almost never draft right, so the accept and
-partial-accept paths are driven by an oracle drafter that proposes the true
-continuation with a set accept rate; verify, GDN capture/commit, KV trimming
-and the head-cache rewrite all run for real.
+The fixtures' random heads almost never draft right, so the accept and
+partial-accept paths are driven by an OracleDrafter that proposes the true
+continuation with a set accept rate; verify, GDN capture/commit, the KV
+rollback and the head's cache rewrite all run for real. Every loop is
+checked: pipelined (lookahead 1) and synchronous, compiled and eager.
 """
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlx_mtp import stream_generate
-from mlx_mtp.decode import MTPDecoder, MTPStats, OracleDrafter, mtp_generate_step
+import mlx_lm
+import mlx_mtp
+from mlx_mtp.depth import DepthController
+from mlx_mtp.drafters import OracleDrafter
+from mlx_mtp.loop import MTPStats, generate_tokens
+from util import (LONG, SAME, SHORT, assert_head_follows, assert_trunk_equal, mtp,
+                  plain_cache, reference)
 
-SHORT = "def f(x):"
-LONG = "import os\nclass Spam(object):\n    def eggs(self, n):\n        return [i * n for i in range(n)]\n"
-
-
-def reference(ref_model, tok, prompt, max_tokens=40, prefill_step_size=2048, processors=None):
-    p = mx.array(tok.encode(prompt))
-    return [t for t, _ in generate_step(p, ref_model, max_tokens=max_tokens,
-                                        prefill_step_size=prefill_step_size,
-                                        logits_processors=processors)]
+MODES = {"pipelined": {}, "sync": dict(pipeline=False), "eager": dict(compiled=False),
+         "sync-eager": dict(pipeline=False, compiled=False)}
 
 
-def mtp_tokens(model, tok, prompt, k, max_tokens=40, oracle=None, prefill_step_size=2048,
-               processors=None, stats=None):
-    p = mx.array(tok.encode(prompt))
-    return [t for t, _, _ in mtp_generate_step(
-        p, model, max_tokens=max_tokens, draft_tokens=k, oracle=oracle,
-        prefill_step_size=prefill_step_size, logits_processors=processors, stats=stats)]
+class Scripted(DepthController):
+    """Depths from a fixed script (cycled): every transition, plain steps included."""
+
+    def __init__(self, depths):
+        super().__init__(max_depth=max(depths))
+        self.script, self.i = depths, 0
+
+    def next_depth(self):
+        self.i += 1
+        return self.script[(self.i - 1) % len(self.script)]
 
 
 @pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe"])
-@pytest.mark.parametrize("prompt,step", [(SHORT, 2048), (LONG, 16)])
+@pytest.mark.parametrize("prompt,step", [(SHORT, 2048), (LONG, 16)], ids=["short", "chunked"])
 def test_real_head_parity(loaded, name, prompt, step):
+    """The real head's drafts at every depth: tokens equal mlx_lm's, and the
+    log-prob row of every token too (bit for bit with the bundled BLAS)."""
     model, ref_model, tok = loaded(name)
-    ref = reference(ref_model, tok, prompt, prefill_step_size=step)
-    for k in range(0, 5):
-        assert mtp_tokens(model, tok, prompt, k, prefill_step_size=step) == ref, f"depth {k}"
+    ids = tok.encode(prompt)
+    want, want_rows = reference(ref_model, ids, 33, step, rows=True)
+    for k in [0, 1, 2, 3, 4, "auto"]:
+        got, rows = mtp(model, ids, k, 33, prefill_step_size=step, rows=True)
+        assert got == want, f"depth {k}"
+        assert SAME(rows, want_rows), f"log-probs, depth {k}"
+    assert mtp(model, ids, 2, 33, prefill_step_size=step, pipeline=False) == want
 
 
 @pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe"])
 @pytest.mark.parametrize("rate", [1.0, 0.6, 0.0])
 def test_oracle_parity(loaded, name, rate):
+    """Drafts right with probability `rate`: full, partial and no acceptance,
+    in every loop (all four on the dense model)."""
     model, ref_model, tok = loaded(name)
-    V = model.language_model.args.vocab_size
+    V = model.vocab_size
+    modes = MODES if name == "dense" else {"pipelined": {}}
     for prompt, step in [(SHORT, 2048), (LONG, 16)]:
-        ref = reference(ref_model, tok, prompt, prefill_step_size=step)
-        for k in range(1, 5):
-            stats = MTPStats()
-            got = mtp_tokens(model, tok, prompt, k, oracle=OracleDrafter(ref, rate, V, seed=k),
-                             prefill_step_size=step, stats=stats)
-            assert got == ref, f"depth {k} rate {rate}"
-            if rate == 1.0:
-                assert stats.acceptance == [1.0] * k
-            if rate == 0.0:
-                assert stats.accepted == 0
+        ids = tok.encode(prompt)
+        want = reference(ref_model, ids, 40, step)
+        for k in [1, 2, 3, 4, "auto"]:
+            for mode, kw in modes.items():
+                stats = MTPStats()
+                got = mtp(model, ids, k, 40, prefill_step_size=step, stats=stats,
+                          drafter=OracleDrafter(want, rate, V, seed=3), **kw)
+                assert got == want, f"depth {k} {mode}"
+                if rate == 1.0 and k != "auto":
+                    assert stats.acceptance == [1.0] * k
+                if rate == 0.0:
+                    assert stats.accepted == 0
+                if rate == 0.6 and k != "auto":
+                    assert 0 < stats.accepted < stats.drafted
 
 
-def test_oracle_parity_with_logits_processor(loaded):
+def test_logits_processors(loaded):
+    """Processors see each position's history (the synchronous loop)."""
     model, ref_model, tok = loaded("dense")
-    V = model.language_model.args.vocab_size
+    V = model.vocab_size
     procs = make_logits_processors(logit_bias={5: 3.0}, repetition_penalty=1.5,
                                    repetition_context_size=8)
-    ref = reference(ref_model, tok, LONG, processors=procs)
-    for k in (1, 3):
-        got = mtp_tokens(model, tok, LONG, k, oracle=OracleDrafter(ref, 0.7, V, seed=3),
-                         processors=procs)
-        assert got == ref
+    ids = tok.encode(LONG)
+    want = reference(ref_model, ids, processors=procs)
+    for k in (1, 3, "auto"):
+        got = mtp(model, ids, k, logits_processors=procs,
+                  drafter=OracleDrafter(want, 0.7, V, seed=3))
+        assert got == want
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 6, 11])
 def test_max_tokens_never_exceeded(loaded, max_tokens):
     model, ref_model, tok = loaded("dense")
-    V = model.language_model.args.vocab_size
-    ref = reference(ref_model, tok, SHORT, max_tokens=max_tokens + 8)
+    V = model.vocab_size
+    ids = tok.encode(SHORT)
+    want = reference(ref_model, ids, max_tokens + 8)
     for k in (1, 4):
-        got = mtp_tokens(model, tok, SHORT, k, max_tokens=max_tokens,
-                         oracle=OracleDrafter(ref, 1.0, V))
-        assert got == ref[:max_tokens]
-    import mlx_lm
-
-    want = mlx_lm.generate(ref_model, tok, SHORT, max_tokens=max_tokens)
-    out = list(stream_generate(model, tok, SHORT, max_tokens=max_tokens, draft_tokens=3))
-    assert "".join(r.text for r in out) == want
+        for kw in MODES.values():
+            got = mtp(model, ids, k, max_tokens, drafter=OracleDrafter(want, 1.0, V), **kw)
+            assert got == want[:max_tokens]
+    text = mlx_lm.generate(ref_model, tok, SHORT, max_tokens=max_tokens)
+    out = list(mlx_mtp.stream_generate(model, tok, SHORT, max_tokens=max_tokens, draft_tokens=3))
+    assert "".join(r.text for r in out) == text
     assert out[-1].generation_tokens == max_tokens
     assert out[-1].finish_reason == "length"
 
 
 def test_eos_stops_like_mlx_lm(loaded, dense_ckpt):
-    import mlx_lm
-
-    import mlx_mtp
-
+    """EOS anywhere in a cycle's output (first, middle, last of its tokens):
+    the output stops on it, as mlx_lm's does; the cycle queued behind it
+    never reaches the caller."""
     model, ref_model, _ = loaded("dense")
-    _, tok = mlx_mtp.load(dense_ckpt)
+    _, tok = mlx_mtp.load(dense_ckpt, quiet=True)
     _, ref_tok = mlx_lm.load(str(dense_ckpt))
-    ref = reference(ref_model, tok, SHORT, max_tokens=30)
-    eos = ref[9]
-    first = ref.index(eos)
+    ids = tok.encode(SHORT)
+    ref = reference(ref_model, ids, 30)
+    own = set(tok.eos_token_ids)
+    stops = [i for i in range(4, 14) if ref.index(ref[i]) == i][:3]
+    assert len(stops) == 3
+    for stop in stops:
+        for t in (tok, ref_tok):
+            t._eos_token_ids = own | {ref[stop]}
+        want = list(mlx_lm.stream_generate(ref_model, ref_tok, SHORT, max_tokens=30))
+        assert [r.token for r in want] == ref[:stop + 1]
+        for k in (1, 2, 3):
+            for kw in (MODES["pipelined"], MODES["sync"]):
+                got = list(mlx_mtp.stream_generate(
+                    model, tok, SHORT, max_tokens=30, draft_tokens=k,
+                    drafter=OracleDrafter(ref, 1.0, model.vocab_size), **kw))
+                assert [r.token for r in got] == ref[:stop + 1], f"depth {k}, EOS at {stop}"
+                assert "".join(r.text for r in got) == "".join(r.text for r in want)
+                assert got[-1].finish_reason == "stop" == want[-1].finish_reason
+                assert got[-1].generation_tokens == stop + 1 == want[-1].generation_tokens
     for t in (tok, ref_tok):
-        t._eos_token_ids = set(t.eos_token_ids) | {eos}
-    want = list(mlx_lm.stream_generate(ref_model, ref_tok, SHORT, max_tokens=30))
-    for k in (1, 2, 4):
-        got = list(stream_generate(model, tok, SHORT, max_tokens=30, draft_tokens=k))
-        assert "".join(r.text for r in got) == "".join(r.text for r in want)
-        assert got[-1].finish_reason == "stop" == want[-1].finish_reason
-        assert got[-1].generation_tokens == first + 1 == want[-1].generation_tokens
+        t._eos_token_ids = own
 
 
-def _plain_cache_after(ref_model, prompt_ids, emitted, step=2048):
-    """mlx_lm caches after plain decoding fed the prompt and emitted[:-1]."""
-    cache = make_prompt_cache(ref_model)
-    p = mx.array(prompt_ids)
-    for s in range(0, len(prompt_ids) - 1, step):
-        ref_model(p[s:min(s + step, len(prompt_ids) - 1)][None], cache=cache)
-    ref_model(p[-1:][None], cache=cache)
-    for t in emitted[:-1]:
-        ref_model(mx.array([[t]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-@pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
-def test_rollback_leaves_caches_as_plain_decoding(loaded, rate):
-    """After any accept pattern, every trunk cache (GDN conv window and state,
-    attention K/V) equals plain decoding's, bit for bit; and the head's cache
-    equals the head run over the trunk's own hiddens (not its drafts')."""
+@pytest.mark.parametrize("mode", ["pipelined", "sync"])
+def test_one_host_sync_per_cycle(loaded, count_host_syncs, mode):
+    """Each cycle is queued with one async_eval and read with one transfer;
+    nothing else waits for the device."""
     model, ref_model, tok = loaded("dense")
-    V = model.language_model.args.vocab_size
-    ids = tok.encode(LONG)
-    ref = reference(ref_model, tok, LONG, max_tokens=30)
-    dec = MTPDecoder(model, oracle=OracleDrafter(ref, rate, V, seed=7))
-    y, _ = dec.prefill(mx.array(ids))
-    emitted = [y.item()]
-    while len(emitted) < 20:
-        toks, _, _ = dec.cycle(3)
-        emitted += toks
-    assert emitted == ref[:len(emitted)]
-    plain = _plain_cache_after(ref_model, ids, emitted)
-    for mine, want in zip(dec.cache, plain):
-        if hasattr(want, "offset"):
-            assert mine.offset == want.offset
-            n = want.offset
-            assert mx.array_equal(mine.keys[..., :n, :], want.keys[..., :n, :])
-            assert mx.array_equal(mine.values[..., :n, :], want.values[..., :n, :])
-        else:
-            assert mx.array_equal(mine[0], want[0]), "conv window"
-            assert mx.array_equal(mine[1], want[1]), "GDN state"
-
-    # head cache: pairs (h_p, tok_{p+1}) for every fed position p
-    seq = mx.array(ids + emitted)
-    h = model.trunk_hidden(seq[None, :-1], None)
-    fresh = model.mtp.make_cache()
-    model.mtp(h, model.embed(seq[None, 1:]), fresh)
-    n = seq.size - 1
-    for mine, want in zip(dec.head_cache, fresh):
-        assert mine.offset == want.offset == n
-        assert mx.allclose(mine.keys[..., :n, :], want.keys[..., :n, :], atol=1e-4)
-        assert mx.allclose(mine.values[..., :n, :], want.values[..., :n, :], atol=1e-4)
-
-
-def test_one_host_sync_per_cycle(loaded, count_host_syncs):
-    model, ref_model, tok = loaded("dense")
-    V = model.language_model.args.vocab_size
-    ref = reference(ref_model, tok, SHORT, max_tokens=30)
-    dec = MTPDecoder(model, oracle=OracleDrafter(ref, 0.5, V, seed=1))
-    dec.prefill(mx.array(tok.encode(SHORT)))
+    ids = tok.encode(SHORT)
+    want = reference(ref_model, ids, 40)
+    stats = MTPStats()
+    gen = generate_tokens(mx.array(ids), model, max_tokens=-1, draft_tokens=3, stats=stats,
+                          drafter=OracleDrafter(want, 0.5, model.vocab_size, seed=1),
+                          **MODES[mode])
+    next(gen)
     calls = count_host_syncs()
-    for _ in range(5):
-        dec.cycle(3)
-    assert len(calls) == 5
+    got = [next(gen)[0] for _ in range(20)]
+    assert got == want[1:21]
+    assert "eval" not in calls
+    # pipelined: the cycle behind the one being read is already queued
+    assert calls.count("async_eval") == stats.cycles + (1 if mode == "pipelined" else 0)
+    gen.close()
 
 
 @pytest.mark.parametrize("rate", [None, 0.5, 0.95])
 def test_auto_depth_parity(loaded, rate):
     """draft_tokens='auto' switches depth (0 included) between cycles; the
-    head catches up on the pairs of plain steps; output stays identical."""
-    from mlx_mtp.depth import DepthController
-
+    head catches up on the plain steps' pairs; the output stays identical."""
     model, ref_model, tok = loaded("dense")
-    V = model.language_model.args.vocab_size
-    ref = reference(ref_model, tok, LONG, max_tokens=120)
-    class ModelCostController(DepthController):
+    ids = tok.encode(LONG)
+    want = reference(ref_model, ids, 120)
+
+    class ModelCost(DepthController):
         # deterministic cycle costs (decode units): timing noise on a busy
         # machine must not decide what this test checks
         def update_cost(self, k, seconds):
             super().update_cost(k, 1.0 + 0.3 * k)
 
-    ctl = ModelCostController(max_depth=4, probe_every=4)
-    oracle = OracleDrafter(ref, rate, V, seed=5) if rate is not None else None
-    p = mx.array(tok.encode(LONG))
-    got = [t for t, _, _ in mtp_generate_step(p, model, max_tokens=120, draft_tokens="auto",
-                                              oracle=oracle, controller=ctl)]
-    assert got == ref
+    ctl = ModelCost(max_depth=4, probe_every=4)
+    drafter = OracleDrafter(want, rate, model.vocab_size, seed=5) if rate is not None else None
+    got = mtp(model, ids, "auto", 120, drafter=drafter, controller=ctl)
+    assert got == want
     assert len(ctl.cost) >= 2  # it did move between depths
     if rate is None:  # the random head never pays: plain decoding wins
         assert ctl.k == 0
     if rate == 0.95:
         assert ctl.k >= 3
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("mode", ["pipelined", "sync-eager"])
+def test_cache_after_call_is_plain_decodings(loaded, rate, mode):
+    """After cycles of mixed depths (plain steps, ring flushes and every
+    accept pattern), the prompt cache is what mlx_lm's plain decoding leaves:
+    trunk bit for bit, the head's pairs over the trunk's own hiddens, and the
+    last hidden; nothing drafted or rejected."""
+    model, ref_model, tok = loaded("dense")
+    ids = tok.encode(LONG)
+    want = reference(ref_model, ids, 60, step=32)
+    script = [3, 1, 0, 2, 3, 0, 0, 3, 2, 1, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4]
+    for max_tokens in (7, 23, 60):
+        cache = model.make_cache()
+        stats = MTPStats()
+        got = mtp(model, ids, "auto", max_tokens, prefill_step_size=32, prompt_cache=cache,
+                  controller=Scripted(script), stats=stats,
+                  drafter=OracleDrafter(want, rate, model.vocab_size, seed=7), **MODES[mode])
+        assert got == want[:max_tokens]
+        context = ids + got
+        assert_trunk_equal(cache, plain_cache(ref_model, context, step=32), f"{max_tokens}")
+        assert_head_follows(model, cache, context)
+    if rate == 1.0:
+        assert stats.acceptance[:3] == [1.0] * 3
+    if rate == 0.0:
+        assert stats.accepted == 0

@@ -13,7 +13,7 @@ Layers of proof:
   2. Drafters that lie about q (claim uniform; claim q = p, i.e. the naive
      "accept what the head sampled"; claim another drafter's q) must FAIL the
      same χ² test: the tests have power.
-  3. End to end through MTPDecoder with the real head (also over a trimmed
+  3. End to end through the decode loop with the real head (also over a trimmed
      draft vocabulary) or a DistributionDrafter: χ² on the first 3 tokens at
      800 samples (10⁴ and every setting × depth with MLX_MTP_SLOW_TESTS=1);
      the log-prob rows the decoder yields equal mlx_lm's teacher-forced
@@ -35,7 +35,9 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from mlx_mtp.decode import DistributionDrafter, MTPDecoder, MTPStats, OracleDrafter, mtp_generate_step
+from mlx_mtp.cycle import Spec
+from mlx_mtp.drafters import DistributionDrafter, OracleDrafter
+from mlx_mtp.loop import MTPStats, generate_tokens
 from mlx_mtp.sampling import MTPSampler, make_sampler, speculative_sample
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -356,28 +358,22 @@ def test_kernel_accept_rates():
 
 # -- end to end through the decoder ---------------------------------------------
 def _first_tokens(model, cfg, k, n_tokens, seed, oracle=None, draft_temp=None):
-    return [t for t, _, _ in mtp_generate_step(
+    return [t for t, _, _ in generate_tokens(
         mx.array(PROMPT), model, max_tokens=n_tokens, draft_tokens=k,
         sampler=sampler(cfg, draft_temp=draft_temp), logits_processors=processors(cfg),
-        seed=seed, oracle=oracle)]
+        seed=seed, drafter=oracle)]
 
 
 def decoder_samples(model, cfg, k, n, oracle=None, seed0=1 << 20, stats=None, n_tokens=L,
                     draft_vocab=None):
-    """First n_tokens of n generations by MTPDecoder (prefill, then cycles at
-    depth k; every token after the first comes from a draft/verify cycle)."""
+    """First n_tokens of n generations (prefill, then cycles at depth k;
+    every token after the first comes from a draft/verify cycle)."""
     out = []
     for i in range(n):
-        dec = MTPDecoder(model, sampler=sampler(cfg), logits_processors=processors(cfg),
-                         oracle=oracle, seed=seed0 + i, draft_vocab=draft_vocab)
-        if stats is not None:
-            dec.stats = stats
-        y, lp = dec.prefill(mx.array(PROMPT))
-        mx.eval(y, lp)
-        toks = y.tolist()
-        while len(toks) < n_tokens:
-            toks += dec.cycle(k)[0]
-        out.append(tuple(toks[:n_tokens]))
+        out.append(tuple(t for t, _, _ in generate_tokens(
+            mx.array(PROMPT), model, max_tokens=n_tokens, draft_tokens=k, sampler=sampler(cfg),
+            logits_processors=processors(cfg), drafter=oracle, seed=seed0 + i, stats=stats,
+            draft_vocab=draft_vocab)))
     return out
 
 
@@ -433,10 +429,10 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
     elif mode == "q":
         oracle = _q_drafter(trunk_logits, cfg, 0.2, 4)
     stats = MTPStats()
-    got = list(mtp_generate_step(
+    got = list(generate_tokens(
         mx.array(PROMPT), model, max_tokens=20, draft_tokens=k,
         sampler=sampler(cfg, draft_temp=0.0 if mode == "head_greedy" else None),
-        logits_processors=processors(cfg), seed=9, oracle=oracle, stats=stats,
+        logits_processors=processors(cfg), seed=9, drafter=oracle, stats=stats,
         draft_vocab=mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None))
     toks = [t for t, _, _ in got]
     seq = mx.array(PROMPT + toks)
@@ -484,15 +480,19 @@ def test_cli_seed(flat_ckpt, capsys):
 
 
 def test_one_host_sync_per_sampling_cycle(models, count_host_syncs):
+    """Sampling with processors (the synchronous loop): one async_eval per
+    cycle, read once; nothing else waits for the device."""
     model = models[0]
-    dec = MTPDecoder(model, sampler=sampler("top_k"), logits_processors=processors("top_k"),
-                     seed=0)
-    y, lp = dec.prefill(mx.array(PROMPT))
-    mx.eval(y, lp)
+    stats = MTPStats()
+    gen = generate_tokens(mx.array(PROMPT), model, max_tokens=-1, draft_tokens=3,
+                          sampler=sampler("top_k"), logits_processors=processors("top_k"),
+                          seed=0, stats=stats)
+    next(gen)
     calls = count_host_syncs()
-    for _ in range(5):
-        dec.cycle(3)
-    assert len(calls) == 5
+    for _ in range(12):
+        next(gen)
+    assert "eval" not in calls and calls.count("async_eval") == stats.cycles
+    gen.close()
 
 
 def test_sampler_is_mlx_lm_compatible():
@@ -512,9 +512,9 @@ def test_greedy_sampler_unchanged(models):
     """make_sampler(temp=0) keeps the greedy path: identical to sampler=None."""
     model = models[0]
     for k in (1, 3):
-        a = [t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, max_tokens=16,
+        a = [t for t, _, _ in generate_tokens(mx.array(PROMPT), model, max_tokens=16,
                                                 draft_tokens=k)]
-        b = [t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, max_tokens=16,
+        b = [t for t, _, _ in generate_tokens(mx.array(PROMPT), model, max_tokens=16,
                                                 draft_tokens=k, sampler=make_sampler(0.0))]
         assert a == b
 
@@ -525,10 +525,9 @@ def test_opaque_sampler_fallback_is_exactly_mlx_lm_plain(models):
     depth>0 it still only emits tokens in the target's support."""
     model = models[0]
     s = mlx_lm_make_sampler(temp=1.0, top_k=3)
-    dec = MTPDecoder(model, sampler=s, logits_processors=processors("temp"))
-    assert not dec.speculative
+    assert not Spec(model, s).speculative
     with pytest.warns(UserWarning, match="introspected"):
-        toks = [t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, max_tokens=12,
+        toks = [t for t, _, _ in generate_tokens(mx.array(PROMPT), model, max_tokens=12,
                                                    draft_tokens=2, sampler=s,
                                                    logits_processors=processors("temp"))]
     assert all(t in S for t in toks)
@@ -584,7 +583,7 @@ def test_head_matching_target_accepts_nearly_all(echo_model, cfg):
         for dt in (None, 0.0):
             stats = MTPStats()
             for seed in range(3):
-                for _ in mtp_generate_step(mx.array(PROMPT), echo_model, max_tokens=24,
+                for _ in generate_tokens(mx.array(PROMPT), echo_model, max_tokens=24,
                                            draft_tokens=3, sampler=make_sampler(**kw, draft_temp=dt),
                                            logits_processors=procs, seed=seed, stats=stats):
                     pass
@@ -600,7 +599,7 @@ def test_sampling_bf16_and_moe(loaded, name):
     model, _, _ = loaded(name)
     kw = dict(max_tokens=16, draft_tokens=2, sampler=make_sampler(0.8, top_k=40),
               logits_processors=make_logits_processors(None, 1.1, 16))
-    runs = [[t for t, _, _ in mtp_generate_step(mx.array(PROMPT), model, seed=4, **kw)]
+    runs = [[t for t, _, _ in generate_tokens(mx.array(PROMPT), model, seed=4, **kw)]
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 16 and all(0 <= t < V for t in runs[0])
 
@@ -641,15 +640,9 @@ def test_demo_chi2_end_to_end(demo, k):
     n = 10000 if SLOW else 200
     stats, samples = MTPStats(), []
     for i in range(n):
-        dec = MTPDecoder(model, sampler=make_sampler(**s),
-                         logits_processors=make_logits_processors(None, *rep), seed=i)
-        dec.stats = stats
-        y, lp = dec.prefill(mx.array(prompt))
-        mx.eval(y, lp)
-        toks = y.tolist()
-        while len(toks) < L:
-            toks += dec.cycle(k)[0]
-        samples.append(tuple(toks[:L]))
+        samples.append(tuple(t for t, _, _ in generate_tokens(
+            mx.array(prompt), model, max_tokens=L, draft_tokens=k, sampler=make_sampler(**s),
+            logits_processors=make_logits_processors(None, *rep), seed=i, stats=stats)))
     pvalue = chi2_pvalue(samples, joint)
     print(f"demo depth {k}: n={n} chi2 p={pvalue:.4f} acceptance={stats.acceptance}")
     assert pvalue > ALPHA
@@ -664,7 +657,7 @@ def test_demo_acceptance_at_temperature(demo):
     for temp in (0.0, 0.6, 1.0):
         stats = MTPStats()
         for seed, text in enumerate(DEMO_PROMPTS):
-            for _ in mtp_generate_step(mx.array(tok.encode(text)), model, max_tokens=40,
+            for _ in generate_tokens(mx.array(tok.encode(text)), model, max_tokens=40,
                                        draft_tokens=3, sampler=make_sampler(temp), seed=seed,
                                        stats=stats):
                 pass
@@ -685,11 +678,15 @@ def test_trimmed_draft_logits(flat_ckpt, bits):
     if bits:
         nn.quantize(model.language_model, group_size=64, bits=bits,
                     class_predicate=lambda p, m: p.endswith("lm_head"))
+    from mlx_mtp.cycle import _draft_logprobs
+
     ids = mx.array(DRAFT_VOCAB)
-    dec = MTPDecoder(model, sampler=sampler("temp"), draft_vocab=ids)
-    h = mx.random.normal((1, model.language_model.args.hidden_size), key=mx.random.key(2))
-    got = np.array(dec._trimmed_draft_logits(h))[0]
-    full = np.array(model.logits_from_hidden(h))[0]
-    np.testing.assert_allclose(got[DRAFT_VOCAB], full[DRAFT_VOCAB], rtol=1e-5, atol=1e-5)
+    spec = Spec(model, sampler("temp"), draft_vocab=ids)
+    h = mx.random.normal((1, 1, model.text_args.hidden_size), key=mx.random.key(2))
+    got = np.array(_draft_logprobs(spec, spec.aux(), h, None, []))[0]
+    full = np.array(model.logits_from_hidden(h))[0, 0].astype(np.float64)
+    sub = full[DRAFT_VOCAB]
+    want = sub - np.log(np.exp(sub - sub.max()).sum()) - sub.max()
+    np.testing.assert_allclose(got[DRAFT_VOCAB], want, rtol=1e-5, atol=1e-5)
     rest = np.setdiff1d(np.arange(V), DRAFT_VOCAB)
     assert np.all(np.isneginf(got[rest]))

@@ -88,7 +88,7 @@ def full_config(tc: dict, eos_ids) -> dict:
 def build_model(config: dict, chunked: bool = True):
     from mlx_lm.models import qwen3_5
 
-    from mlx_mtp.model import Model
+    from mlx_mtp.families.qwen3_5 import Model
 
     model = Model(qwen3_5.ModelArgs.from_dict(config))
     if chunked:

@@ -1,0 +1,326 @@
+"""Caches: mlx_lm's cache protocol, in the two forms a generation uses.
+
+Between calls a user holds a **prompt cache**: `model.make_cache()` (what
+mlx_lm's `make_prompt_cache` returns) is a list of mlx_lm's own cache objects,
+so `save_prompt_cache`, `load_prompt_cache`, `trim_prompt_cache` and
+`can_trim_prompt_cache` work on it unchanged:
+
+    [trunk layer caches: KVCache (attention) | ArraysCache (GDN conv, state)]
+    + [one KVCache per head layer]                  (head_layers of them)
+    + [ArraysCache(1): the trunk's hidden at the last position]
+
+The head's KV holds pairs (h_p, tok_{p+1}); the last hidden pairs with the
+next call's first token. A trunk-only list (mlx_lm's own cache, e.g. from
+`mlx_lm.cache_prompt`) is accepted: the head entries are appended to it.
+
+While decoding, the same contents live in an `MTPCache`: attention KV in
+buffers whose lengths are device arrays, one per batch row
+(`PaddedKVCache`), and GDN caches that can capture a verify forward
+(`CaptureCache`). A cycle then rolls back by lengths and indices computed in
+the graph, with no host sync. Conversions: `MTPCache.from_prompt_cache` and
+`MTPCache.write_back`. See docs/design.md, "Caches".
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+
+BLOCK = 256  # smallest capacity step of a PaddedKVCache
+
+
+def capacity_for(n: int, block: Optional[int] = None) -> int:
+    """Buffer capacity for n entries: whole blocks, with blocks doubling as the
+    length grows (never more than max(block, n/8) spare), so compiled graphs
+    see few distinct shapes and attention runs over little padding."""
+    block = block or BLOCK
+    while block * 16 <= n:
+        block *= 2
+    return max(block, -(-n // block) * block)
+
+
+class PaddedKVCache(_BaseCache):
+    """Attention KV in a reserved buffer with a length per batch row on the device.
+
+    `keys`/`values` are [B, H, capacity, D]; `lengths` [B] int32. A forward
+    writes at `lengths` and masks out everything past it, so a cycle can roll
+    back by the accepted count (`trim` with a device scalar) without the host
+    knowing it. Masked keys add exact zeros to the softmax. Duck-types
+    mlx_lm's KVCache for its attention layers (`offset` for RoPE,
+    `update_and_fetch`, `make_mask`).
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, lengths: mx.array):
+        self.keys, self.values, self.lengths = keys, values, lengths
+
+    @property
+    def offset(self) -> mx.array:
+        return self.lengths
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.lengths
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.lengths = v
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, _, T, _ = keys.shape
+        if B == 1:
+            start = self.lengths.reshape(1)
+            self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+            self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        else:  # every row writes at its own length
+            idx = (self.lengths[:, None] + mx.arange(T, dtype=mx.int32))[:, None, :, None]
+            self.keys = mx.put_along_axis(
+                self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(
+                self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        self.lengths = self.lengths + T
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        # query i of row b (position lengths[b] + i) sees keys 0 .. lengths[b] + i
+        visible = self.lengths[:, None, None, None] + mx.arange(N, dtype=mx.int32)[:, None]
+        return mx.arange(self.capacity, dtype=mx.int32) <= visible  # [B, 1, N, capacity]
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        """Drop the last n entries of every row (n: int, or device array [B] or scalar)."""
+        self.lengths = self.lengths - n
+        return n
+
+    def grown(self, needed: int) -> "PaddedKVCache":
+        """This cache with room for `needed` entries (grown in whole blocks)."""
+        if needed <= self.capacity:
+            return self
+        capacity = capacity_for(needed)
+        B, H, n, _ = self.keys.shape
+        pad = lambda x: mx.concatenate(
+            [x, mx.zeros((B, H, capacity - n, x.shape[-1]), x.dtype)], axis=2)
+        return PaddedKVCache(pad(self.keys), pad(self.values), self.lengths)
+
+    def empty(self):
+        return self.keys is None
+
+    @property
+    def nbytes(self):
+        return self.keys.nbytes + self.values.nbytes
+
+    @classmethod
+    def from_kv_cache(cls, cache: KVCache, batch: int = 1) -> "PaddedKVCache":
+        if cache.keys is None:
+            raise ValueError("an empty KVCache has no shape to pad (prefill first)")
+        lengths = mx.full((batch,), cache.offset, dtype=mx.int32)
+        return cls(cache.keys, cache.values, lengths)
+
+    def write_to(self, cache: KVCache, length: int):
+        """Hand the buffer to mlx_lm's KVCache, `length` entries valid."""
+        cache.keys, cache.values, cache.offset = self.keys, self.values, int(length)
+
+
+class CaptureCache(ArraysCache):
+    """A GDN layer's ArraysCache ([conv window, recurrent state]) that can
+    hold what a verify forward captured: the state after every position and
+    the conv input (the GDN layer of the model fills them when `capturing`).
+    The captured arrays live within one cycle; `state` is mlx_lm's."""
+
+    def __init__(self, conv=None, state=None):
+        super().__init__(size=2)
+        self.cache = [conv, state]
+        self.capturing = False
+        self.captured_states: Optional[mx.array] = None  # [B, T, Hv, Dv, Dk]
+        self.captured_conv_input: Optional[mx.array] = None  # [B, K-1+T, C]
+
+    @property
+    def state(self):  # a new list: a state is a value, shared by no other cache
+        return list(self.cache), self.left_padding, self.lengths
+
+    @state.setter
+    def state(self, v):
+        cache, self.left_padding, self.lengths = v
+        self.cache = list(cache)
+        self.capturing = False
+        self.captured_states = self.captured_conv_input = None
+
+    @classmethod
+    def from_arrays_cache(cls, cache: ArraysCache) -> "CaptureCache":
+        return cls(cache[0], cache[1])
+
+    def write_to(self, cache: ArraysCache):
+        cache[0], cache[1] = self.cache[0], self.cache[1]
+
+
+class MTPCache:
+    """Trunk + head caches of one generation, in decoding form.
+
+    `trunk[i]` is a PaddedKVCache (attention layer) or a CaptureCache (GDN
+    layer); `head[j]` a PaddedKVCache per head layer (empty list without a
+    head). `state` is the flat list of every layer's state: a compiled cycle
+    takes and returns exactly that.
+    """
+
+    def __init__(self, trunk: list, head: list):
+        self.trunk, self.head = trunk, head
+
+    @property
+    def layers(self) -> list:
+        return self.trunk + self.head
+
+    @property
+    def state(self):
+        return [c.state for c in self.layers]
+
+    @state.setter
+    def state(self, v):
+        for c, s in zip(self.layers, v):
+            c.state = s
+
+    @property
+    def kv(self) -> List[PaddedKVCache]:
+        """Every attention cache, trunk and head (the buffers that only grow)."""
+        return [c for c in self.layers if isinstance(c, PaddedKVCache)]
+
+    def is_trimmable(self):
+        return False  # a GDN state cannot drop tokens (a cycle rolls back by capture)
+
+    @property
+    def nbytes(self):
+        return sum(c.nbytes for c in self.layers)
+
+    @property
+    def layout(self) -> tuple:
+        """What `from_state` needs to rebuild the objects: per trunk layer
+        whether it is attention, and the number of head layers."""
+        return tuple(isinstance(c, PaddedKVCache) for c in self.trunk), len(self.head)
+
+    @classmethod
+    def from_state(cls, state: list, layout: tuple) -> "MTPCache":
+        """Cache objects of `layout` over the arrays of `state`."""
+        is_kv, n_head = layout
+        kinds = list(is_kv) + [True] * n_head
+        objs = []
+        for kv, s in zip(kinds, state):
+            c = PaddedKVCache(None, None, None) if kv else CaptureCache()
+            c.state = s
+            objs.append(c)
+        return cls(objs[: len(is_kv)], objs[len(is_kv):])
+
+    def copy(self) -> "MTPCache":
+        """New cache objects over the same arrays (the arrays are values)."""
+        return MTPCache.from_state(self.state, self.layout)
+
+    def grown(self, trunk_capacity: int, head_capacity: int) -> "MTPCache":
+        """Room for `trunk_capacity` / `head_capacity` entries (whole blocks)."""
+        grow = lambda c, n: c.grown(n) if isinstance(c, PaddedKVCache) else c
+        return MTPCache([grow(c, trunk_capacity) for c in self.trunk],
+                        [grow(c, head_capacity) for c in self.head])
+
+    def with_buffers_of(self, newer: "MTPCache") -> "MTPCache":
+        """This cache's lengths and GDN states over `newer`'s KV buffers.
+
+        Everything written after this cache was taken lies past its lengths
+        (cycles only write at or after the current length), so this is the
+        state it had, without keeping its own copy of the buffers alive."""
+        def one(old, new):
+            if isinstance(old, PaddedKVCache):
+                return PaddedKVCache(new.keys, new.values, old.lengths)
+            return old
+        return MTPCache([one(o, n) for o, n in zip(self.trunk, newer.trunk)],
+                        [one(o, n) for o, n in zip(self.head, newer.head)])
+
+    def without_buffers(self) -> "MTPCache":
+        """Lengths and GDN states only (see `with_buffers_of`)."""
+        def one(c):
+            return PaddedKVCache(None, None, c.lengths) if isinstance(c, PaddedKVCache) else c
+        return MTPCache([one(c) for c in self.trunk], [one(c) for c in self.head])
+
+    @classmethod
+    def from_prompt_cache(cls, prompt_cache: list, n_trunk: int, use_head: bool,
+                          batch: int = 1) -> "MTPCache":
+        """Decoding form of a filled prompt cache (buffers shared, not copied)."""
+        def one(c):
+            return (PaddedKVCache.from_kv_cache(c, batch) if isinstance(c, KVCache)
+                    else CaptureCache.from_arrays_cache(c))
+        trunk = [one(c) for c in prompt_cache[:n_trunk]]
+        head = [one(c) for c in head_caches(prompt_cache, n_trunk)] if use_head else []
+        return cls(trunk, head)
+
+    def write_back(self, prompt_cache: list, n_trunk: int, trunk_len: int,
+                   head_len: Optional[int]):
+        """Store this state in the prompt cache's mlx_lm objects (in place);
+        the host knows the exact lengths by then."""
+        for c, dst in zip(self.trunk, prompt_cache[:n_trunk]):
+            c.write_to(dst, trunk_len) if isinstance(c, PaddedKVCache) else c.write_to(dst)
+        if self.head:
+            for c, dst in zip(self.head, head_caches(prompt_cache, n_trunk)):
+                c.write_to(dst, head_len)
+
+
+# -- the prompt-cache list (mlx_lm objects) ----------------------------------------
+def make_prompt_cache(trunk_cache: list, head_layers: int) -> list:
+    """The list `model.make_cache()` returns (see the module docstring)."""
+    if not head_layers:
+        return trunk_cache
+    return trunk_cache + [KVCache() for _ in range(head_layers)] + [ArraysCache(size=1)]
+
+
+def head_caches(prompt_cache: list, n_trunk: int) -> list:
+    """The head's KVCaches of a prompt cache (empty for a trunk-only one)."""
+    return prompt_cache[n_trunk:-1]
+
+
+def last_hidden(prompt_cache: list, n_trunk: int) -> Optional[mx.array]:
+    """The trunk's hidden at the cached context's last position, if kept."""
+    if len(prompt_cache) <= n_trunk:
+        return None
+    return prompt_cache[-1][0]
+
+
+def set_last_hidden(prompt_cache: list, hidden: Optional[mx.array]):
+    prompt_cache[-1][0] = hidden
+
+
+def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: int) -> list:
+    """Validate a user's prompt cache against the model; a trunk-only list
+    gets the head's entries appended (in place). Returns the list."""
+    n = len(is_linear)
+    if not isinstance(prompt_cache, list):
+        raise ValueError("prompt_cache must be the list from make_prompt_cache(model)")
+    if len(prompt_cache) not in (n, n + head_layers + 1) or (
+            len(prompt_cache) > n and not head_layers):
+        raise ValueError(
+            f"prompt_cache has {len(prompt_cache)} entries; this model needs {n} "
+            f"(trunk only) or {n + head_layers + 1 if head_layers else n} "
+            "(from make_prompt_cache(model))")
+    for i, (c, linear) in enumerate(zip(prompt_cache, is_linear)):
+        want = ArraysCache if linear else KVCache
+        if type(c) is not want:
+            raise ValueError(
+                f"prompt_cache[{i}] is a {type(c).__name__}; mlx_mtp needs mlx_lm's "
+                f"{want.__name__} there (no max_kv_size / kv_bits caches)")
+    if head_layers:
+        if len(prompt_cache) == n:
+            prompt_cache.extend(make_prompt_cache([], head_layers))
+        extra = prompt_cache[n:]
+        if not all(type(c) is KVCache for c in extra[:-1]) or type(extra[-1]) is not ArraysCache:
+            raise ValueError("prompt_cache's head entries are not KVCache ... ArraysCache(1); "
+                             "build it with make_prompt_cache(model)")
+    return prompt_cache
+
+
+def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:
+    """Tokens in a prompt cache's trunk (0 when fresh)."""
+    for c, linear in zip(prompt_cache, is_linear):
+        if not linear:
+            return c.offset
+    return 0

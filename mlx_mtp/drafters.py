@@ -1,0 +1,96 @@
+"""Drafters for tests and benchmarks; production decoding drafts with the head.
+
+A drafter replaces the proposals of a cycle (`generate_step(..., drafter=)`);
+verify, accept, commit and the head's cache rewrite run as usual, so known
+accept patterns exercise the real rollback. The interface:
+
+  host_side          True: proposals need the host (the loop then reads every
+                     cycle before building the next, and runs it eagerly)
+  replaces_head      True: the head's own chain is skipped
+  arrays()           device arrays the proposals read (passed to compiled graphs)
+  graph_key()        what a compiled graph bakes in
+  propose(arrays, emitted, k, head_drafts, head_q) -> (drafts [B, k], q [B, k, V] | None)
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+
+class OracleDrafter:
+    """Proposes the known continuation `sequence` (e.g. the trunk's own greedy
+    output), each draft right with probability `accept_rate` and otherwise
+    deliberately wrong: a device-side table lookup at the state's emitted
+    count, so pipelined and compiled cycles can use it. The head still runs
+    its chain; with sampling, q is claimed one-hot."""
+
+    host_side = False
+    replaces_head = False
+
+    def __init__(self, sequence: List[int], accept_rate: float = 1.0, vocab_size: int = 2,
+                 seed: int = 0, margin: int = 64):
+        rng = random.Random(seed)
+        table = []
+        for j in range(len(sequence) + margin):
+            true = sequence[j] if j < len(sequence) else rng.randrange(vocab_size)
+            right = rng.random() < accept_rate
+            table.append(true if right else (true + 1) % vocab_size)
+        self.table = mx.array(table, dtype=mx.int32)
+
+    def arrays(self):
+        return [self.table]
+
+    def graph_key(self):
+        return ("oracle",)
+
+    def propose(self, arrays, emitted, k, head_drafts, head_q):
+        """Drafts for emitted positions emitted .. emitted+k-1 (index 0 is the
+        prompt's first generated token)."""
+        (table,) = arrays
+        idx = mx.minimum(emitted[:, None] + mx.arange(k, dtype=mx.int32), table.size - 1)
+        drafts = mx.take(table, idx)
+        q = None
+        if head_q is not None:
+            q = (mx.arange(head_q.shape[-1]) == drafts[..., None]).astype(mx.float32)
+        return drafts, q
+
+
+class DistributionDrafter:
+    """Draws each draft on the host from a known distribution
+    q(. | tokens generated so far + earlier drafts) and reports it (or, to
+    test the tests, a deliberately wrong `claimed` one).
+
+    dist(prefix: tuple of generated token ids) -> probabilities [V];
+    claimed(prefix) -> the q reported to the decoder (default: dist).
+    Needs a sampler with temp > 0 (Leviathan–Chen)."""
+
+    host_side = True
+    replaces_head = True
+
+    def __init__(self, dist: Callable, vocab_size: int, seed: int = 0,
+                 claimed: Optional[Callable] = None):
+        self.dist = dist
+        self.claimed = claimed or dist
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.generated: List[int] = []  # the loop keeps it current
+
+    def arrays(self):
+        return []
+
+    def graph_key(self):
+        return ("distribution", id(self))
+
+    def propose(self, arrays, emitted, k, head_drafts, head_q):
+        prefix, drafts, qs = tuple(self.generated), [], []
+        for _ in range(k):
+            q = np.asarray(self.dist(prefix), dtype=np.float64)
+            d = int(self.rng.choice(self.vocab_size, p=q / q.sum()))
+            qs.append(np.asarray(self.claimed(prefix), dtype=np.float32))
+            drafts.append(d)
+            prefix = prefix + (d,)
+        return mx.array([drafts], dtype=mx.int32), mx.array(np.stack(qs))[None]

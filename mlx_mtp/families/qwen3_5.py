@@ -1,0 +1,144 @@
+"""Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`): where this family keeps its
+parts, its verifying GDN layer, and its checkpoints' head tensor names.
+
+Layout: `language_model.model` (embed_tokens, layers, norm) and
+`language_model.lm_head` (or the tied embedding); HF checkpoints name the
+trunk `model.language_model.*` and the head `mtp.*`, MoE experts fused
+(`experts.gate_up_proj`, `experts.down_proj`) or one tensor per expert.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+from mlx_lm.models import qwen3_5, qwen3_5_moe
+
+from .. import metal as kernels
+from ..cache import CaptureCache
+from ..head import HEAD_NORM_SUFFIXES
+from ..model import MTPModel, MTPWeightError
+
+TRUNK_PREFIX = "model.language_model."
+
+_PER_EXPERT = re.compile(
+    r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+
+
+def stack_expert_tensors(weights: dict, prefix: str) -> dict:
+    """One-tensor-per-expert MoE weights (`experts.{e}.gate_proj.weight`)
+    stacked into mlx_lm's `switch_mlp.*` layout (only keys under `prefix`)."""
+    groups: dict = {}
+    for k in list(weights):
+        m = _PER_EXPERT.match(k)
+        if m and k.startswith(prefix):
+            groups.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = weights.pop(k)
+    for (mlp, proj, kind), per_expert in groups.items():
+        n = max(per_expert) + 1
+        missing = [e for e in range(n) if e not in per_expert]
+        if missing:
+            raise MTPWeightError(f"{mlp}.experts.{missing[0]}.{proj}.{kind} is missing")
+        weights[f"{mlp}.switch_mlp.{proj}.{kind}"] = mx.stack([per_expert[e] for e in range(n)])
+    return weights
+
+
+def split_fused_experts(weights: dict, mlp: str) -> None:
+    """`experts.gate_up_proj` [E, 2I, H] + `experts.down_proj` -> switch_mlp.*."""
+    gate_up = weights.pop(f"{mlp}.experts.gate_up_proj", None)
+    if gate_up is not None:
+        mid = gate_up.shape[-2] // 2
+        weights[f"{mlp}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{mlp}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        down = weights.pop(f"{mlp}.experts.down_proj", None)
+        if down is None:
+            raise MTPWeightError(f"{mlp}.experts.down_proj is missing")
+        weights[f"{mlp}.switch_mlp.down_proj.weight"] = down
+
+
+def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
+    """The checkpoint's `mtp.*` tensors in MTPHead's layout: MoE experts
+    stacked, zero-centred norms shifted (+1) when the source is unconverted.
+    Shared by the loader and `mlx_mtp.convert --graft`."""
+    weights = stack_expert_tensors(dict(weights), "mtp.")
+    for i in range(num_layers):
+        split_fused_experts(weights, f"mtp.layers.{i}.mlp")
+    if shift_norms:
+        for k, v in weights.items():
+            if v.ndim == 1 and k.endswith(HEAD_NORM_SUFFIXES) and ".mlp." not in k:
+                weights[k] = v + 1.0
+    return weights
+
+
+class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):
+    """mlx_lm's GatedDeltaNet that, in a capturing cache, keeps every state.
+
+    Same parameters and same arithmetic as the parent: the projections are the
+    parent's modules and the recurrence is mlx_lm's single-token update (via the
+    kernels' reference), so an accepted position is bit-identical to plain
+    decoding. Outside a verify it is the parent, unchanged.
+    """
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if not (isinstance(cache, CaptureCache) and cache.capturing):
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(inputs)
+        a = self.in_proj_a(inputs)
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), inputs.dtype)
+        state = cache[1]
+        if state is None:
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        conv_out, conv_input = kernels.conv_verify(conv_state, qkv, self.conv1d.weight)
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        y, states = kernels.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, state)
+        cache.captured_states = states
+        cache.captured_conv_input = conv_input
+        out = self.norm(y, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class _Qwen35(MTPModel):
+    verifying_gdn = VerifyingGatedDeltaNet
+
+    @property
+    def text_model(self):
+        return self.language_model.model
+
+    @property
+    def text_args(self):
+        return self.language_model.args
+
+    @staticmethod
+    def sanitize_trunk_experts(weights: dict) -> dict:
+        return stack_expert_tensors(weights, TRUNK_PREFIX)
+
+    sanitize_head = staticmethod(sanitize_head)
+
+
+class Model(_Qwen35, qwen3_5.Model):
+    def __init__(self, args: qwen3_5.ModelArgs):
+        super().__init__(args)
+        self._init_mtp(args.text_config)
+
+
+class MoeModel(_Qwen35, qwen3_5_moe.Model):
+    def __init__(self, args: qwen3_5_moe.ModelArgs):
+        super().__init__(args)
+        self._init_mtp(args.text_config)
+
+
+MODEL_CLASSES = {
+    "qwen3_5": (Model, qwen3_5.ModelArgs),
+    "qwen3_5_moe": (MoeModel, qwen3_5_moe.ModelArgs),
+}

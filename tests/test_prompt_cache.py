@@ -1,0 +1,260 @@
+"""prompt_cache across calls: mlx_lm's semantics, exactly.
+
+Turn after turn, each call prefills only its new prompt; its tokens equal
+mlx_lm's with mlx_lm's own cache, and the cache afterwards holds exactly what
+mlx_lm's does (the trunk bit for bit, the head's pairs over the trunk's own
+hiddens; nothing drafted or rejected), whatever ended the call: max_tokens in
+the middle of a cycle, EOS, a cycle queued past the stop.
+"""
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache,
+                                 save_prompt_cache, trim_prompt_cache)
+
+import mlx_lm
+import mlx_mtp
+from mlx_mtp.drafters import OracleDrafter
+from mlx_mtp.loop import MTPStats
+from util import LONG, SAME, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference
+
+TURNS = [LONG, "    def ham(self):\n        return", "\nclass Eggs(Spam):\n"]
+MAX_TOKENS = [9, 5, 17]
+
+
+def mlx_lm_turns(ref_model, turns, max_tokens=MAX_TOKENS, cache=None):
+    """mlx_lm.generate_step over the turns with its own cache: tokens per turn."""
+    cache = make_prompt_cache(ref_model) if cache is None else cache
+    return [reference(ref_model, t, m, prompt_cache=cache) for t, m in zip(turns, max_tokens)], cache
+
+
+@pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe", "q4"])
+def test_multi_turn_greedy(loaded, name):
+    model, ref_model, tok = loaded(name)
+    turns = [tok.encode(t) for t in TURNS]
+    want, _ = mlx_lm_turns(ref_model, turns)
+    runs = [(k, 0.7) for k in (1, 2, 3, "auto")] + [(2, None), (3, 1.0)]
+    for k, rate in runs:
+        cache = model.make_cache()
+        ref_cache = make_prompt_cache(ref_model)
+        context = []
+        for i, (t, m) in enumerate(zip(turns, MAX_TOKENS)):
+            drafter = OracleDrafter(want[i], rate, model.vocab_size, seed=i) if rate else None
+            stats = MTPStats()
+            got = mtp(model, t, k, m, prompt_cache=cache, drafter=drafter, stats=stats)
+            assert got == want[i], f"{name} depth {k} oracle {rate}, turn {i}"
+            if rate == 1.0:
+                assert stats.acceptance == [1.0] * k
+            reference(ref_model, t, m, prompt_cache=ref_cache)
+            context += t + got
+            assert_trunk_equal(cache, ref_cache, f"{name} depth {k}, after turn {i}")
+            assert_head_follows(model, cache, context)
+
+
+def test_eos_and_stop_points_leave_exact_caches(loaded, dense_ckpt):
+    """EOS first, in the middle and last of a cycle's tokens, through
+    stream_generate (the caller stops; the generator is closed), in both
+    loops: the next turn still equals mlx_lm's."""
+    model, ref_model, _ = loaded("dense")
+    _, tok = mlx_mtp.load(dense_ckpt, quiet=True)
+    turns = [tok.encode(t) for t in TURNS[:2]]
+    first = reference(ref_model, turns[0], 20)
+    own = set(tok.eos_token_ids)
+    for stop in (4, 6, 7):
+        eos = first[stop]
+        if first.index(eos) != stop:
+            continue
+        tok._eos_token_ids = own | {eos}
+        ref_cache = make_prompt_cache(ref_model)
+        want0 = [r.token for r in mlx_lm.stream_generate(ref_model, tok, turns[0], max_tokens=20,
+                                                          prompt_cache=ref_cache)]
+        want1 = [r.token for r in mlx_lm.stream_generate(ref_model, tok, turns[1], max_tokens=8,
+                                                          prompt_cache=ref_cache)]
+        for pipeline in (True, False):
+            cache = model.make_cache()
+            got0 = [r.token for r in mlx_mtp.stream_generate(
+                model, tok, turns[0], max_tokens=20, draft_tokens=3, prompt_cache=cache,
+                pipeline=pipeline, drafter=OracleDrafter(first, 1.0, model.vocab_size))]
+            assert got0 == want0 and got0[-1] == eos
+            got1 = [r.token for r in mlx_mtp.stream_generate(
+                model, tok, turns[1], max_tokens=8, draft_tokens=3, prompt_cache=cache,
+                pipeline=pipeline)]
+            assert got1 == want1, f"EOS at {stop}, pipeline {pipeline}"
+            assert_trunk_equal(cache, ref_cache)
+    tok._eos_token_ids = own
+
+
+def test_consumer_stops_early(loaded):
+    """A caller that stops reading (close) after any token: the cache holds
+    the prompt and exactly the tokens it read."""
+    model, ref_model, tok = loaded("dense")
+    ids = tok.encode(LONG)
+    want = reference(ref_model, ids, 30)
+    for take in (1, 2, 5, 8, 13):
+        cache = model.make_cache()
+        got = mtp(model, ids, 3, -1, take=take, prompt_cache=cache,
+                  drafter=OracleDrafter(want, 0.8, model.vocab_size, seed=take))
+        assert got == want[:take]
+        assert_trunk_equal(cache, plain_cache(ref_model, ids + got))
+        assert_head_follows(model, cache, ids + got)
+
+
+def test_max_tokens_zero_leaves_the_prompt(loaded):
+    """generate_step(max_tokens=0) yields nothing and caches the prompt, as mlx_lm's."""
+    model, ref_model, tok = loaded("dense")
+    ids = tok.encode(SHORT)
+    cache, ref_cache = model.make_cache(), make_prompt_cache(ref_model)
+    assert list(mlx_mtp.generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache)) == []
+    assert reference(ref_model, ids, 0, prompt_cache=ref_cache) == []
+    assert_trunk_equal(cache, ref_cache)
+    assert_head_follows(model, cache, ids)
+    want, _ = mlx_lm_turns(ref_model, [tok.encode(TURNS[1])], [6], ref_cache)
+    assert mtp(model, tok.encode(TURNS[1]), 2, 6, prompt_cache=cache) == want[0]
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_multi_turn_sampling(loaded, tmp_path, name):
+    """Seeded sampling across turns: every yielded log-prob row is mlx_lm's
+    teacher-forced one over the same context with mlx_lm's cache (so each
+    turn samples from exactly mlx_lm's distribution); at a fixed depth runs
+    repeat with the seed and pipelined == synchronous (adaptive depth follows
+    timings, so its tokens vary); a cache saved after turn 1 and loaded back
+    continues identically."""
+    model, ref_model, tok = loaded(name)
+    turns = [tok.encode(t) for t in TURNS]
+    sampler = mlx_mtp.make_sampler(temp=3.0, top_k=40)
+
+    def run(cache, k, seed0, pipeline=True, first=0, save_after=None):
+        out = []
+        for i, t in enumerate(turns[first:], start=first):
+            stats = MTPStats()
+            got, rows = mtp(model, t, k, MAX_TOKENS[i], rows=True, prompt_cache=cache,
+                            sampler=sampler, seed=seed0 + i, pipeline=pipeline, stats=stats)
+            out.append((got, rows, stats))
+            if save_after == i:
+                save_prompt_cache(str(tmp_path / "turn.safetensors"), cache)
+        return out
+
+    for k in (2, "auto"):
+        runs = run(model.make_cache(), k, 100)
+        ref_cache = make_prompt_cache(ref_model)
+        for i, (t, (got, rows, _)) in enumerate(zip(turns, runs)):
+            seq = mx.array(t + got[:-1])
+            logits = ref_model(seq[None], cache=ref_cache)[0, len(t) - 1:].astype(mx.float32)
+            ref_model(mx.array(got[-1:])[None], cache=ref_cache)  # mlx_lm feeds the last one too
+            want = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            assert mx.allclose(rows, want, atol=1e-4), f"depth {k}, turn {i}"
+        assert sum(s.accepted for _, _, s in runs) > 0  # drafts were accepted and rejected
+        if k == "auto":  # its depths follow measured timings: tokens vary, rows stay exact
+            continue
+        assert [r[0] for r in run(model.make_cache(), k, 100)] == [r[0] for r in runs]
+        assert [r[0] for r in run(model.make_cache(), k, 100, pipeline=False)] == [r[0] for r in runs]
+        assert [r[0] for r in run(model.make_cache(), k, 200)] != [r[0] for r in runs]
+    # save after turn 1, load, continue: identical turns 2 and 3
+    live = run(model.make_cache(), 3, 300, save_after=0)
+    loaded_cache = load_prompt_cache(str(tmp_path / "turn.safetensors"))
+    again = run(loaded_cache, 3, 300, first=1)
+    assert [r[0] for r in again] == [r[0] for r in live[1:]]
+
+
+def test_save_load_greedy(loaded, tmp_path):
+    """mlx_lm's save_prompt_cache / load_prompt_cache round-trip the whole
+    MTP cache; the loaded one continues exactly like the live one."""
+    model, ref_model, tok = loaded("moe")
+    turns = [tok.encode(t) for t in TURNS]
+    want, _ = mlx_lm_turns(ref_model, turns)
+    cache = model.make_cache()
+    assert mtp(model, turns[0], 2, MAX_TOKENS[0], prompt_cache=cache) == want[0]
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache, {"model": "moe"})
+    back, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta["model"] == "moe" and len(back) == len(cache)
+    for c in (cache, back):
+        for i in (1, 2):
+            drafter = OracleDrafter(want[i], 0.8, model.vocab_size, seed=i)
+            assert mtp(model, turns[i], 3, MAX_TOKENS[i], prompt_cache=c, drafter=drafter) == want[i]
+    n = len(model.is_linear)
+    assert_trunk_equal(back[:n], cache[:n])
+    assert_trunk_equal(back[n:-1], cache[n:-1])  # the head's KV
+    assert mx.array_equal(back[-1][0], cache[-1][0])  # the last hidden
+
+
+def test_trunk_only_cache(loaded):
+    """A cache mlx_lm filled for its own model (no head entries) is accepted:
+    the output stays exact, the head's entries are appended to the list and
+    start at the new prompt (the head has no history for the cached prefix)."""
+    model, ref_model, tok = loaded("dense")
+    turns = [tok.encode(t) for t in TURNS]
+    ref_cache = make_prompt_cache(ref_model)
+    first = reference(ref_model, turns[0], MAX_TOKENS[0], prompt_cache=ref_cache)
+    mine = make_prompt_cache(ref_model)
+    reference(ref_model, turns[0], MAX_TOKENS[0], prompt_cache=mine)
+    n_trunk = len(mine)
+    want, _ = mlx_lm_turns(ref_model, turns[1:], MAX_TOKENS[1:], ref_cache)
+    for i, t in enumerate(turns[1:]):
+        got = mtp(model, t, 2, MAX_TOKENS[i + 1], prompt_cache=mine,
+                  drafter=OracleDrafter(want[i], 0.7, model.vocab_size, seed=i))
+        assert got == want[i]
+    assert len(mine) == n_trunk + len(model.mtp.layers) + 1
+    assert_trunk_equal(mine, ref_cache)
+    context = turns[0] + first + turns[1] + want[0] + turns[2] + want[1]
+    assert_head_follows(model, mine, context, since=len(turns[0]) + len(first))
+
+
+def test_mlx_lm_cache_helpers(loaded):
+    """make_prompt_cache(model) gives the MTP cache; mlx_lm's generation runs
+    on it (trunk entries); trim/can_trim answer as for mlx_lm's own hybrid
+    caches (GDN states cannot drop tokens); nbytes counts every entry."""
+    model, ref_model, tok = loaded("dense")
+    cache = make_prompt_cache(model)
+    assert len(cache) == len(model.is_linear) + len(model.mtp.layers) + 1
+    ids = tok.encode(SHORT)
+    assert reference(model, ids, 8, prompt_cache=cache) == reference(ref_model, ids, 8)
+    assert can_trim_prompt_cache(cache) == can_trim_prompt_cache(make_prompt_cache(ref_model))
+    assert not can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 2) == 0
+    mtp(model, tok.encode(TURNS[1]), 2, 4, prompt_cache=cache)
+    assert sum(c.nbytes for c in cache) > 0
+
+
+def test_bad_prompt_cache(loaded):
+    model, ref_model, tok = loaded("dense")
+    ids = tok.encode(SHORT)
+    with pytest.raises(ValueError, match="entries"):
+        mtp(model, ids, 2, 4, prompt_cache=model.make_cache()[:3])
+    bad = model.make_cache()
+    from mlx_lm.models.cache import RotatingKVCache
+
+    bad[3] = RotatingKVCache(max_size=16)
+    with pytest.raises(ValueError, match=r"prompt_cache\[3\] is a RotatingKVCache"):
+        mtp(model, ids, 2, 4, prompt_cache=bad)
+    with pytest.raises(ValueError, match="max_kv_size"):
+        list(mlx_mtp.generate_step(mx.array(ids), model, max_kv_size=64))
+
+
+def test_cli_prompt_cache_file(loaded, dense_ckpt, tmp_path, capsys, monkeypatch):
+    """--prompt-cache-file takes a cache written by mlx_lm's cache_prompt:
+    the same text as mlx_lm.generate with that file."""
+    import importlib
+
+    from mlx_mtp.generate import main
+
+    lm_cache_prompt = importlib.import_module("mlx_lm.cache_prompt")
+    lm_generate = importlib.import_module("mlx_lm.generate")
+
+    f = str(tmp_path / "prefix.safetensors")
+    monkeypatch.setattr(sys, "argv", ["cache_prompt", "--model", str(dense_ckpt), "--prompt",
+                                      LONG, "--prompt-cache-file", f])
+    lm_cache_prompt.main()
+    common = ["--prompt", TURNS[1], "--max-tokens", "12", "--prompt-cache-file", f]
+    monkeypatch.setattr(sys, "argv", ["generate"] + common)
+    capsys.readouterr()
+    lm_generate.main()
+    want = capsys.readouterr().out
+    assert main(common + ["--draft-tokens", "2"]) == 0
+    got = capsys.readouterr().out
+    assert got.strip() and got == want.split("==========\n")[1]  # mlx_lm is verbose
+    assert main(common + ["--model", "/elsewhere"]) == 1
+    assert "was made with" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""Helpers shared by the exactness tests (not a test module)."""
+
+import itertools
+import os
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlx_mtp.cache import head_caches
+from mlx_mtp.loop import generate_tokens
+
+SHORT = "def f(x):"
+LONG = "import os\nclass Spam(object):\n    def eggs(self, n):\n        return [i * n for i in range(n)]\n"
+
+OPENBLAS = "openblas" in os.environ.get("LD_PRELOAD", "").lower()
+# Bit for bit with MLX's bundled BLAS (CI); OpenBLAS rounds padded or
+# multi-row matmuls differently (~1e-7), where only token identity holds.
+SAME = mx.array_equal if not OPENBLAS else (lambda a, b: mx.allclose(a, b, atol=1e-4))
+
+
+def reference(ref_model, ids, max_tokens=40, step=2048, processors=None, rows=False,
+              prompt_cache=None):
+    """mlx_lm.generate_step's tokens (and log-prob rows [n, V] with rows=True)."""
+    out = list(generate_step(mx.array(ids), ref_model, max_tokens=max_tokens,
+                             prefill_step_size=step, logits_processors=processors,
+                             prompt_cache=prompt_cache))
+    tokens = [t for t, _ in out]
+    return (tokens, mx.stack([r for _, r in out])) if rows else tokens
+
+
+def mtp(model, ids, k, max_tokens=40, take=None, rows=False, **kw):
+    """mlx_mtp's tokens (the first `take` when given), optionally with rows."""
+    gen = generate_tokens(mx.array(ids), model, max_tokens=max_tokens, draft_tokens=k, **kw)
+    out = list(itertools.islice(gen, take))
+    gen.close()
+    tokens = [t for t, _, _ in out]
+    return (tokens, mx.stack([r for _, r, _ in out])) if rows else tokens
+
+
+def plain_cache(ref_model, fed, step=2048, cache=None):
+    """mlx_lm's cache after plain decoding fed the tokens `fed` (prefill of all
+    but the last in chunks of `step`, then one at a time, as generate_step)."""
+    cache = make_prompt_cache(ref_model) if cache is None else cache
+    p = mx.array(fed)
+    for s in range(0, len(fed) - 1, step):
+        ref_model(p[s:min(s + step, len(fed) - 1)][None], cache=cache)
+        mx.eval([c.state for c in cache])
+    ref_model(p[-1:][None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def assert_trunk_equal(mine: list, want: list, where=""):
+    """Trunk caches (mlx_lm objects) equal: attention K/V up to the length, GDN
+    conv window and state (bitwise with the bundled BLAS)."""
+    for i, (a, b) in enumerate(zip(mine, want)):
+        if isinstance(b, KVCache):
+            assert a.offset == b.offset, f"{where} layer {i}: length {a.offset} != {b.offset}"
+            n = b.offset
+            assert SAME(a.keys[..., :n, :], b.keys[..., :n, :]), f"{where} keys, layer {i}"
+            assert SAME(a.values[..., :n, :], b.values[..., :n, :]), f"{where} values, layer {i}"
+        else:
+            assert SAME(a[0], b[0]), f"{where} conv window, layer {i}"
+            assert SAME(a[1], b[1]), f"{where} GDN state, layer {i}"
+
+
+def assert_head_follows(model, prompt_cache, context, since=0):
+    """The head's cache holds the pairs (h_p, tok_{p+1}) of the trunk's own
+    hiddens over `context` (positions from `since`), and the last hidden is
+    the trunk's at the last position: nothing drafted or rejected is left."""
+    n_trunk = len(model.is_linear)
+    seq = mx.array(context)[None]
+    h = model.trunk_hidden(seq, None)
+    fresh = model.mtp.layers and [KVCache() for _ in model.mtp.layers]
+    model.mtp(h[:, since:-1], model.embed(seq[:, since + 1:]), fresh)
+    n = len(context) - 1 - since
+    for mine, want in zip(head_caches(prompt_cache, n_trunk), fresh):
+        assert mine.offset == want.offset == n, (mine.offset, n)
+        assert mx.allclose(mine.keys[..., :n, :], want.keys[..., :n, :], atol=1e-4)
+        assert mx.allclose(mine.values[..., :n, :], want.values[..., :n, :], atol=1e-4)
+    assert mx.allclose(prompt_cache[-1][0], h[:, -1:], atol=1e-4)
