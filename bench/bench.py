@@ -29,7 +29,7 @@ Flags beyond the model/prompt ones:
   --trace-repeats N     trace runs of each loop, interleaved (default 3); the
                         median one is shown, the hidden fraction of all
 
-On Linux CPU use an fp32 model with OpenBLAS preloaded (DESIGN.md §5):
+On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md, "Performance physics"):
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python bench/bench.py --model mlx_mtp/demo --depths 0,1,2,3,4 --sync --trace
 
@@ -90,6 +90,46 @@ def machine_info() -> dict:
         "blas": blas_in_use(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
+
+
+def model_27b(bits: int = 0, tiny: bool = False):
+    """A model of Qwen3.6-27B's text shapes (64 layers, hidden 5120, 24/4
+    attention heads of 256, GDN 16/48 heads of 128, FFN 17408, vocabulary
+    248320, one MTP layer) with random bf16 weights, built in memory: speed
+    does not depend on the weights' values, and the oracle drafter supplies
+    the acceptance."""
+    import mlx.nn as nn
+    from mlx_lm.models import qwen3_5
+
+    from mlx_mtp.families.qwen3_5 import Model
+
+    text = dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408,
+                num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                full_attention_interval=4, rms_norm_eps=1e-6, vocab_size=248320,
+                tie_word_embeddings=False, mtp_num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                 "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]})
+    if tiny:  # the same code path at a size this machine holds (a smoke test)
+        text.update(hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                    num_attention_heads=4, head_dim=64, linear_num_value_heads=16,
+                    linear_num_key_heads=4, vocab_size=4096)
+    model = Model(qwen3_5.ModelArgs.from_dict({"model_type": "qwen3_5", "text_config": text}))
+    # bf16 (A_log stays fp32, as mlx_lm casts); small weights keep activations
+    # finite through 64 random layers
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = [(k, v if k.endswith("A_log") else (v * 0.02 if v.ndim > 1 else v).astype(mx.bfloat16))
+              for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(params))
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits,
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith("mtp"))
+        nn.quantize(model.mtp, group_size=64, bits=8)
+    for _, v in tree_flatten(model.parameters()):
+        mx.eval(v)
+    return model
 
 
 def synthetic_model(args) -> Path:
@@ -358,8 +398,17 @@ def main(argv=None):
     p.add_argument("--synthetic", action="store_true", help="random-weight fp32 checkpoint")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--oracle-rate", type=float, default=None,
-                   help="draft the trunk's own greedy output, right with this probability")
+    p.add_argument("--cost-depths", type=str, default="",
+                   help="also measure verify(k+1)/decode at these depths, e.g. 1,2,3,4,5,6,7")
+    p.add_argument("--synthetic-27b", action="store_true",
+                   help="Qwen3.6-27B text shapes with random weights, built in memory (bf16; "
+                        "the one model serves as mlx_lm's and mlx_mtp's), random-token prompts")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bits", type=int, default=0,
+                   help="with --synthetic-27b: quantize the trunk (4 or 8), head at 8 bits")
+    p.add_argument("--oracle-rate", type=str, default=None,
+                   help="draft the trunk's own greedy output, right with this probability "
+                        "(comma-separated: one table per rate)")
     p.add_argument("--prompts", type=str, default=None, help="file with one prompt per paragraph")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--depths", type=str, default="0,1,2,3,4,auto")
@@ -395,11 +444,17 @@ def main(argv=None):
     from mlx_mtp.loop import MTPStats, generate_tokens
     from mlx_mtp.load import resolve_model_path
 
-    path = synthetic_model(args) if args.synthetic else args.model
-    path = resolve_model_path(path)
-    model, tok = mlx_mtp.load(path)
-    # the baseline is mlx_lm's own loader and generate_step on the same weights
-    ref_model, _ = mlx_lm.load(str(path))
+    rates = [None] if args.oracle_rate is None else [float(r) for r in args.oracle_rate.split(",")]
+    cost_depths = [int(d) for d in args.cost_depths.split(",") if d]
+    if args.synthetic_27b:
+        path = f"in-memory Qwen3.6-27B shapes, random weights, {args.bits or 16}-bit trunk"
+        model = model_27b(args.bits, tiny=args.tiny)
+        ref_model, tok = model, None  # mlx_lm's generate_step runs on our subclass unchanged
+    else:
+        path = resolve_model_path(synthetic_model(args) if args.synthetic else args.model)
+        model, tok = mlx_mtp.load(path)
+        # the baseline is mlx_lm's own loader and generate_step on the same weights
+        ref_model, _ = mlx_lm.load(str(path))
     depths = [d if d == "auto" else int(d) for d in args.depths.split(",")]
     fixed = [d for d in depths if d != "auto"]
     # (label, depth, mode): each depth's sync / compiled rows right after its default one
@@ -413,12 +468,13 @@ def main(argv=None):
     prompts = DEFAULT_PROMPTS
     if args.prompts:
         prompts = [s for s in Path(args.prompts).read_text().split("\n\n") if s.strip()]
-    prompt_ids = [tok.encode(s) for s in prompts]
-    if args.adversarial == "tokens":  # text the head cannot predict
+    if tok is not None:
+        prompt_ids = [tok.encode(s) for s in prompts]
+    if tok is None or args.adversarial == "tokens":  # text the head cannot predict
         import random
 
         rng = random.Random(0)
-        V0 = model.language_model.args.vocab_size
+        V0 = model.vocab_size
         prompt_ids = [[rng.randrange(V0) for _ in range(48)] for _ in prompts]
     if args.adversarial == "head":  # a head that drafts garbage, same cost
         from mlx.utils import tree_flatten, tree_unflatten
@@ -428,11 +484,10 @@ def main(argv=None):
                   for k, v in tree_flatten(model.mtp.parameters())]
         model.mtp.update(tree_unflatten(params))
         mx.eval(model.mtp.parameters())
-    V = model.language_model.args.vocab_size
+    V = model.vocab_size
 
     def run_mlx_lm(ids, max_tokens=None):
-        t0, n = None, 0
-        out = []
+        t0, out = None, []
         for tkn, _ in generate_step(mx.array(ids), ref_model,
                                     max_tokens=max_tokens or args.max_tokens):
             if t0 is None:
@@ -446,9 +501,9 @@ def main(argv=None):
     modes = {"default": {}, "sync": dict(pipeline=False),
              "uncompiled": dict(pipeline=True, compiled=False)}
 
-    def run_mtp(ids, k, ref, mode="default"):
+    def run_mtp(ids, k, ref, mode="default", rate=None):
         stats = MTPStats()
-        oracle = OracleDrafter(ref, args.oracle_rate, V) if args.oracle_rate is not None else None
+        oracle = OracleDrafter(ref, rate, V) if rate is not None else None
         t0, out = None, []
         for tkn, _, _ in generate_tokens(mx.array(ids), model, max_tokens=args.max_tokens,
                                          draft_tokens=k, stats=stats, drafter=oracle,
@@ -467,105 +522,133 @@ def main(argv=None):
     if "auto" in depths and model.has_mtp:
         warm_auto(model, prompt_ids[0][:8], max_depth=4)
 
-    # per round: [tokens, seconds] for mlx_lm and every variant
-    labels = ["mlx_lm"] + [v[0] for v in variants]
-    per_round = {lab: [[0, 0.0] for _ in range(args.rounds)] for lab in labels}
-    agg = {v[0]: MTPStats() for v in variants}
-    mismatches = {v[0]: 0 for v in variants}
-    for r in range(args.rounds):
-        for ids in prompt_ids:
-            ref, n, dt = run_mlx_lm(ids)
-            per_round["mlx_lm"][r][0] += n
-            per_round["mlx_lm"][r][1] += dt
-            for lab, k, mode in variants:
-                out, n, dt, st = run_mtp(ids, k, ref, mode)
-                mismatches[lab] += out != ref
-                per_round[lab][r][0] += n
-                per_round[lab][r][1] += dt
-                a = agg[lab]
-                a.cycles += st.cycles
-                a.emitted += st.emitted
-                for i, (d, c) in enumerate(zip(st.drafted_at, st.accepted_at)):
-                    while len(a.drafted_at) <= i:
-                        a.drafted_at.append(0)
-                        a.accepted_at.append(0)
-                    a.drafted_at[i] += d
-                    a.accepted_at[i] += c
-
-    def pooled(lab):
-        n = sum(x[0] for x in per_round[lab])
-        t = sum(x[1] for x in per_round[lab])
-        return n / t, t
-
-    costs = step_costs(model, prompt_ids[0], fixed)
-    dec_s = costs["decode_s"]
-    base_tps, _ = pooled("mlx_lm")
-    base_round = [n / t for n, t in per_round["mlx_lm"]]
-    rows = []
-    for lab, k, mode in variants:
-        tps, t = pooled(lab)
-        rr = [(n / dt) / b for (n, dt), b in zip(per_round[lab], base_round)]
-        tpc = agg[lab].tokens_per_cycle
-        ideal = eff = None
-        if k not in (0, "auto") and f"verify{k + 1}_s" in costs:
-            denom = costs[f"verify{k + 1}_s"] / dec_s + k * costs.get("draft_s", 0.0) / dec_s
-            ideal = tpc / denom
-            eff = (tps / base_tps) / ideal
-        rows.append({
-            "depth": k, "label": lab, "mode": mode,
-            "tok_s": tps, "ratio": tps / base_tps,
-            "ratio_rounds": rr, "ratio_median": statistics.median(rr),
-            "ratio_min": min(rr), "ratio_max": max(rr),
-            "acceptance": agg[lab].acceptance, "tokens_per_cycle": tpc,
-            "verify_cost": (costs.get(f"verify{k + 1}_s", dec_s) / dec_s
-                            if k != "auto" else float("nan")),
-            "ideal": ideal, "efficiency": eff,
-            "cycles": agg[lab].cycles,
-            "cycle_s": t / agg[lab].cycles if agg[lab].cycles else 0.0,
-            "mismatches": mismatches[lab],
-        })
     info = machine_info()
-    print(f"model: {path}   device: {info['device']}   mlx {info['mlx']}   BLAS: {info['blas']}")
-    print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.max_tokens} tokens each, greedy"
-          + (f", oracle drafter at rate {args.oracle_rate}" if args.oracle_rate is not None else ""))
-    print(f"mlx_lm: {base_tps:.1f} tok/s;  decode {dec_s * 1e3:.2f} ms, "
-          f"draft step {costs.get('draft_s', 0) * 1e3:.2f} ms "
-          f"({costs.get('draft_s', 0) / dec_s:.2f}x decode)")
-    print("vs mlx_lm: pooled tok/s ratio; median and min-max: of the per-round ratios. "
-          "ideal = tok/cycle / (verify(k+1)/decode + k*draft/decode); eff = ratio / ideal")
-    print(f"{'depth':>9} {'tok/s':>8} {'vs mlx_lm':>9} {'median':>7} {'min-max':>11} "
-          f"{'tok/cycle':>9} {'verify(k+1)/decode':>18} {'ideal':>6} {'eff':>5}  "
-          "acceptance per position")
-    fmt = lambda v, f: "-" if v is None else format(v, f)
-    for r in rows:
-        acc = " ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
-        mm = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
-        print(f"{r['label']:>9} {r['tok_s']:>8.1f} {r['ratio']:>8.2f}x {r['ratio_median']:>6.2f}x "
-              f"{mm:>11} {r['tokens_per_cycle']:>9.2f} {r['verify_cost']:>18.2f} "
-              f"{fmt(r['ideal'], '.2f'):>6} {fmt(r['efficiency'], '.2f'):>5}  {acc}")
-    if model.has_mtp:
-        print("where a cycle's time goes (ms; stage costs measured alone, host = the rest):")
-        print(f"{'depth':>9} {'cycle':>7} {'draft':>7} {'verify':>7} {'rewrite':>8} {'host+sync':>9}")
+    costs = step_costs(model, prompt_ids[0], sorted(set(fixed) | set(cost_depths)))
+    dec_s = costs["decode_s"]
+
+    def measure(rate):
+        # per round: [tokens, seconds] for mlx_lm and every variant
+        labels = ["mlx_lm"] + [v[0] for v in variants]
+        per_round = {lab: [[0, 0.0] for _ in range(args.rounds)] for lab in labels}
+        # tok/s of every run, in run order: a variant's run is paired with the
+        # mlx_lm run right before it (same prompt, adjacent in time)
+        pairs = {v[0]: [] for v in variants}
+        agg = {v[0]: MTPStats() for v in variants}
+        mismatches = {v[0]: 0 for v in variants}
+        for r in range(args.rounds):
+            for ids in prompt_ids:
+                for lab, k, mode in variants:
+                    ref, n, dt = run_mlx_lm(ids)
+                    per_round["mlx_lm"][r][0] += n
+                    per_round["mlx_lm"][r][1] += dt
+                    base = n / dt
+                    out, n, dt, st = run_mtp(ids, k, ref, mode, rate)
+                    pairs[lab].append((n / dt) / base)
+                    mismatches[lab] += out != ref
+                    per_round[lab][r][0] += n
+                    per_round[lab][r][1] += dt
+                    a = agg[lab]
+                    a.cycles += st.cycles
+                    a.emitted += st.emitted
+                    for i, (d, c) in enumerate(zip(st.drafted_at, st.accepted_at)):
+                        while len(a.drafted_at) <= i:
+                            a.drafted_at.append(0)
+                            a.accepted_at.append(0)
+                        a.drafted_at[i] += d
+                        a.accepted_at[i] += c
+
+        def pooled(lab):
+            n = sum(x[0] for x in per_round[lab])
+            t = sum(x[1] for x in per_round[lab])
+            return n / t, t
+
+        dec_s = costs["decode_s"]
+        base_tps, _ = pooled("mlx_lm")
+        base_round = [n / t for n, t in per_round["mlx_lm"]]
+        rows = []
+        for lab, k, mode in variants:
+            tps, t = pooled(lab)
+            rr = [(n / dt) / b for (n, dt), b in zip(per_round[lab], base_round)]
+            tpc = agg[lab].tokens_per_cycle
+            ideal = eff = None
+            if k not in (0, "auto") and f"verify{k + 1}_s" in costs:
+                denom = costs[f"verify{k + 1}_s"] / dec_s + k * costs.get("draft_s", 0.0) / dec_s
+                ideal = tpc / denom
+                eff = (tps / base_tps) / ideal
+            rows.append({
+                "depth": k, "label": lab, "mode": mode,
+                "tok_s": tps, "ratio": tps / base_tps,
+                "ratio_rounds": rr, "ratio_median": statistics.median(rr),
+                "ratio_pairs": pairs[lab], "ratio_pair_median": statistics.median(pairs[lab]),
+                "ratio_min": min(rr), "ratio_max": max(rr),
+                "acceptance": agg[lab].acceptance, "tokens_per_cycle": tpc,
+                "verify_cost": (costs.get(f"verify{k + 1}_s", dec_s) / dec_s
+                                if k != "auto" else float("nan")),
+                "ideal": ideal, "efficiency": eff,
+                "cycles": agg[lab].cycles,
+                "cycle_s": t / agg[lab].cycles if agg[lab].cycles else 0.0,
+                "mismatches": mismatches[lab],
+            })
+        print(f"model: {path}   device: {info['device']}   mlx {info['mlx']}   BLAS: {info['blas']}")
+        print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.max_tokens} tokens each, greedy"
+              + (f", oracle drafter at rate {rate}" if rate is not None else ""))
+        print(f"mlx_lm: {base_tps:.1f} tok/s;  decode {dec_s * 1e3:.2f} ms, "
+              f"draft step {costs.get('draft_s', 0) * 1e3:.2f} ms "
+              f"({costs.get('draft_s', 0) / dec_s:.2f}x decode)")
+        print("each mlx_mtp run follows an mlx_lm run on the same prompt; pairs = median of those "
+              "adjacent pairs' tok/s ratios (the figure to quote on a noisy machine); pooled = "
+              "total tokens / total time ratio; min-max of the per-round ratios. ideal = tok/cycle / "
+              "(verify(k+1)/decode + k*draft/decode); eff = pooled / ideal")
+        print(f"{'depth':>9} {'tok/s':>8} {'pairs':>6} {'pooled':>7} {'min-max':>11} "
+              f"{'tok/cycle':>9} {'verify(k+1)/decode':>18} {'ideal':>6} {'eff':>5}  "
+              "acceptance per position")
+        fmt = lambda v, f: "-" if v is None else format(v, f)
         for r in rows:
-            k = r["depth"]
-            if k in (0, "auto") or not r["cycles"]:
-                continue
-            cyc = r["cycle_s"]
-            dr = (k - 1) * costs["draft_s"]
-            ve = costs[f"verify{k + 1}_s"]
-            rw = costs[f"rewrite{k}_s"]
-            r["breakdown_ms"] = {"cycle": cyc * 1e3, "draft": dr * 1e3, "verify": ve * 1e3,
-                                 "rewrite": rw * 1e3, "host": (cyc - dr - ve - rw) * 1e3}
-            b = r["breakdown_ms"]
-            print(f"{r['label']:>9} {b['cycle']:>7.2f} {b['draft']:>7.2f} {b['verify']:>7.2f} "
-                  f"{b['rewrite']:>8.2f} {b['host']:>9.2f}")
-    bad = {lab: m for lab, m in mismatches.items() if m}
-    n_bad = sum(bad.values())
-    print("outputs identical to mlx_lm: " + ("yes" if not bad else
-          f"NO ({n_bad} differ: " + ", ".join(f"{lab}: {m}" for lab, m in bad.items()) + ")"))
+            acc = " ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
+            mm = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+            print(f"{r['label']:>9} {r['tok_s']:>8.1f} {r['ratio_pair_median']:>5.2f}x {r['ratio']:>6.2f}x "
+                  f"{mm:>11} {r['tokens_per_cycle']:>9.2f} {r['verify_cost']:>18.2f} "
+                  f"{fmt(r['ideal'], '.2f'):>6} {fmt(r['efficiency'], '.2f'):>5}  {acc}")
+        fixed_rows = [r for r in rows if r["mode"] == "default" and r["depth"] != "auto"]
+        auto_row = next((r for r in rows if r["mode"] == "default" and r["depth"] == "auto"), None)
+        if auto_row and fixed_rows:
+            best = max(fixed_rows, key=lambda r: r["ratio_pair_median"])
+            print(f"auto / best fixed depth ({best['depth']}), pair medians: "
+                  f"{auto_row['ratio_pair_median'] / best['ratio_pair_median']:.1%}")
+        if model.has_mtp:
+            print("where a cycle's time goes (ms; stage costs measured alone, host = the rest):")
+            print(f"{'depth':>9} {'cycle':>7} {'draft':>7} {'verify':>7} {'rewrite':>8} {'host+sync':>9}")
+            for r in rows:
+                k = r["depth"]
+                if k in (0, "auto") or not r["cycles"]:
+                    continue
+                cyc = r["cycle_s"]
+                dr = (k - 1) * costs["draft_s"]
+                ve = costs[f"verify{k + 1}_s"]
+                rw = costs[f"rewrite{k}_s"]
+                r["breakdown_ms"] = {"cycle": cyc * 1e3, "draft": dr * 1e3, "verify": ve * 1e3,
+                                     "rewrite": rw * 1e3, "host": (cyc - dr - ve - rw) * 1e3}
+                b = r["breakdown_ms"]
+                print(f"{r['label']:>9} {b['cycle']:>7.2f} {b['draft']:>7.2f} {b['verify']:>7.2f} "
+                      f"{b['rewrite']:>8.2f} {b['host']:>9.2f}")
+        bad = {lab: m for lab, m in mismatches.items() if m}
+        print("outputs identical to mlx_lm: " + ("yes" if not bad else
+              f"NO ({sum(bad.values())} differ: "
+              + ", ".join(f"{lab}: {m}" for lab, m in bad.items()) + ")"))
+        return {"oracle_rate": rate, "mlx_lm_tok_s": base_tps, "mlx_lm_tok_s_rounds": base_round,
+                "rows": rows, "mismatches": sum(bad.values())}
+
+
+    results = [measure(rate) for rate in rates]
+    rows = results[0]["rows"]
+    n_bad = sum(r["mismatches"] for r in results)
+    if len(cost_depths) > 0:
+        print("verify cost curve (one forward of k+1 tokens with GDN capture / one decode): "
+              + ", ".join(f"k={k}: {costs[f'verify{k + 1}_s'] / dec_s:.2f}"
+                          for k in sorted(cost_depths) if k > 0))
 
     turns = None
-    if args.multi_turn:
+    if args.multi_turn and tok is not None:
         turns = multi_turn(args, model, ref_model, tok)
         n_bad += not turns["identical"]
 
@@ -578,9 +661,8 @@ def main(argv=None):
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "machine": info, "model": str(path), "prompts": len(prompts), "rounds": args.rounds,
-            "max_tokens": args.max_tokens, "oracle_rate": args.oracle_rate,
-            "mlx_lm_tok_s": base_tps, "mlx_lm_tok_s_rounds": base_round,
-            "costs": costs, "rows": rows, "trace": trace, "multi_turn": turns,
+            "max_tokens": args.max_tokens, "results": results,
+            "costs": costs, "trace": trace, "multi_turn": turns,
             "command": " ".join([sys.executable] + sys.argv),
         }, indent=1))
         print(f"wrote {args.json}")

@@ -1,17 +1,19 @@
 """Caches: mlx_lm's cache protocol, in the two forms a generation uses.
 
-Between calls a user holds a **prompt cache**: `model.make_cache()` (what
-mlx_lm's `make_prompt_cache` returns) is a list of mlx_lm's own cache objects,
-so `save_prompt_cache`, `load_prompt_cache`, `trim_prompt_cache` and
-`can_trim_prompt_cache` work on it unchanged:
+Between calls a user holds a **prompt cache**, a list of mlx_lm's own cache
+objects, so `save_prompt_cache`, `load_prompt_cache`, `trim_prompt_cache` and
+`can_trim_prompt_cache` work on it unchanged. mlx_lm's `make_prompt_cache`
+(`model.make_cache()`) gives the trunk's entries; mlx_mtp's first call on it
+appends the head's:
 
     [trunk layer caches: KVCache (attention) | ArraysCache (GDN conv, state)]
     + [one KVCache per head layer]                  (head_layers of them)
-    + [ArraysCache(1): the trunk's hidden at the last position]
+    + [ArraysCache(2): the trunk's hidden at the last position, and the
+       trunk's length when it was taken]
 
 The head's KV holds pairs (h_p, tok_{p+1}); the last hidden pairs with the
-next call's first token. A trunk-only list (mlx_lm's own cache, e.g. from
-`mlx_lm.cache_prompt`) is accepted: the head entries are appended to it.
+next call's first token, if the trunk has not moved on without the head since
+(a turn decoded plainly or by mlx_lm).
 
 While decoding, the same contents live in an `MTPCache`: attention KV in
 buffers whose lengths are device arrays, one per batch row
@@ -100,14 +102,21 @@ class PaddedKVCache(_BaseCache):
         return n
 
     def grown(self, needed: int) -> "PaddedKVCache":
-        """This cache with room for `needed` entries (grown in whole blocks)."""
-        if needed <= self.capacity:
+        """This cache with room for `needed` entries and a capacity of whole
+        blocks (`capacity_for`): a buffer from mlx_lm's KVCache, whose length
+        is arbitrary, is re-cut once, so compiled graphs see few shapes."""
+        capacity = self.capacity
+        if needed <= capacity and capacity_for(capacity) == capacity:
             return self
-        capacity = capacity_for(needed)
-        B, H, n, _ = self.keys.shape
-        pad = lambda x: mx.concatenate(
-            [x, mx.zeros((B, H, capacity - n, x.shape[-1]), x.dtype)], axis=2)
-        return PaddedKVCache(pad(self.keys), pad(self.values), self.lengths)
+        target = capacity_for(max(needed, 1))
+        B, H, _, _ = self.keys.shape
+        keep = min(capacity, target)  # `needed` covers every valid entry
+
+        def recut(x):
+            return mx.concatenate(
+                [x[..., :keep, :], mx.zeros((B, H, target - keep, x.shape[-1]), x.dtype)], axis=2)
+
+        return PaddedKVCache(recut(self.keys), recut(self.values), self.lengths)
 
     def empty(self):
         return self.keys is None
@@ -267,11 +276,9 @@ class MTPCache:
 
 
 # -- the prompt-cache list (mlx_lm objects) ----------------------------------------
-def make_prompt_cache(trunk_cache: list, head_layers: int) -> list:
-    """The list `model.make_cache()` returns (see the module docstring)."""
-    if not head_layers:
-        return trunk_cache
-    return trunk_cache + [KVCache() for _ in range(head_layers)] + [ArraysCache(size=1)]
+def head_entries(head_layers: int) -> list:
+    """What mlx_mtp appends to a trunk's prompt cache (see the module docstring)."""
+    return [KVCache() for _ in range(head_layers)] + [ArraysCache(size=2)]
 
 
 def head_caches(prompt_cache: list, n_trunk: int) -> list:
@@ -279,15 +286,22 @@ def head_caches(prompt_cache: list, n_trunk: int) -> list:
     return prompt_cache[n_trunk:-1]
 
 
-def last_hidden(prompt_cache: list, n_trunk: int) -> Optional[mx.array]:
-    """The trunk's hidden at the cached context's last position, if kept."""
+def last_hidden(prompt_cache: list, is_linear: List[bool]) -> Optional[mx.array]:
+    """The trunk's hidden at the cached context's last position, if it was
+    kept at the trunk's present length."""
+    n_trunk = len(is_linear)
     if len(prompt_cache) <= n_trunk:
         return None
-    return prompt_cache[-1][0]
+    hidden, length = prompt_cache[-1][0], prompt_cache[-1][1]
+    if hidden is None or length is None or length.item() != cache_length(prompt_cache, is_linear):
+        return None
+    return hidden
 
 
-def set_last_hidden(prompt_cache: list, hidden: Optional[mx.array]):
+def set_last_hidden(prompt_cache: list, hidden: Optional[mx.array], is_linear: List[bool]):
+    length = cache_length(prompt_cache, is_linear)
     prompt_cache[-1][0] = hidden
+    prompt_cache[-1][1] = None if hidden is None else mx.array(length, dtype=mx.int32)
 
 
 def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: int) -> list:
@@ -310,10 +324,11 @@ def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: i
                 f"{want.__name__} there (no max_kv_size / kv_bits caches)")
     if head_layers:
         if len(prompt_cache) == n:
-            prompt_cache.extend(make_prompt_cache([], head_layers))
+            prompt_cache.extend(head_entries(head_layers))
         extra = prompt_cache[n:]
-        if not all(type(c) is KVCache for c in extra[:-1]) or type(extra[-1]) is not ArraysCache:
-            raise ValueError("prompt_cache's head entries are not KVCache ... ArraysCache(1); "
+        if not all(type(c) is KVCache for c in extra[:-1]) or type(extra[-1]) is not ArraysCache \
+                or len(extra[-1].cache) != 2:
+            raise ValueError("prompt_cache's head entries are not KVCache ... ArraysCache(2); "
                              "build it with make_prompt_cache(model)")
     return prompt_cache
 

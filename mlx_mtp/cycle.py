@@ -103,8 +103,8 @@ class Spec:
     def __post_init__(self):
         self.sampler = self.sampler or greedy_sampler
         self.speculative = isinstance(self.sampler, MTPSampler) and self.sampler.speculative
-        if self.draft_vocab is not None and self.draft_rows is None:
-            self.draft_rows = _gather_rows(self.model, self.draft_vocab)
+        if self.draft_vocab is not None and self.draft_rows is None and self.speculative:
+            self.draft_rows = _gather_rows(self.model, self.draft_vocab)  # sampled drafts project them
 
     @property
     def compilable(self) -> bool:
@@ -123,6 +123,10 @@ class Spec:
         drafter = None if self.drafter is None else self.drafter.graph_key()
         return (sampler, self.use_head, self.ring, vocab, drafter, kernels.backend(),
                 kernels.fused_default())
+
+    def static(self) -> "Spec":
+        """This spec without the arrays of one call (a graph gets those in `aux`)."""
+        return dataclasses.replace(self, draft_vocab=None, draft_rows=None)
 
     def aux(self) -> dict:
         """Arrays a graph reads besides the state (passed, not baked in)."""
@@ -159,9 +163,14 @@ def _logprobs(logits: mx.array, processors, history: Optional[mx.array],
 
 
 def _sample_rows(sampler, logprobs: mx.array) -> mx.array:
-    """The sampler's token for every row of [B, T, V] (mlx_lm samplers take [N, V])."""
+    """The sampler's token for every row of [B, T, V]. A random sampler is
+    called once per row, as plain decoding calls it once per token (XTC, for
+    one, draws one coin per call for all its rows)."""
     B, T, V = logprobs.shape
-    return sampler(logprobs.reshape(B * T, V)).astype(mx.int32).reshape(B, T)
+    if is_greedy(sampler):
+        return sampler(logprobs.reshape(B * T, V)).astype(mx.int32).reshape(B, T)
+    rows = [sampler(logprobs[:, t]).astype(mx.int32).reshape(B) for t in range(T)]
+    return mx.stack(rows, axis=1)
 
 
 def _head(model, hidden: mx.array, tokens: mx.array, cache: list) -> mx.array:
@@ -334,38 +343,36 @@ def init_ring(spec: Spec, state: DecodeState) -> DecodeState:
 # -- compiled graphs ------------------------------------------------------------------------
 class Graphs:
     """Runs steps through graphs compiled once per (step, depth, spec key) and
-    kept on the model (`model.graphs`), so later generations do not retrace;
+    kept on the model (`model.runtime`), so later generations do not retrace;
     MLX keeps one trace per input shape (a capacity block). Eager when the
     spec cannot be compiled."""
 
     def __init__(self, spec: Spec, compiled: bool = True):
         self.spec, self.aux = spec, spec.aux()
-        self.cache = spec.model.graphs
+        self.runtime = spec.model.runtime
         self.compiled = compiled and spec.compilable
 
     @property
     def traces(self) -> int:
-        return sum(self.cache.traces.values())
+        return sum(self.runtime.traces.values())
 
     def _fn(self, name: str, k: int, layout: tuple):
         key = (name, k, layout) + self.spec.graph_key()
-        fn = self.cache.fns.get(key)
-        if fn is None:
-            if not self.cache.fns:  # a lazy weight in a graph would be recomputed every call
-                mx.eval(self.spec.model.parameters())
-            spec, cache = self.spec, self.cache
-            step = {"cycle": drafted_cycle, "plain": plain_step}.get(name)
+        # the graph keeps only what its key describes (no arrays of this call)
+        spec, runtime = self.spec.static(), self.runtime
+        step = {"cycle": drafted_cycle, "plain": plain_step}.get(name)
 
-            def run(tree, aux):
-                cache.traces[key] = cache.traces.get(key, 0) + 1
-                state = DecodeState.from_tree(tree, layout)
-                if name == "flush":
-                    return flush_ring(spec, aux, state).tree()
-                new, out = step(spec, aux, state, k) if name == "cycle" else step(spec, aux, state)
-                return new.tree(), out.packed, out.logprobs
+        def run(tree, aux):
+            runtime.traces[key] = runtime.traces.get(key, 0) + 1
+            state = DecodeState.from_tree(tree, layout)
+            if name == "flush":
+                return flush_ring(spec, aux, state).tree()
+            new, out = step(spec, aux, state, k) if name == "cycle" else step(spec, aux, state)
+            return new.tree(), out.packed, out.logprobs
 
-            fn = self.cache.fns[key] = mx.compile(run)
-        return fn
+        # the weights are inputs, read at every call: a graph never runs with
+        # weights the model no longer has (and keeps none alive)
+        return runtime.graph(key, lambda: mx.compile(run, inputs=spec.model.state))
 
     def step(self, state: DecodeState, k: int, history=None) -> Tuple[DecodeState, StepOutput]:
         """A drafted cycle of depth k, or a plain step (k == 0)."""
@@ -397,7 +404,7 @@ def prefill(spec: Spec, prompt_cache: list, prompt: mx.array, prefill_step_size:
     n_trunk = len(model.is_linear)
     trunk = prompt_cache[:n_trunk]
     head = head_caches(prompt_cache, n_trunk) if spec.use_head else None
-    pending = last_hidden(prompt_cache, n_trunk) if spec.use_head else None
+    pending = last_hidden(prompt_cache, model.is_linear) if spec.use_head else None
     total, processed = prompt.size, 0
     progress(0, total)
     while total - processed > 1:
@@ -445,6 +452,6 @@ def feed(spec: Spec, prompt_cache: list, tokens: List[int], ring: Optional[Tuple
     if head is not None:
         if toks.shape[1] > 1:
             _head(model, h[:, :-1], toks[:, 1:], head)
-        set_last_hidden(prompt_cache, h[:, -1:])
+        set_last_hidden(prompt_cache, h[:, -1:], model.is_linear)
     elif len(prompt_cache) > n_trunk:
-        set_last_hidden(prompt_cache, None)  # the head has not followed: pair nothing stale
+        set_last_hidden(prompt_cache, None, model.is_linear)  # the head did not follow

@@ -1,6 +1,6 @@
 """The MTP head: one extra full-attention decoder layer that drafts token t+2.
 
-Forward (DESIGN.md §2), at position t:
+Forward (docs/design.md, "Models"), at position t:
     x = fc(concat[pre_fc_norm_embedding(embed(tok_{t+1})), pre_fc_norm_hidden(h_t)])
     x = decoder_layer(x)                   # mlx_lm's own Qwen3.5 layer, own KV cache
     g = norm(x)                            # fed back as h for the next draft step

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generator, List, Optional, Tuple, Union
@@ -30,7 +31,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from .cache import MTPCache, check_prompt_cache, head_caches
+from .cache import MTPCache, check_prompt_cache, head_caches, set_last_hidden
 from .cycle import RING, DecodeState, Graphs, Spec, feed, init_ring, prefill
 from .depth import DepthController
 from .sampling import MTPSampler, is_greedy
@@ -158,16 +159,23 @@ def generate_tokens(
     if prompt.size == 0:
         raise ValueError("the prompt is empty: give at least one token")
     depth = parse_depth(draft_tokens)
+    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or not (
+            1 <= max_draft_tokens <= 16):
+        raise ValueError(f"max_draft_tokens must be an integer in 1..16, not {max_draft_tokens!r}")
     if mtp_disabled_by_env():
         depth = 0
     auto = depth == "auto"
     use_head = model.has_mtp and depth != 0
     if not use_head:
         depth, controller = 0, None
-    elif auto:
-        controller = controller or DepthController(max_depth=max_draft_tokens)
-    else:
+    elif not auto:
         controller = None
+    elif controller is None:  # the model keeps the measurements across calls
+        key = (max_draft_tokens, isinstance(sampler, MTPSampler) and sampler.speculative,
+               None if draft_vocab is None else draft_vocab.size)
+        controller = model.runtime.controllers.get(key)
+        if controller is None:
+            controller = model.runtime.controllers[key] = DepthController(max_depth=max_draft_tokens)
     if use_head and not is_greedy(sampler) and not isinstance(sampler, MTPSampler):
         import warnings
 
@@ -175,7 +183,8 @@ def generate_tokens(
                       "exact match (still exact, fewer accepted); build it with "
                       "mlx_mtp.make_sampler for Leviathan-Chen acceptance", stacklevel=3)
     spec = Spec(model, sampler, use_head=use_head, ring=auto and use_head,
-                processors=tuple(logits_processors or ()), draft_vocab=draft_vocab,
+                processors=tuple(logits_processors or ()),
+                draft_vocab=draft_vocab if use_head else None,
                 drafter=drafter if use_head else None)
     if drafter is not None and drafter.host_side and not spec.speculative:
         raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
@@ -187,15 +196,35 @@ def generate_tokens(
     keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
     if prompt_cache is None:
         prompt_cache = model.make_cache()
+    else:  # a generation still open on this cache finishes first (writing it back)
+        owner = _OWNERS.get(id(prompt_cache))
+        if owner is not None and owner[1]() is not None:
+            owner[1]().close()
     head_layers = len(model.mtp.layers) if model.has_mtp else 0
     check_prompt_cache(prompt_cache, model.is_linear, head_layers)
-    n_trunk = len(model.is_linear)
     key = None
     if spec.speculative:
         key = (mx.random.key(mix_seed(seed)) if seed is not None
                else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
     progress = prompt_progress_callback or (lambda *_: None)
+    token = object()
+    gen = _generate(spec, graphs, prompt, prompt_cache, keep_cache, token, key, max_tokens,
+                    depth, controller, lookahead, stats, prefill_step_size, progress, timeline)
+    if keep_cache:
+        _OWNERS[id(prompt_cache)] = (token, weakref.ref(gen))
+    return gen
 
+
+# id(prompt cache) -> (token, the generator using it): the cache's objects are
+# empty while a generation owns them (see _detach)
+_OWNERS: dict = {}
+
+
+def _generate(spec: Spec, graphs: Graphs, prompt, prompt_cache, keep_cache, token, key,
+              max_tokens, depth, controller, lookahead, stats, prefill_step_size, progress,
+              timeline):
+    model, use_head = spec.model, spec.use_head
+    n_trunk = len(model.is_linear)
     with mx.stream(generation_stream):
         y, logprobs, g, key, h_last = prefill(spec, prompt_cache, prompt, prefill_step_size,
                                               progress, key)
@@ -210,15 +239,17 @@ def generate_tokens(
             return
         # the decoding form; the prompt cache's objects let go of the buffers,
         # so the cycles update them in place
-        cache = MTPCache.from_prompt_cache(prompt_cache, n_trunk, use_head)
+        state = DecodeState(MTPCache.from_prompt_cache(prompt_cache, n_trunk, use_head),
+                            y.astype(mx.int32), mx.ones((1,), mx.int32), g, key)
         _detach(prompt_cache, n_trunk, use_head)
-        state = DecodeState(cache, y.astype(mx.int32), mx.ones((1,), mx.int32), g, key)
         if spec.ring:
             state = init_ring(spec, state)
         history = (mx.concatenate([prompt, y]) if spec.processors else None)
         generated = [first]
-        # finishing point: (state before the cycle, its lengths, tokens it emitted up to here)
-        stop = (state.without_buffers(), lens, first, [])
+        # finishing point: (state before the cycle, its lengths, tokens it emitted up to
+        # here); the states are kept only when a prompt cache is written back
+        without_buffers = DecodeState.without_buffers if keep_cache else (lambda s: None)
+        stop = (without_buffers(state), lens, first, [])
         bound = Lengths(lens.trunk, lens.head)  # upper bounds over launched cycles
         inflight: deque = deque()
         n = 1
@@ -240,7 +271,7 @@ def generate_tokens(
                         bound.trunk + k + 1, bound.head + max(k + 1, RING if spec.ring else 0)))
                     if spec.drafter is not None and spec.drafter.host_side:
                         spec.drafter.generated = generated
-                    before, traces = state.without_buffers(), graphs.traces
+                    before, traces = without_buffers(state), graphs.traces
                     t0 = time.perf_counter()
                     state, out = graphs.step(state, k, history[:-1] if history is not None else None)
                     built = time.perf_counter()
@@ -290,7 +321,11 @@ def generate_tokens(
                     mx.clear_cache()
         finally:
             if keep_cache:
-                _finish(spec, prompt_cache, stop, state)
+                try:
+                    _finish(spec, prompt_cache, stop, state)
+                finally:
+                    if _OWNERS.get(id(prompt_cache), (None,))[0] is token:
+                        del _OWNERS[id(prompt_cache)]
 
 
 def _arrays(state: DecodeState) -> list:
@@ -325,7 +360,9 @@ def _leave_prompt_only(spec: Spec, prompt_cache: list, h_last: mx.array):
     if spec.use_head:
         for c in head_caches(prompt_cache, n_trunk):
             c.trim(1)
-        prompt_cache[-1][0] = h_last
+        set_last_hidden(prompt_cache, h_last, spec.model.is_linear)
+    elif len(prompt_cache) > n_trunk:
+        set_last_hidden(prompt_cache, None, spec.model.is_linear)  # the head did not follow
     mx.eval([c.state for c in prompt_cache])
 
 

@@ -14,13 +14,13 @@ also works unchanged with `mlx_lm.generate`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .cache import make_prompt_cache
 from .head import MTPHead
 
 
@@ -36,19 +36,34 @@ def mtp_num_layers(text_config: dict) -> int:
     )
 
 
-class GraphCache:
-    """Compiled decode graphs of one model, kept across generations (cycle.py
-    fills it: per depth and mode; MLX keeps one trace per input shape)."""
+class Runtime:
+    """What a model keeps across generations: compiled decode graphs (cycle.py:
+    per step, depth and mode, the least recently used dropped past
+    `max_graphs`; MLX keeps one trace per input shape) and the adaptive depth
+    controllers' measurements (loop.py), so a later request neither retraces
+    nor learns its depth again."""
+
+    max_graphs = 64
 
     def __init__(self):
-        self.fns: Dict[tuple, object] = {}
+        self.graphs: "OrderedDict[tuple, object]" = OrderedDict()
         self.traces: Dict[tuple, int] = {}
+        self.controllers: Dict[tuple, object] = {}
+
+    def graph(self, key: tuple, make):
+        fn = self.graphs.get(key)
+        if fn is None:
+            fn = self.graphs[key] = make()
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        return fn
 
     def clear(self):
-        """Forget every graph (needed after changing the weights in place:
-        graphs hold the weights they were traced with)."""
-        self.fns.clear()
+        """Forget the graphs and the measurements."""
+        self.graphs.clear()
         self.traces.clear()
+        self.controllers.clear()
 
 
 class MTPModel:
@@ -82,7 +97,7 @@ class MTPModel:
             if layer.is_linear:  # same parameters, can capture a verify
                 layer.linear_attn = self.verifying_gdn(self.text_args)
         self.mtp = MTPHead(self.text_args, self.mtp_layers) if self.mtp_layers > 0 else None
-        self.graphs = GraphCache()
+        self.runtime = Runtime()
 
     @property
     def has_mtp(self) -> bool:
@@ -103,9 +118,10 @@ class MTPModel:
         return self.text_args.vocab_size
 
     def make_cache(self) -> list:
-        """mlx_lm's prompt cache for the trunk, plus the head's (cache.py)."""
-        return make_prompt_cache(self.language_model.make_cache(),
-                                 len(self.mtp.layers) if self.has_mtp else 0)
+        """mlx_lm's own prompt cache for the trunk: mlx_lm's generation and
+        batching use it unchanged; mlx_mtp's first call appends the head's
+        entries to it (cache.py)."""
+        return self.language_model.make_cache()
 
     # -- forward pieces the decode cycle calls ------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:

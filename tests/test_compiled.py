@@ -23,7 +23,7 @@ from util import LONG, OPENBLAS, SHORT, mtp, reference
 
 def traces_by_depth(model):
     out = {}
-    for key, n in model.graphs.traces.items():
+    for key, n in model.runtime.traces.items():
         out[(key[0], key[1])] = out.get((key[0], key[1]), 0) + n
     return out
 
@@ -32,7 +32,7 @@ def test_two_generations_trace_each_depth_once(loaded):
     """Two generations in a row (and a third continuing a prompt cache) trace
     each depth's graph once in total."""
     model, ref_model, tok = loaded("dense")
-    model.graphs.clear()
+    model.runtime.clear()
     for k in (1, 2, 3, "auto"):
         cache = model.make_cache()
         for prompt in (SHORT, LONG):
@@ -42,14 +42,14 @@ def test_two_generations_trace_each_depth_once(loaded):
         mtp(model, tok.encode(LONG), k, 20, prompt_cache=cache)
     assert {("cycle", 1), ("cycle", 2), ("cycle", 3)} <= set(traces_by_depth(model))
     # one graph per depth and mode (fixed depths, and auto's with the ring)
-    assert all(n == 1 for n in model.graphs.traces.values()), model.graphs.traces
+    assert all(n == 1 for n in model.runtime.traces.values()), model.runtime.traces
 
 
 def test_retrace_only_when_capacity_grows(loaded, monkeypatch):
     """Unbounded generation: one trace per distinct buffer capacity."""
     monkeypatch.setattr(cache_mod, "BLOCK", 32)
     model, ref_model, tok = loaded("dense")
-    model.graphs.clear()
+    model.runtime.clear()
     ids = tok.encode(SHORT)
     want = reference(ref_model, ids, 330)
     cache = model.make_cache()
@@ -61,6 +61,22 @@ def test_retrace_only_when_capacity_grows(loaded, monkeypatch):
     capacities = {256} | {capacity_for(n) for n in range(257, length + 4)}
     assert cache[3].keys.shape[2] == max(capacities) <= capacity_for(length + 3)
     assert 2 <= traces_by_depth(model)[("cycle", 2)] <= len(capacities)
+
+
+def test_conversation_retraces_only_per_capacity_block(loaded):
+    """mlx_lm's prefill leaves buffers of any length; they are re-cut to whole
+    blocks, so a conversation retraces only when the context crosses one."""
+    model, _, tok = loaded("dense")
+    model.runtime.clear()
+    cache, length = model.make_cache(), 0
+    lengths = []
+    for turn in range(7):
+        ids = tok.encode(LONG)
+        mtp(model, ids, 2, 10, prompt_cache=cache)
+        length += len(ids) + 10
+        lengths.append(length)
+    blocks = {capacity_for(n + 3) for n in lengths} | {capacity_for(len(tok.encode(LONG)) + 1)}
+    assert traces_by_depth(model)[("cycle", 2)] <= len(blocks) < len(lengths)
 
 
 def test_max_tokens_reserves_nothing(loaded):
@@ -106,7 +122,8 @@ def test_padded_attention_equals_kv_cache(T, dtype):
     rand = lambda *s: mx.random.normal(s, key=next(key)).astype(dtype)
     plain = KVCache()
     plain.update_and_fetch(rand(1, Hkv, n, D), rand(1, Hkv, n, D))
-    padded = PaddedKVCache.from_kv_cache(plain).grown(n + 3 * T)
+    padded = PaddedKVCache(mx.array(plain.keys), mx.array(plain.values),
+                           mx.array([n], dtype=mx.int32)).grown(n + 3 * T)  # buffers of its own
     bitwise = []
     for r in range(3):
         q, k, v = rand(1, Hq, T, D), rand(1, Hkv, T, D), rand(1, Hkv, T, D)
@@ -143,3 +160,31 @@ def test_per_row_lengths():
     assert mask[0, 0].sum(axis=-1).tolist() == [3, 4] and mask[1, 0].sum(axis=-1).tolist() == [6, 7]
     c.trim(mx.array([1, 3], dtype=mx.int32))
     assert c.lengths.tolist() == [3, 4]
+
+
+def test_memory_kv_held_once_and_released(tmp_path):
+    """While decoding, the KV buffers exist once (the prompt cache's objects
+    hand them over, no copy stays alive); generations leave nothing behind,
+    without gc.collect (no reference cycles keep a finished one's arrays)."""
+    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "kv", seed=4, text_overrides={  # big KV, little else
+        "num_hidden_layers": 2, "full_attention_interval": 2, "num_key_value_heads": 8,
+        "num_attention_heads": 8, "head_dim": 256})
+    model, _ = mlx_mtp.load(path, quiet=True)
+    ids = mx.array(list(range(3, 250)) * 2)  # ~500 tokens, 32 KiB of KV each (trunk + head)
+    list(generate_tokens(ids[:20], model, max_tokens=8, draft_tokens=2))  # graphs, allocator
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    for _ in range(2):
+        cache = model.make_cache()
+        gen = generate_tokens(ids, model, max_tokens=40, draft_tokens=2, prompt_cache=cache)
+        for _ in range(12):
+            next(gen)
+        during = mx.get_active_memory() - base
+        gen.close()
+        kv = sum(x.nbytes for c in cache if isinstance(c, KVCache) for x in (c.keys, c.values))
+        assert kv > 10e6 and during < 1.25 * kv, (during, kv)
+        del cache, gen
+        assert mx.get_active_memory() - base < 0.05 * kv

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 
 from mlx_mtp.convert import ConvertError, convert

@@ -6,7 +6,6 @@ same shape reaches), that greedy MTP decoding is token-identical to mlx_lm on
 it, and that it writes Python-looking code.
 """
 
-import os
 
 import mlx.core as mx
 import pytest

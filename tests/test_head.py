@@ -1,5 +1,5 @@
 """The MTP head's forward, checked against an independent NumPy implementation
-written from the raw HF tensors and DESIGN.md §2 (post-norm trunk hidden,
+written from the raw HF tensors and docs/design.md, "Models" (post-norm trunk hidden,
 embedding first in the concat, zero-centred norms applied as 1+w, gated
 attention with q/k norm and partial RoPE, shared lm_head)."""
 

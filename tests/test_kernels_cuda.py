@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_mtp.metal as K
-from test_kernels_emu import (
+from kernel_checks import (
     CONV_CASES, DRAFT_CASES, GDN_CASES, check_commit, check_conv, check_draft, check_gdn,
 )
 

@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 

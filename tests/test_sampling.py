@@ -38,7 +38,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from mlx_mtp.cycle import Spec
 from mlx_mtp.drafters import DistributionDrafter, OracleDrafter
 from mlx_mtp.loop import MTPStats, generate_tokens
-from mlx_mtp.sampling import MTPSampler, make_sampler, speculative_sample
+from mlx_mtp.sampling import make_sampler, speculative_sample
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
