@@ -5,9 +5,12 @@ Throughput at depth k is E[tokens per cycle](k) / cost(k), with
 where a_j is the measured acceptance of draft j given drafts 1..j-1 were
 accepted, and cost(k) the measured seconds of a depth-k cycle (moving
 averages of both). k = 0 (plain decoding, head idle) is a candidate, so the
-controller never settles on drafting that does not pay. Depths not measured
-recently are probed now and then; a switch needs a clear predicted gain
-(hysteresis) so noise does not make k flap.
+controller never settles on drafting that does not pay. A neighbouring depth
+is probed now and then, and the controller switches only right after a probe,
+comparing the probe's own cycles with the current depth's cycles just before
+it: both fresh, so a machine whose speed drifts over minutes cannot make a
+stale measurement look cheap. A switch needs a clear predicted gain
+(hysteresis); probes that change nothing come ever more rarely.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Dict, List, Optional
 
 
 class DepthController:
+    PROBE_SAMPLES = 3  # cycles a probe measures (after its first), compared by their median
+
     def __init__(
         self,
         max_depth: int = 4,
@@ -32,7 +37,6 @@ class DepthController:
         self.probe_every = probe_every
         self.max_interval = max_interval
         self.interval = probe_every
-        self._probe_from: Optional[int] = None
         self.hysteresis = hysteresis
         self.min_samples = min_samples
         self.k = min(initial, max_depth)
@@ -48,7 +52,9 @@ class DepthController:
         self._probing = self.k
         self._probe_left = 0
         self._probe_side = -1
-        self._probe_start_n = 0
+        self._keep_side = False
+        self._probe_seen = False
+        self._probe_costs: List[float] = []
 
     # -- model -----------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -93,6 +99,11 @@ class DepthController:
             self.accept[j] = self._average(self.accept[j], hit, self.accept_n[j], prior=1)
 
     def update_cost(self, k: int, seconds: float):
+        if self._probe_left > 0 and k == self._probing:
+            if not self._probe_seen:  # the switch's own cycle (e.g. the head catching
+                self._probe_seen = True  # up on plain steps) is no sample of the depth
+                return
+            self._probe_costs.append(seconds)
         n = self.cost_n.get(k, 0) + 1
         self.cost_n[k] = n
         self.cost[k] = self._average(self.cost.get(k, 0.0), seconds, n)
@@ -108,33 +119,39 @@ class DepthController:
         if self._probe_left > 0:  # finish a probe: cycles at a neighbour depth until it
             # has min_samples new cost samples (they may arrive a cycle late, or be
             # skipped, e.g. a cycle that compiled its graph), a bounded number of times
-            new = self.cost_n.get(self._probing, 0) - self._probe_start_n
             self._probe_left -= 1
-            if new < self.min_samples:
+            if len(self._probe_costs) < self.PROBE_SAMPLES and self._probe_left > 0:
                 return self._probing
             self._probe_left = 0
+            self._decide()
+            return self.k
         if self.cost_n.get(self.k, 0) < self.min_samples:  # measure the current depth
             return self.k
-        if self.since_probe >= self.interval:  # refresh a neighbour's measurements
+        if self.since_probe >= self.interval:  # try a neighbour
             self.since_probe = 0
-            self._probe_side = -self._probe_side
+            if not self._keep_side:
+                self._probe_side = -self._probe_side
             if self.k > 0 and self.accept[self.k - 1] < 0.5:
                 self._probe_side = -1  # drafts at depth k mostly fail: look shallower
             for cand in (self.k + self._probe_side, self.k - self._probe_side):
                 if 0 <= cand <= self.max_depth:
-                    self._probing, self._probe_left = cand, self.min_samples + 2
-                    self._probe_start_n = self.cost_n.get(cand, 0)
-                    self._probe_from = self.k
+                    self._probing, self._probe_left = cand, 2 * self.PROBE_SAMPLES + 2
+                    self._probe_costs, self._probe_seen = [], False
                     return cand
-        best_k, best = self.k, self.throughput(self.k) or 0.0
-        for cand in range(self.max_depth + 1):
-            t = self.throughput(cand)
-            if t is not None and t > best * (1 + self.hysteresis):
-                best_k, best = cand, t
-        if self._probe_from is not None:
-            # probes that change nothing come ever more rarely (bounded cost)
-            self.interval = (self.probe_every if best_k != self._probe_from
-                             else min(2 * self.interval, self.max_interval))
-            self._probe_from = None
-        self.k = best_k
         return self.k
+
+    def _decide(self):
+        """After a probe: switch to the probed depth if it is clearly faster,
+        its cost from the probe's cycles alone, the current depth's from its
+        moving average (the cycles just before the probe)."""
+        j, samples = self._probing, sorted(self._probe_costs)
+        t_cur = self.throughput(self.k)
+        t_new = self.expected_tokens(j) / samples[len(samples) // 2] if samples else None
+        if t_new is not None and t_cur is not None and t_new > t_cur * (1 + self.hysteresis):
+            self._probe_side = 1 if j > self.k else -1  # it paid: look further that way
+            self._keep_side = True
+            self.k = j
+            self.interval = self.probe_every
+        else:
+            self._keep_side = False
+            self.interval = min(2 * self.interval, self.max_interval)

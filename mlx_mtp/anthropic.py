@@ -1,0 +1,227 @@
+"""The Anthropic Messages API (`POST /v1/messages`) over the chat machinery.
+
+`to_chat(body)` turns a Messages request into the chat messages, tools and
+settings mlx_lm's chat path takes; `Message` turns the generated text (split
+by mlx_lm's text state machine into reasoning / tool / normal segments) into
+Anthropic content blocks, as one response or as the stream of events
+(message_start, content_block_start/delta/stop, message_delta, message_stop).
+Pure functions: the server does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+# Request fields we act on, and those a client may send that do not change
+# the output (accepted, ignored); anything else is refused.
+FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p",
+          "top_k", "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier",
+          "cache_control", "container", "diagnostics", "inference_geo", "output_config", "speed",
+          "user_profile_id", "workspace_id", "context_management", "mcp_servers"}
+
+REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["model", "messages", "max_tokens"],
+    "properties": {
+        "model": {"type": "string"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"enum": ["user", "assistant"]},
+                           "content": {"type": ["string", "array"]}}}},
+        "system": {"type": ["string", "array"]},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "temperature": {"type": "number", "minimum": 0},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+        "stream": {"type": "boolean"},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+        "thinking": {"type": "object"},
+    },
+    "additionalProperties": False,
+}
+REQUEST_SCHEMA["properties"].update({k: {} for k in FIELDS - set(REQUEST_SCHEMA["properties"])})
+
+
+class RequestError(ValueError):
+    pass
+
+
+def _text(content) -> str:
+    """The text of a string or of a list of blocks (text blocks only)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        kind = block.get("type")
+        if kind == "text":
+            parts.append(block.get("text", ""))
+        elif kind in ("image", "document"):
+            raise RequestError(f"{kind} content is not supported")
+    return "".join(parts)
+
+
+def to_chat(body: dict) -> Tuple[List[dict], Optional[List[dict]], List[str], Dict[str, Any]]:
+    """(chat messages, tools, stop words, chat template arguments) of a
+    validated Messages request."""
+    messages: List[dict] = []
+    if body.get("system"):
+        messages.append({"role": "system", "content": _text(body["system"])})
+    for m in body["messages"]:
+        content = m["content"]
+        if isinstance(content, str):
+            messages.append({"role": m["role"], "content": content})
+            continue
+        if m["role"] == "user":
+            for block in content:  # tool results answer the assistant's calls first
+                if block.get("type") == "tool_result":
+                    messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                                     "content": _text(block.get("content") or "")})
+            rest = [b for b in content if b.get("type") != "tool_result"]
+            if rest:
+                messages.append({"role": "user", "content": _text(rest)})
+            continue
+        calls = [{"id": b.get("id"), "type": "function",
+                  "function": {"name": b.get("name"), "arguments": b.get("input") or {}}}
+                 for b in content if b.get("type") == "tool_use"]
+        msg = {"role": "assistant", "content": _text(
+            [b for b in content if b.get("type") == "text"])}
+        thinking = "".join(b.get("thinking", "") for b in content if b.get("type") == "thinking")
+        if thinking:
+            msg["reasoning_content"] = thinking
+        if calls:
+            msg["tool_calls"] = calls
+        messages.append(msg)
+    tools = None
+    if body.get("tools"):
+        tools = [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("input_schema", {"type": "object", "properties": {}})}}
+            for t in body["tools"]]
+    template_args = {}
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        template_args["enable_thinking"] = thinking["type"] == "enabled"
+    return messages, tools, list(body.get("stop_sequences") or []), template_args
+
+
+def error_body(kind: str, message: str) -> dict:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class Message:
+    """Builds an assistant message from generated segments.
+
+    feed(state, text) takes mlx_lm's text state machine segments ("reasoning",
+    "tool", "normal"); tool text is parsed by the tokenizer's tool parser when
+    its block closes. events() returns the stream events so far; response()
+    the whole message."""
+
+    def __init__(self, model: str, input_tokens: int, cached_tokens: int, tool_parser, tools):
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.model = model
+        self.usage = {"input_tokens": input_tokens - cached_tokens, "output_tokens": 0,
+                      "cache_read_input_tokens": cached_tokens,
+                      "cache_creation_input_tokens": 0}
+        self.blocks: List[dict] = []
+        self._open: Optional[str] = None  # kind of the block being streamed
+        self._tool_text = ""
+        self._events: List[Tuple[str, dict]] = []
+        self._parser, self._tools = tool_parser, tools
+
+    def _start(self, kind: str):
+        self._stop()
+        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" \
+            else {"type": "text", "text": ""}
+        self.blocks.append(block)
+        self._open = kind
+        self._events.append(("content_block_start", {
+            "type": "content_block_start", "index": len(self.blocks) - 1,
+            "content_block": dict(block)}))
+
+    def _stop(self):
+        if self._open is not None and self._open != "tool":
+            self._events.append(("content_block_stop", {"type": "content_block_stop",
+                                                        "index": len(self.blocks) - 1}))
+        self._open = None
+
+    def _tool_calls(self):
+        text, self._tool_text = self._tool_text, ""
+        if not text.strip() or self._parser is None:
+            return
+        try:
+            parsed = self._parser(text, self._tools)
+        except (ValueError, json.JSONDecodeError):
+            return  # a call cut off by max_tokens
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            block = {"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                     "name": call["name"], "input": call.get("arguments") or {}}
+            self.blocks.append(block)
+            i = len(self.blocks) - 1
+            self._events += [
+                ("content_block_start", {"type": "content_block_start", "index": i,
+                                         "content_block": dict(block, input={})}),
+                ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}),
+                ("content_block_stop", {"type": "content_block_stop", "index": i})]
+
+    def feed(self, state: str, text: str):
+        if state == "tool":
+            if self._open != "tool":
+                self._stop()
+                self._open = "tool"
+            self._tool_text += text
+            return
+        if self._open == "tool":
+            self._open = None
+            self._tool_calls()
+        if not text:
+            return
+        if self._open != state:
+            self._start(state)
+        block = self.blocks[-1]
+        key, delta = ("thinking", "thinking_delta") if state == "reasoning" else ("text", "text_delta")
+        block[key] += text
+        self._events.append(("content_block_delta", {
+            "type": "content_block_delta", "index": len(self.blocks) - 1,
+            "delta": {"type": delta, key: text}}))
+
+    def start_event(self) -> Tuple[str, dict]:
+        msg = self._message(None, None)
+        msg["content"] = []
+        return "message_start", {"type": "message_start", "message": msg}
+
+    def events(self) -> List[Tuple[str, dict]]:
+        out, self._events = self._events, []
+        return out
+
+    def finish(self, reason: str, stop_sequence: Optional[str], output_tokens: int):
+        """reason: mlx_lm's finish ("stop"/"length"); a stop word or a tool call refines it."""
+        if self._open == "tool":
+            self._open = None
+            self._tool_calls()
+        self._stop()
+        self.usage["output_tokens"] = output_tokens
+        if any(b["type"] == "tool_use" for b in self.blocks):
+            self.stop_reason = "tool_use"
+        elif reason == "length":
+            self.stop_reason = "max_tokens"
+        else:
+            self.stop_reason = "stop_sequence" if stop_sequence else "end_turn"
+        self.stop_sequence = stop_sequence
+        self._events += [
+            ("message_delta", {"type": "message_delta",
+                               "delta": {"stop_reason": self.stop_reason,
+                                         "stop_sequence": stop_sequence},
+                               "usage": {"output_tokens": output_tokens}}),
+            ("message_stop", {"type": "message_stop"})]
+
+    def _message(self, stop_reason, stop_sequence) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.blocks, "stop_reason": stop_reason,
+                "stop_sequence": stop_sequence, "usage": dict(self.usage)}
+
+    def response(self) -> dict:
+        return self._message(self.stop_reason, self.stop_sequence)

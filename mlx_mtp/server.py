@@ -1,0 +1,700 @@
+"""`python -m mlx_mtp.server`: an OpenAI- and Anthropic-compatible server
+that decodes with the model's MTP head.
+
+It is mlx_lm's server (`mlx_lm.server`: the standard library's threaded HTTP
+server, its request parsing and validation, chat templates, tool-call and
+reasoning handling, response and SSE building, the single generation thread)
+with three subclasses:
+
+- `MTPModelProvider` loads with `mlx_mtp.load` and serves that one model;
+- `MTPResponseGenerator` generates with `mlx_mtp.stream_generate` and a
+  prefix cache: mlx_lm's `LRUPromptCache`, bounded by entries and bytes, with
+  snapshots where a recurrent state can be restored exactly (the end of the
+  system prompt, of the last user message, of the prompt, of each answer);
+  GDN states cannot be trimmed, so only an exact stored prefix is ever reused;
+- `MTPAPIHandler` checks requests before mlx_lm's handler sees them (JSON
+  schemas, context length, API key, a bounded queue) and answers errors
+  with OpenAI's error object; it adds MTP statistics to `usage` and serves
+  `POST /v1/messages` (Anthropic Messages, anthropic.py).
+
+At temperature 0 the text equals mlx_lm.server's for the same request
+(tests/test_server.py runs both as processes). See docs/design.md, "Server".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import warnings
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+import jsonschema
+import mlx.core as mx
+from mlx_lm import server as lm_server
+from mlx_lm.generate import TextStateMachine
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.utils import _parse_size
+
+from . import anthropic
+from .load import load
+from .loop import MTPStats, parse_depth
+from .sampling import make_sampler
+
+MAX_BODY = 64 << 20  # bytes
+
+# -- request schemas: the fields mlx_lm.server reads, and OpenAI fields a client
+# may send that do not change the output here; anything else is refused
+_NUMBER = {"type": "number"}
+_COMMON = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": ["object", "null"],
+                       "properties": {"include_usage": {"type": "boolean"}}},
+    "stop": {"type": ["string", "array", "null"], "items": {"type": "string"}},
+    "seed": {"type": ["integer", "null"]},
+    "logit_bias": {"type": ["object", "null"], "additionalProperties": _NUMBER},
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 11},
+    "repetition_penalty": {"type": "number", "minimum": 0},
+    "repetition_context_size": {"type": "integer", "minimum": 0},
+    "presence_penalty": _NUMBER,
+    "presence_context_size": {"type": "integer", "minimum": 0},
+    "frequency_penalty": _NUMBER,
+    "frequency_context_size": {"type": "integer", "minimum": 0},
+    "xtc_probability": {"type": "number", "minimum": 0, "maximum": 1},
+    "xtc_threshold": {"type": "number", "minimum": 0, "maximum": 1},
+    "num_draft_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"const": "auto"},
+                                   {"type": "null"}]},
+    "n": {"const": 1},
+    "user": {"type": "string"},
+    "metadata": {}, "store": {}, "service_tier": {},
+}
+_MESSAGE = {
+    "type": "object", "required": ["role"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                   "content": {"type": ["string", "array", "null"]},
+                   "name": {"type": "string"}, "tool_calls": {"type": "array"},
+                   "tool_call_id": {"type": "string"}, "reasoning_content": {},
+                   "reasoning": {}, "refusal": {}},
+    "additionalProperties": False,
+}
+CHAT_SCHEMA = {
+    "type": "object", "required": ["messages"],
+    "properties": dict(_COMMON, messages={"type": "array", "minItems": 1, "items": _MESSAGE},
+                       tools={"type": ["array", "null"], "items": {"type": "object"}},
+                       tool_choice={}, parallel_tool_calls={}, response_format={},
+                       reasoning_effort={}, chat_template_kwargs={"type": ["object", "null"]},
+                       role_mapping={"type": ["object", "null"]}),
+    "additionalProperties": False,
+}
+COMPLETION_SCHEMA = {
+    "type": "object", "required": ["prompt"],
+    "properties": dict(_COMMON, prompt={"type": "string", "minLength": 1}, echo={"const": False},
+                       suffix={"type": "null"}, best_of={"const": 1}),
+    "additionalProperties": False,
+}
+
+
+class ApiError(Exception):
+    """A request answered with an error: HTTP status, OpenAI error type, message."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def openai(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+    def anthropic(self) -> dict:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "request_too_large", 503: "overloaded_error"}.get(self.status, "api_error")
+        return anthropic.error_body(kind, str(self))
+
+
+def _schema_error(e: jsonschema.ValidationError) -> ApiError:
+    where = ".".join(str(p) for p in e.absolute_path) or None
+    if e.validator == "additionalProperties":
+        extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
+        where = ".".join([*(str(p) for p in e.absolute_path), extra[0]]) if extra else where
+        return ApiError(400, f"unknown field {where!r}", param=where)
+    message = e.message if where is None else f"{where}: {e.message}"
+    return ApiError(400, message, param=where)
+
+
+# -- model -----------------------------------------------------------------------------------
+class MTPModelProvider(lm_server.ModelProvider):
+    """Loads with mlx_mtp.load (the MTP head attached) and serves that model only."""
+
+    def __init__(self, cli_args, served_id: str):
+        super().__init__(cli_args)
+        self.served_id = served_id
+
+    def serves(self, name: Optional[str]) -> bool:
+        return name in (None, "default_model", self.served_id, self.cli_args.model,
+                        Path(self.cli_args.model).name)
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        if not self.serves(model_path):
+            raise ApiError(404, f"the model {model_path!r} is not served here (serving "
+                                f"{self.served_id!r})", code="model_not_found")
+        return super().load("default_model", None, None)
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        self.reset()
+        mx.clear_cache()
+        model, tokenizer = load(model_path, tokenizer_config=self._tokenizer_config)
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        self.model_key = (model_path, None, None)
+        self.model, self.tokenizer = model, tokenizer
+        self.processor, self.draft_model, self.is_batchable = None, None, False
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.text_args, "max_position_embeddings", 0) or 1 << 30)
+
+
+# -- generation ---------------------------------------------------------------------------------
+class MTPGenerationContext(lm_server.GenerationContext):
+    stats: Optional[MTPStats] = None  # filled as the generation runs
+
+
+def _sampler(args, tokenizer):
+    """mlx_lm.server's sampler settings, as an MTPSampler (Leviathan–Chen acceptance)."""
+    s = args.sampling
+    return make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k,
+                        xtc_probability=s.xtc_probability, xtc_threshold=s.xtc_threshold,
+                        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+
+
+class MTPResponseGenerator(lm_server.ResponseGenerator):
+    """mlx_lm's generation thread; each request is decoded alone, with MTP."""
+
+    def __init__(self, model_provider, prompt_cache):
+        super().__init__(model_provider, prompt_cache)
+        self._slots = threading.Semaphore(1 + model_provider.cli_args.max_queued_requests)
+
+    @contextlib.contextmanager
+    def slot(self):
+        """One of the requests being answered or waiting; 503 past the bound."""
+        if not self._slots.acquire(blocking=False):
+            raise ApiError(503, "the server is busy: too many requests are waiting; retry "
+                                "later", kind="server_error", code="overloaded")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def _is_batchable(self, args):
+        return False  # mlx_lm's batch generator decodes plainly
+
+    def preflight(self, request, chat_template_kwargs, max_tokens: int) -> list:
+        """Checks made in the request's own thread before it is queued: the
+        server can take it, the prompt renders and fits the context."""
+        if not self.generation_available():
+            raise ApiError(503, "the generation thread stopped; restart the server",
+                           kind="server_error")
+        mp = self.model_provider
+        try:
+            prompt = self._tokenize(mp.tokenizer, request, SimpleNamespace(
+                chat_template_kwargs=chat_template_kwargs))[0]
+        except ApiError:
+            raise
+        except Exception as e:  # the chat template refused the messages
+            raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
+        if not prompt:
+            raise ApiError(400, "the prompt is empty")
+        if len(prompt) + max_tokens > mp.context_length:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens and max_tokens is "
+                                f"{max_tokens}: more than the model's context of "
+                                f"{mp.context_length} tokens", code="context_length_exceeded")
+        return prompt
+
+    def _depth(self, args):
+        return self.cli_args.draft_tokens if args.num_draft_tokens is None else \
+            parse_depth(args.num_draft_tokens)
+
+    def _serve_single(self, request, stream):
+        rqueue, request, args = request
+        try:
+            mp = self.model_provider
+            model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
+            prompt, segments, kinds, initial_state, _ = self._tokenize(tokenizer, request, args)
+            stop_sequences, text_sm = self._make_state_machine(key, tokenizer, args.stop_words)
+            # an exact stored prefix (GDN states cannot be cut back), leaving at
+            # least the last prompt token to run
+            cache, rest = self.prompt_cache.fetch_nearest_cache(key, prompt[:-1])
+            n = len(prompt) - 1 - len(rest)
+            ctx = MTPGenerationContext(
+                has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+                tool_parser=tokenizer.tool_parser, text_sm=text_sm,
+                initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
+            ctx.stats = MTPStats()
+            rqueue.put(ctx)
+            if args.seed is not None:
+                mx.random.seed(args.seed)
+            if cache is None:
+                cache = model.make_cache()
+            n = self._snapshots(key, model, prompt, segments, kinds, n, cache)
+            depth = self._depth(args)
+            key_tokens, matcher = prompt[:], stop_sequences.matcher()
+            gen = _stream_generate(
+                model, tokenizer, prompt[n:], max_tokens=args.max_tokens, draft_tokens=depth,
+                max_draft_tokens=self.cli_args.max_draft_tokens,
+                sampler=_sampler(args, tokenizer),
+                logits_processors=lm_server._make_logits_processors(args), prompt_cache=cache,
+                prompt_progress_callback=lambda done, total: rqueue.put((done, total)),
+                prefill_step_size=self.cli_args.prefill_step_size, seed=args.seed,
+                stats=ctx.stats)
+            with contextlib.closing(gen):  # closing writes the prompt cache back
+                for g in gen:
+                    finish = "stop" if matcher.advance(g.token) else g.finish_reason
+                    rqueue.put(lm_server.Response(
+                        g.text, g.token, g.logprobs[g.token].item(), finish,
+                        lm_server._format_top_logprobs(g.logprobs, args.top_logprobs, tokenizer)))
+                    key_tokens.append(g.token)
+                    if ctx._should_stop or finish is not None:
+                        break
+            rqueue.put(None)
+            self.prompt_cache.insert_cache(key, key_tokens, cache)
+        except Exception as e:
+            if not isinstance(e, ApiError):
+                logging.error("generation failed: %s: %s", type(e).__name__, e)
+            rqueue.put(e)
+
+    def _snapshots(self, key, model, prompt, segments, kinds, n, cache) -> int:
+        """Prefill up to the end of each segment (system prompt, last user
+        message) and to the prompt's last token, storing a copy of the cache
+        at each, so a later request that shares that prefix (the next turn, a
+        regenerated answer) starts from it exactly. Returns the tokens cached."""
+        if self.cli_args.prompt_snapshots != "segments":
+            return n
+        ends, end = [], 0
+        for segment, kind in zip(segments, kinds):
+            end += len(segment)
+            ends.append((min(end, len(prompt) - 1), kind))
+        for end, kind in ends:
+            if end <= n:
+                continue
+            with contextlib.closing(_generate_step(
+                    mx.array(prompt[n:end]), model, max_tokens=0, prompt_cache=cache,
+                    prefill_step_size=self.cli_args.prefill_step_size)) as gen:
+                for _ in gen:
+                    pass
+            n = end
+            self.prompt_cache.insert_cache(key, prompt[:end], copy.deepcopy(cache),
+                                           cache_type=kind)
+        return n
+
+
+def _stream_generate(*args, **kwargs):
+    from .generate import stream_generate
+
+    return stream_generate(*args, **kwargs)
+
+
+def _generate_step(*args, **kwargs):
+    from .generate import generate_step
+
+    return generate_step(*args, **kwargs)
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+class _RequestView:
+    """The shared response generator as one request sees it: it keeps the
+    request's generation context (for the MTP statistics in `usage`)."""
+
+    def __init__(self, shared: MTPResponseGenerator, handler):
+        self._shared, self._handler = shared, handler
+
+    def __getattr__(self, name):
+        return getattr(self._shared, name)
+
+    def generate(self, *args, **kwargs):
+        ctx, response = self._shared.generate(*args, **kwargs)
+        self._handler.ctx = ctx
+        return ctx, response
+
+
+class MTPAPIHandler(lm_server.APIHandler):
+    """mlx_lm's request handler, with requests checked before it sees them."""
+
+    ctx = None
+    routes = {"/v1/completions": COMPLETION_SCHEMA, "/v1/chat/completions": CHAT_SCHEMA,
+              "/chat/completions": CHAT_SCHEMA}
+
+    def log_message(self, format, *args):
+        logging.info("%s - %s", self.address_string(), format % args)
+
+    # -- answers ------------------------------------------------------------------------------
+    def _send_json(self, status: int, body: dict, headers=()):
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        for h in headers:
+            self.send_header(*h)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def send_api_error(self, e: ApiError, style: str = "openai"):
+        logging.info("%s %s: %d %s", self.command, self.path, e.status, e)
+        headers = [("WWW-Authenticate", "Bearer")] if e.status == 401 else []
+        self._send_json(e.status, e.openai() if style == "openai" else e.anthropic(), headers)
+
+    # -- checks -------------------------------------------------------------------------------
+    def _authorize(self):
+        key = self.response_generator.cli_args.api_key
+        if key is None:
+            return
+        bearer = self.headers.get("Authorization", "")
+        given = bearer[7:] if bearer.startswith("Bearer ") else self.headers.get("x-api-key")
+        if given != key:
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+
+    def _read_json(self) -> dict:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise ApiError(411, "Content-Length header is required")
+        try:
+            length = int(length)
+        except ValueError:
+            raise ApiError(400, "invalid Content-Length header") from None
+        if length < 0 or length > MAX_BODY:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
+        self.raw_body = self.rfile.read(length)
+        try:
+            body = json.loads(self.raw_body.decode())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"invalid JSON in the request body: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def _check(self, body: dict, schema: dict):
+        try:
+            jsonschema.validate(body, schema)
+        except jsonschema.ValidationError as e:
+            raise _schema_error(e) from None
+        rg = self.response_generator
+        if not rg.model_provider.serves(body.get("model")):
+            raise ApiError(404, f"the model {body.get('model')!r} is not served here (serving "
+                                f"{rg.model_provider.served_id!r})", code="model_not_found")
+        limit = rg.cli_args.max_tokens_limit
+        for name in ("max_tokens", "max_completion_tokens"):
+            if body.get(name, 0) > limit:
+                raise ApiError(400, f"{name} must be at most {limit} (--max-tokens-limit)",
+                               param=name)
+        for m in body.get("messages", ()):
+            if m["role"] == "developer":  # OpenAI's newer name for the system role
+                m["role"] = "system"
+
+    # -- routes -------------------------------------------------------------------------------
+    def do_POST(self):
+        try:
+            style = "anthropic" if self.path.startswith("/v1/messages") else "openai"
+            self._authorize()
+            if self.path in ("/v1/messages", "/v1/messages/count_tokens"):
+                body = self._read_json()
+                with self.response_generator.slot():
+                    return self.handle_messages(body,
+                                                count_only=self.path.endswith("count_tokens"))
+            if self.path not in self.routes:
+                raise ApiError(404, f"no endpoint {self.path}", code="not_found")
+            body = self._read_json()
+            self._check(body, self.routes[self.path])
+            # mlx_lm's handler parses the (checked) body again from here on
+            data = json.dumps(body).encode()
+            self.headers.replace_header("Content-Length", str(len(data)))
+            self.rfile = io.BytesIO(data)
+            super().do_POST()
+        except ApiError as e:
+            self.send_api_error(e, style)
+        except (BrokenPipeError, ConnectionResetError):
+            logging.info("%s %s: the client disconnected", self.command, self.path)
+
+    def do_GET(self):
+        if self.path == "/health":  # open, for supervisors and load balancers
+            return super().do_GET()
+        try:
+            self._authorize()
+        except ApiError as e:
+            return self.send_api_error(e)
+        if self.path.startswith("/v1/models"):
+            return super().do_GET()
+        self.send_api_error(ApiError(404, f"no endpoint {self.path}", code="not_found"))
+
+    def validate_model_parameters(self):
+        depth = self.num_draft_tokens  # mlx_lm's check wants an int; "auto" and None are ours
+        if depth is None or depth == "auto":
+            self.num_draft_tokens = 0
+            super().validate_model_parameters()
+            self.num_draft_tokens = depth
+        else:
+            super().validate_model_parameters()
+
+    def handle_completion(self, request, stop_words):
+        rg = self.response_generator
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(rg.slot())
+                rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
+            except ApiError as e:
+                return self.send_api_error(e)
+            self.response_generator = _RequestView(rg, self)
+            super().handle_completion(request, stop_words)  # answers its own errors
+
+    def handle_models_request(self):
+        mp = self.response_generator.model_provider
+        self._send_json(200, {"object": "list", "data": [
+            {"id": mp.served_id, "object": "model", "created": self.created,
+             "owned_by": "mlx_mtp"}]})
+
+    # -- usage with MTP statistics ------------------------------------------------------------
+    def _mtp_usage(self, response: dict) -> dict:
+        stats = getattr(self.ctx, "stats", None)
+        if stats is not None and "usage" in response:
+            response["usage"]["mtp"] = {
+                "drafted": stats.drafted, "accepted": stats.accepted,
+                "acceptance": [round(a, 4) for a in stats.acceptance],
+                "tokens_per_cycle": round(stats.tokens_per_cycle, 4), "cycles": stats.cycles}
+        return response
+
+    def generate_response(self, *args, **kwargs):
+        return self._mtp_usage(super().generate_response(*args, **kwargs))
+
+    def completion_usage_response(self, *args, **kwargs):
+        return self._mtp_usage(super().completion_usage_response(*args, **kwargs))
+
+    # -- Anthropic Messages -------------------------------------------------------------------
+    def _write_event(self, kind: str, data: dict):
+        self.wfile.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+        self.wfile.flush()
+
+    def handle_messages(self, body: dict, count_only: bool = False):
+        rg = self.response_generator
+        cli = rg.cli_args
+        schema = anthropic.REQUEST_SCHEMA
+        if count_only:  # count_tokens: no max_tokens
+            schema = dict(schema, required=["model", "messages"])
+        try:
+            jsonschema.validate(body, schema)
+        except jsonschema.ValidationError as e:
+            raise _schema_error(e) from None
+        if not rg.model_provider.serves(body["model"]):
+            raise ApiError(404, f"the model {body['model']!r} is not served here",
+                           code="model_not_found")
+        try:
+            messages, tools, stop_words, template_args = anthropic.to_chat(body)
+        except anthropic.RequestError as e:
+            raise ApiError(400, str(e)) from None
+        request = lm_server.CompletionRequest("chat", "", messages, tools, None)
+        max_tokens = body.get("max_tokens", 1)
+        if max_tokens > cli.max_tokens_limit:
+            raise ApiError(400, f"max_tokens must be at most {cli.max_tokens_limit}")
+        prompt = rg.preflight(request, template_args, max_tokens)
+        if count_only:
+            return self._send_json(200, {"input_tokens": len(prompt)})
+        args = lm_server.GenerationArguments(
+            model=lm_server.ModelDescription(model="default_model", draft="default_model",
+                                             adapter=None),
+            sampling=lm_server.SamplingArguments(
+                temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
+                top_k=body.get("top_k", cli.top_k), min_p=cli.min_p, xtc_probability=0.0,
+                xtc_threshold=0.1),
+            logits=lm_server.LogitsProcessorArguments(
+                logit_bias=None, repetition_penalty=0.0, repetition_context_size=20,
+                presence_penalty=0.0, presence_context_size=20, frequency_penalty=0.0,
+                frequency_context_size=20),
+            stop_words=stop_words, max_tokens=max_tokens, num_draft_tokens=None, logprobs=False,
+            top_logprobs=-1, seed=None, chat_template_kwargs=template_args)
+        stream = body.get("stream", False)
+
+        def keepalive(done, total):
+            if stream:
+                self._write_event("ping", {"type": "ping"})
+
+        ctx, response = rg.generate(request, args, progress_callback=keepalive)
+        tokenizer = rg.model_provider.tokenizer
+        msg = anthropic.Message(body["model"], len(ctx.prompt), max(ctx.prompt_cache_count, 0),
+                                ctx.tool_parser if ctx.has_tool_calling else None, tools)
+        if stream:
+            self._set_stream_headers(200)
+            self.end_headers()
+            self._write_event(*msg.start_event())
+        state = ctx.text_sm.make_state(ctx.initial_state)
+        tokens, finish = [], "stop"
+        try:
+            for gen in response:
+                if gen.finish_reason == "stop":
+                    state, current = TextStateMachine.discard(state)
+                    segments = [(current, "")]
+                elif gen.finish_reason == "length":
+                    state, segments = TextStateMachine.split(state, gen.text)
+                    state, flushed, current = TextStateMachine.flush(state)
+                    segments.append((current, flushed))
+                else:
+                    state, segments = TextStateMachine.split(state, gen.text)
+                for kind, text in segments:
+                    msg.feed(kind, text)
+                tokens.append(gen.token)
+                if gen.finish_reason is not None:
+                    finish = gen.finish_reason
+                if stream:
+                    for event in msg.events():
+                        self._write_event(*event)
+        finally:
+            ctx.stop()
+        stop_sequence = None
+        if finish == "stop" and tokens and tokens[-1] not in tokenizer.eos_token_ids:
+            tail = tokenizer.decode(tokens)
+            stop_sequence = max((s for s in stop_words if tail.endswith(s)), key=len,
+                                default=None)
+        msg.finish(finish, stop_sequence, len(tokens))
+        if stream:
+            for event in msg.events():
+                self._write_event(*event)
+        else:
+            self._send_json(200, msg.response())
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        kind, e = sys.exc_info()[:2]
+        if kind in (BrokenPipeError, ConnectionResetError):
+            logging.info("%s: the client disconnected", client_address[0])
+        else:
+            logging.error("%s: %s: %s", client_address[0], kind.__name__, e)
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+REFUSED = {"adapter_path": "--adapter-path (adapters)", "draft_model": "--draft-model "
+           "(a separate draft model: the MTP head drafts)", "kv_bits": "--kv-bits (a quantized "
+           "KV cache)", "pipeline": "--pipeline (distributed serving)"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's flags (same names and defaults), plus the MTP ones."""
+    p = argparse.ArgumentParser(prog="python -m mlx_mtp.server",
+                                description="OpenAI/Anthropic-compatible server with MTP decoding")
+    p.add_argument("--model", type=str, default=None,
+                   help="model folder or Hugging Face repo (default: the embedded demo model)")
+    p.add_argument("--host", type=str, default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
+                   help="comma-separated CORS origins (default: *)")
+    p.add_argument("--api-key", type=str, default=None,
+                   help="require 'Authorization: Bearer KEY' (or x-api-key) on every request")
+    p.add_argument("--draft-tokens", "--num-draft-tokens", dest="draft_tokens", type=parse_depth,
+                   default="auto", help="MTP draft depth, or 'auto' (default)")
+    p.add_argument("--max-draft-tokens", type=int, default=4, help="largest depth 'auto' tries")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--log-level", type=str, default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument("--chat-template", type=str, default="")
+    p.add_argument("--use-default-chat-template", action="store_true")
+    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="tokens to generate when a request does not say")
+    p.add_argument("--max-tokens-limit", type=int, default=32768,
+                   help="the most tokens a request may ask for")
+    p.add_argument("--chat-template-args", type=json.loads, default="{}",
+                   help="JSON of chat template arguments, e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prompt-cache-size", type=int, default=10,
+                   help="prompt cache entries kept (least recently used dropped first)")
+    p.add_argument("--prompt-cache-bytes", type=_parse_size, default=None,
+                   help="prompt cache size limit, e.g. 8GB")
+    p.add_argument("--prompt-snapshots", choices=["segments", "end"], default="segments",
+                   help="cache snapshots at message boundaries too (default), or only after "
+                        "each answer")
+    p.add_argument("--max-queued-requests", type=int, default=32,
+                   help="requests that may wait while one is answered; more get 503")
+    # mlx_lm.server flags that shape its batching: accepted, no effect here
+    p.add_argument("--decode-concurrency", type=int, default=32, help=argparse.SUPPRESS)
+    p.add_argument("--prompt-concurrency", type=int, default=8, help=argparse.SUPPRESS)
+    p.add_argument("--kv-group-size", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--quantized-kv-start", type=int, default=0, help=argparse.SUPPRESS)
+    # mlx_lm.server flags mlx_mtp refuses
+    p.add_argument("--adapter-path", type=str, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--draft-model", type=str, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kv-bits", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pipeline", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # mlx_lm's server loop then shuts down and joins its thread
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s - %(levelname)s - %(message)s")
+    for name, what in REFUSED.items():
+        if getattr(args, name):
+            print(f"error: mlx_mtp.server does not support {what}", file=sys.stderr)
+            return 2
+    if args.max_tokens < 1 or args.max_tokens > args.max_tokens_limit:
+        print("error: --max-tokens must be in 1..--max-tokens-limit", file=sys.stderr)
+        return 2
+    # mlx_lm.server's request handler reads this one
+    args.num_draft_tokens = None
+    served_id = args.model or "mlx-mtp-demo"
+    if args.model is None:
+        from .load import demo_model_path
+
+        args.model = str(demo_model_path())
+    provider = MTPModelProvider(args, served_id)
+    try:
+        provider.load_default()  # here, so a bad model fails now with one line
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    cache = LRUPromptCache(args.prompt_cache_size, args.prompt_cache_bytes or 1 << 62)
+    generator = MTPResponseGenerator(provider, cache)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (SIGINT is ignored in background jobs)
+        signal.signal(sig, _interrupt)
+    warnings.filterwarnings("ignore", message="mlx_lm.server is not recommended")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        logging.warning("serving on %s without --api-key: anyone who can reach the port can "
+                        "use the model", args.host)
+    lm_server._run_http_server(args.host, args.port, generator, server_class=_HTTPServer,
+                               handler_class=MTPAPIHandler)
+    # HTTP is closed and the generation thread joined. Skip the interpreter's
+    # teardown: MLX's stream threads abort in it ("terminate called without an
+    # active exception", mlx_lm.server too).
+    logging.info("stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""mlx_mtp.server as a real process on a local port, driven by the official
+`openai` and `anthropic` clients, and compared with a real mlx_lm.server
+process on the same (demo) model: same text at temperature 0, prefix cache
+across turns, concurrency, a client leaving mid-stream, bad input."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+requests = pytest.importorskip("requests")
+
+from mlx_mtp.load import demo_model_path  # noqa: E402
+
+DEMO = str(demo_model_path())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on a free local port; stopped (SIGINT, then kill) on close."""
+
+    def __init__(self, argv, log):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 120
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.close()
+                raise RuntimeError(f"{argv} did not start: see {log}")
+            time.sleep(0.3)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def openai(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"),
+                             max_retries=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("servers")
+    started = []
+    try:
+        started.append(Server(["mlx_mtp.server"], logs / "mtp.log"))
+        started.append(Server(["mlx_lm", "server", "--model", DEMO], logs / "mlx_lm.log"))
+        yield started
+    finally:
+        for s in started:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def mtp(servers):
+    return servers[0]
+
+
+# -- same answers as mlx_lm.server --------------------------------------------------------
+CHATS = [
+    dict(messages=[{"role": "user", "content": "def fibonacci(n):"}], max_tokens=24),
+    dict(messages=[{"role": "system", "content": "You write Python."},
+                   {"role": "user", "content": "class Stack:"}], max_tokens=20),
+    dict(messages=[{"role": "user", "content": "import os"},
+                   {"role": "assistant", "content": "import sys"},
+                   {"role": "user", "content": "def main():"}], max_tokens=16),
+    dict(messages=[{"role": "user", "content": "def parse(argv):"}], max_tokens=30, stop=["\n\n"]),
+    dict(messages=[{"role": "user", "content": "for i in range(10):"}], max_tokens=1),
+    dict(messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=12,
+         tools=[{"type": "function", "function": {"name": "add", "description": "adds",
+                 "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]),
+    dict(messages=[{"role": "user", "content": "x = "}], max_tokens=12,
+         logit_bias={"13": -100}),
+]
+
+
+def _chat_text(server, req, stream=False):
+    client = server.openai()
+    if not stream:
+        r = client.chat.completions.create(model="default_model", temperature=0, **req)
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(model="default_model", temperature=0,
+                                                stream=True, **req):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("i", range(len(CHATS)))
+def test_chat_same_text_as_mlx_lm_server(servers, i):
+    mtp, lm = servers
+    want = _chat_text(lm, CHATS[i])
+    assert want[0] or want[1] == "length"
+    assert _chat_text(mtp, CHATS[i]) == want
+    assert _chat_text(mtp, CHATS[i], stream=True) == want
+
+
+def test_completions_same_text_as_mlx_lm_server(servers):
+    mtp, lm = servers
+    for prompt, kw in [("def fibonacci(n):", {}), ("import numpy as np\n", dict(stop=["\n"]))]:
+        want = lm.openai().completions.create(model="default_model", prompt=prompt,
+                                              max_tokens=20, temperature=0, **kw)
+        got = mtp.openai().completions.create(model="default_model", prompt=prompt,
+                                              max_tokens=20, temperature=0, **kw)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.choices[0].finish_reason == want.choices[0].finish_reason
+        streamed = "".join(c.choices[0].text for c in mtp.openai().completions.create(
+            model="default_model", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+            **kw) if c.choices)
+        assert streamed == want.choices[0].text
+
+
+def test_usage_and_mtp_statistics(mtp):
+    r = requests.post(mtp.url + "/v1/chat/completions", json=dict(
+        CHATS[0], stream=False)).json()
+    usage = r["usage"]
+    assert usage["completion_tokens"] == 24 and usage["prompt_tokens"] > 0
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+    m = usage["mtp"]
+    assert m["cycles"] > 0 and m["tokens_per_cycle"] >= 1 and m["drafted"] >= m["accepted"]
+    assert all(0 <= a <= 1 for a in m["acceptance"])
+    chunks = [json.loads(line[6:]) for line in requests.post(
+        mtp.url + "/v1/chat/completions", stream=True,
+        json=dict(CHATS[0], stream=True, stream_options={"include_usage": True})).iter_lines(
+        decode_unicode=True) if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["mtp"]["cycles"] > 0
+
+
+def test_multi_turn_reuses_the_cached_prefix(mtp):
+    client = mtp.openai()
+    messages = [{"role": "system", "content": "You are a terse Python assistant."},
+                {"role": "user", "content": "def read_config(path):"}]
+    first = client.chat.completions.create(model="default_model", messages=messages,
+                                           max_tokens=16, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "def write_config(path, data):"}]
+    second = client.chat.completions.create(model="default_model", messages=messages,
+                                            max_tokens=16, temperature=0)
+    # turn 1's prompt is not prefilled again (a snapshot at its last token; the
+    # answer itself matches only where its text re-tokenizes to the same tokens)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 1
+    # and the answer is what a cold cache gives (mlx_mtp library, same weights)
+    import mlx_mtp
+
+    model, tok = mlx_mtp.load(DEMO, quiet=True)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert mlx_mtp.generate(model, tok, prompt, max_tokens=16) == \
+        second.choices[0].message.content
+
+
+def test_concurrent_clients(mtp):
+    """Four clients at once get complete answers, each equal to its serial one."""
+    reqs = CHATS[:4]
+    serial = [_chat_text(mtp, r) for r in reqs]
+    with ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(lambda r: _chat_text(mtp, r, stream=True), reqs))
+    assert parallel == serial
+
+
+def test_disconnect_mid_stream(mtp):
+    """A client leaving mid-stream: its generation stops (the next request does
+    not wait for 3000 tokens), the server keeps serving, the next answer is right."""
+    want = _chat_text(mtp, CHATS[1])
+    with socket.create_connection(("127.0.0.1", mtp.port)) as s:
+        body = json.dumps(dict(messages=CHATS[0]["messages"], max_tokens=3000, stream=True))
+        s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            seen += s.recv(4096)
+    t0 = time.time()
+    assert _chat_text(mtp, CHATS[1]) == want
+    assert time.time() - t0 < 15
+    assert requests.get(mtp.url + "/health").json() == {"status": "ok"}
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", b"[1, 2]", 400),
+    ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 5.5}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 0}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 10**9}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "temperature": -1}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "frobnicate": True}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "model": "gpt-4"}).encode(), 404),
+    ("/v1/completions", json.dumps({"prompt": ""}).encode(), 400),
+    ("/v1/completions", json.dumps({"prompt": "x" * 70000, "max_tokens": 32768}).encode(), 400),
+    ("/v1/unknown", b"{}", 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD, ids=range(len(BAD)))
+def test_bad_input_gets_an_openai_error(mtp, path, body, status):
+    r = requests.post(mtp.url + path, data=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert requests.get(mtp.url + "/health").status_code == 200
+
+
+def test_openai_client_raises_on_bad_input(mtp):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        mtp.openai().chat.completions.create(model="default_model", max_tokens=0,
+                                             messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        mtp.openai().chat.completions.create(model="nope", max_tokens=4,
+                                             messages=[{"role": "user", "content": "x"}])
+
+
+def test_models_and_health(mtp):
+    models = mtp.openai().models.list()
+    assert [m.id for m in models.data] == ["mlx-mtp-demo"]
+    assert requests.get(mtp.url + "/health").json() == {"status": "ok"}
+    assert requests.get(mtp.url + "/nowhere").status_code == 404
+
+
+# -- Anthropic Messages ------------------------------------------------------------------
+def test_anthropic_messages(mtp):
+    client = anthropic.Anthropic(base_url=mtp.url, api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "def fibonacci(n):"}]
+    r = client.messages.create(model="mlx-mtp-demo", max_tokens=24, messages=msgs)
+    want = _chat_text(mtp, dict(messages=msgs, max_tokens=24))[0]
+    assert r.content[0].type == "text" and r.content[0].text == want
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 24
+    with client.messages.stream(model="mlx-mtp-demo", max_tokens=24, messages=msgs) as stream:
+        assert "".join(stream.text_stream) == want
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    stopped = client.messages.create(model="mlx-mtp-demo", max_tokens=60, messages=msgs,
+                                     stop_sequences=["\n"])
+    assert stopped.stop_reason in ("stop_sequence", "end_turn", "max_tokens")
+    if stopped.stop_reason == "stop_sequence":
+        assert stopped.stop_sequence == "\n"
+    count = client.messages.count_tokens(model="mlx-mtp-demo", messages=msgs)
+    assert count.input_tokens == r.usage.input_tokens + r.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="mlx-mtp-demo", max_tokens=0, messages=msgs)
+
+
+def test_anthropic_conversion_of_tools_and_system():
+    from mlx_mtp import anthropic as am
+
+    body = {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "be brief"}],
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "checking"},
+                    {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Oslo"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                    {"type": "text", "text": "thanks"}]}],
+            "tools": [{"name": "weather", "input_schema": {"type": "object"}}],
+            "stop_sequences": ["END"], "thinking": {"type": "disabled"}}
+    messages, tools, stops, template = am.to_chat(body)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "user"]
+    assert messages[2]["tool_calls"][0]["function"] == {"name": "weather",
+                                                        "arguments": {"city": "Oslo"}}
+    assert messages[3] == {"role": "tool", "tool_call_id": "t1", "content": "sunny"}
+    assert tools[0]["function"]["name"] == "weather" and stops == ["END"]
+    assert template == {"enable_thinking": False}
+    msg = am.Message("m", 10, 4, lambda text, tools: {"name": "weather", "arguments": {"c": 1}},
+                     tools)
+    for state, text in [("reasoning", "hmm"), ("normal", "ok "), ("tool", "<call>"),
+                        ("normal", "")]:
+        msg.feed(state, text)
+    msg.finish("stop", None, 7)
+    r = msg.response()
+    assert [b["type"] for b in r["content"]] == ["thinking", "text", "tool_use"]
+    assert r["stop_reason"] == "tool_use" and r["usage"]["cache_read_input_tokens"] == 4
+
+
+# -- access and load ---------------------------------------------------------------------
+def test_api_key_and_busy_server(tmp_path):
+    s = Server(["mlx_mtp.server", "--api-key", "sesame", "--max-queued-requests", "0"],
+               tmp_path / "key.log")
+    try:
+        r = requests.post(s.url + "/v1/chat/completions", json=CHATS[0])
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            s.openai(api_key="wrong").chat.completions.create(model="default_model", **CHATS[0])
+        ok = s.openai(api_key="sesame")
+        assert ok.chat.completions.create(model="default_model", **CHATS[0]).choices
+        # one request at a time: a second one while the first runs gets 503
+        first = threading.Thread(target=lambda: ok.chat.completions.create(
+            model="default_model", messages=CHATS[0]["messages"], max_tokens=300))
+        first.start()
+        time.sleep(1.0)
+        r = requests.post(s.url + "/v1/chat/completions", json=CHATS[1],
+                          headers={"Authorization": "Bearer sesame"})
+        first.join()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+        assert ok.chat.completions.create(model="default_model", **CHATS[1]).choices
+    finally:
+        s.close()
+    assert s.proc.returncode == 0
+
+
+def test_refused_flags():
+    for flag in (["--draft-model", "x"], ["--kv-bits", "4"]):
+        r = subprocess.run([sys.executable, "-m", "mlx_mtp.server", *flag],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "does not support" in r.stderr
