@@ -7,6 +7,8 @@ decode tok/s (p50 / p90), errors (must be 0), the servers' peak resident
 memory, and whether every answer equals mlx_lm.server's (temperature 0).
 
     python bench/serve_bench.py --clients 4 --requests 16 --max-tokens 64
+    python bench/serve_bench.py --turns 5     # a conversation: TTFT per turn, with and
+                                              # without the prefix cache
 """
 
 from __future__ import annotations
@@ -93,6 +95,36 @@ def run_load(url, args):
     return results, time.perf_counter() - t0
 
 
+def conversation(url, turns, max_tokens, context):
+    """One chat growing turn by turn (a long first message); per turn: prompt
+    tokens, cached tokens, time to first token, the answer."""
+    messages, out = [], []
+    asks = ["Write a helper for the code above.", "Now a test for it.", "Add a docstring.",
+            "Make it faster.", "Explain the change."]
+    for i in range(turns):
+        content = (context + "\n\n" if i == 0 else "") + asks[i % len(asks)]
+        messages.append({"role": "user", "content": content})
+        t0 = time.perf_counter()
+        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
+            "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}})
+        first, text, usage = None, "", {}
+        for line in r.iter_lines(decode_unicode=True):
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter()
+                text += chunk["choices"][0]["delta"]["content"]
+        out.append({"prompt_tokens": usage.get("prompt_tokens"),
+                    "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                    "ttft": (first or time.perf_counter()) - t0, "text": text})
+        messages.append({"role": "assistant", "content": text})
+    return out
+
+
 def pct(xs, q):
     xs = sorted(x for x in xs if x == x)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -104,12 +136,16 @@ def main(argv=None):
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--turns", type=int, default=0,
+                   help="instead: one conversation of this many turns (TTFT per turn)")
     p.add_argument("--json", default="bench/results/serve.json")
     args = p.parse_args(argv)
     from mlx_mtp.load import resolve_model_path
 
     model = str(resolve_model_path(args.model))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    if args.turns:
+        return turns_main(args, model)
     rows = {}
     for name, argv in [("mlx_lm.server", ["mlx_lm", "server", "--model", model]),
                        ("mlx_mtp.server", ["mlx_mtp.server", "--model", model])]:
@@ -139,6 +175,37 @@ def main(argv=None):
                                            "command": " ".join([sys.executable] + sys.argv)},
                                           indent=1))
     return 0 if same and all(r["errors"] == 0 for r in rows.values()) else 1
+
+
+def turns_main(args, model) -> int:
+    context = Path(json.__file__).with_name("decoder.py").read_text()[:6000]
+    runs = {}
+    for name, argv in [("mlx_lm.server", ["mlx_lm", "server", "--model", model]),
+                       ("mlx_mtp.server", ["mlx_mtp.server", "--model", model]),
+                       ("mlx_mtp.server, no cache", ["mlx_mtp.server", "--model", model,
+                                                    "--prompt-cache-size", "0"])]:
+        proc, url = start(argv, Path(args.json).with_suffix(".turns.log"))
+        try:
+            one_request(url, "warm up", 8)
+            runs[name] = conversation(url, args.turns, args.max_tokens, context)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    names = list(runs)
+    print(f"model {model}; one conversation of {args.turns} turns (first message: "
+          f"{len(context)} characters of code), {args.max_tokens} tokens per answer, "
+          "temperature 0; time to first token per turn (cached prompt tokens)")
+    print(f"{'turn':>4} {'prompt':>6} " + " ".join(f"{n:>26}" for n in names))
+    for i in range(args.turns):
+        cells = " ".join(f"{runs[n][i]['ttft']:>17.2f}s ({runs[n][i]['cached'] or 0:>5})"
+                         for n in names)
+        print(f"{i + 1:>4} {runs[names[0]][i]['prompt_tokens'] or 0:>6} {cells}")
+    same = all([t["text"] for t in runs[n]] == [t["text"] for t in runs[names[0]]] for n in names)
+    print(f"answers identical across the three: {'yes' if same else 'NO'}")
+    Path(args.json).write_text(json.dumps({"args": vars(args), "turns": runs, "identical": same,
+                                           "command": " ".join([sys.executable] + sys.argv)},
+                                          indent=1))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

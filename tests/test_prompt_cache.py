@@ -148,10 +148,10 @@ def test_multi_turn_sampling(loaded, tmp_path, name):
             ref_model(mx.array(got[-1:])[None], cache=ref_cache)  # mlx_lm feeds the last one too
             want = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             assert mx.allclose(rows, want, atol=1e-4), f"depth {k}, turn {i}"
-        accepted = sum(s.accepted for _, _, s in runs)
-        assert 0 < accepted < sum(s.drafted for _, _, s in runs)  # accepts and rejections
         if k == "auto":  # its depths follow measured timings: tokens vary, rows stay exact
             continue
+        accepted = sum(s.accepted for _, _, s in runs)
+        assert 0 < accepted < sum(s.drafted for _, _, s in runs)  # accepts and rejections
         assert [r[0] for r in run(model.make_cache(), k, 100)] == [r[0] for r in runs]
         assert [r[0] for r in run(model.make_cache(), k, 100, pipeline=False)] == [r[0] for r in runs]
         assert [r[0] for r in run(model.make_cache(), k, 200)] != [r[0] for r in runs]
