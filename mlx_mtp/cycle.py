@@ -107,6 +107,16 @@ class Spec:
             self.draft_rows = _gather_rows(self.model, self.draft_vocab)  # sampled drafts project them
 
     @property
+    def trusted_sampler(self) -> bool:
+        """Its tokens are in the vocabulary by construction (greedy, MTPSampler)."""
+        return is_greedy(self.sampler) or isinstance(self.sampler, MTPSampler)
+
+    def safe_ids(self, ids: mx.array) -> mx.array:
+        """Ids fit to gather with: another sampler's ids are clamped into the
+        vocabulary (the host checks the raw ones and stops before using any)."""
+        return ids if self.trusted_sampler else mx.clip(ids, 0, self.model.vocab_size - 1)
+
+    @property
     def compilable(self) -> bool:
         """Processors need the host's token history, opaque samplers mx.random's
         global state, host drafters the host: those steps run eagerly."""
@@ -169,7 +179,14 @@ def _sample_rows(sampler, logprobs: mx.array) -> mx.array:
     B, T, V = logprobs.shape
     if is_greedy(sampler):
         return sampler(logprobs.reshape(B * T, V)).astype(mx.int32).reshape(B, T)
-    rows = [sampler(logprobs[:, t]).astype(mx.int32).reshape(B) for t in range(T)]
+    rows = []
+    for t in range(T):
+        out = sampler(logprobs[:, t])
+        if not isinstance(out, mx.array) or out.size != B:
+            shape = getattr(out, "shape", type(out).__name__)
+            raise TypeError(f"the sampler returned {shape} for log-probabilities of shape "
+                            f"{tuple(logprobs[:, t].shape)}: it must return one token id per row")
+        rows.append(out.astype(mx.int32).reshape(B))
     return mx.stack(rows, axis=1)
 
 
@@ -277,6 +294,8 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
     else:  # match: keep drafts while they equal the sampler's choice
         out = _sample_rows(spec.sampler, logprobs)  # [B, k+1]
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
+    packed = mx.concatenate([accepted[:, None], out], axis=1)
+    out = spec.safe_ids(out)
 
     # 4. commit: the trunk keeps [y, d1..da]; the head drops its drafting
     #    entries and is rewritten from the trunk's verified hiddens paired
@@ -293,7 +312,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
     g = mx.take_along_axis(G, accepted[:, None, None], axis=1)
     y = mx.take_along_axis(out, accepted[:, None], axis=1)[:, 0]
     new = state.replace(cache=cache, y=y, emitted=state.emitted + accepted + 1, g=g, key=key)
-    return new, StepOutput(mx.concatenate([accepted[:, None], out], axis=1), logprobs)
+    return new, StepOutput(packed, logprobs)
 
 
 def plain_step(spec: Spec, aux: dict, state: DecodeState,
@@ -311,6 +330,8 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
         y = spec.sampler.sample(logprobs[:, 0], sub)
     else:
         y = _sample_rows(spec.sampler, logprobs)[:, 0]
+    packed = mx.concatenate([mx.zeros_like(y)[:, None], y[:, None]], axis=1)
+    y = spec.safe_ids(y)
     new = state.replace(cache=cache, y=y, emitted=state.emitted + 1, key=key)
     if spec.ring:
         at = state.ring_n.reshape(1)
@@ -318,7 +339,6 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
             ring_h=mx.slice_update(state.ring_h, h.astype(state.ring_h.dtype), at, axes=(1,)),
             ring_tok=mx.slice_update(state.ring_tok, y[:, None], at, axes=(1,)),
             ring_n=state.ring_n + 1)
-    packed = mx.concatenate([mx.zeros_like(y)[:, None], y[:, None]], axis=1)
     return new, StepOutput(packed, logprobs)
 
 
@@ -429,12 +449,13 @@ def prefill(spec: Spec, prompt_cache: list, prompt: mx.array, prefill_step_size:
         y = spec.sampler.sample(logprobs[:, 0], sub)
     else:  # one dtype for every cycle's y
         y = _sample_rows(spec.sampler, logprobs)[:, 0]
+    safe = spec.safe_ids(y)
     g = None
     if head is not None:
         hh = h if pending is None else mx.concatenate([pending, h], axis=1)
-        toks = y[:, None] if pending is None else mx.concatenate([last, y[:, None]], axis=1)
+        toks = safe[:, None] if pending is None else mx.concatenate([last, safe[:, None]], axis=1)
         g = _head(model, hh, toks, head)[:, -1:]
-    return y, logprobs, g, key, h
+    return y, safe, logprobs, g, key, h
 
 
 def feed(spec: Spec, prompt_cache: list, tokens: List[int], ring: Optional[Tuple]):

@@ -14,7 +14,8 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .loop import MTPStats, generate_tokens, parse_depth
+from . import checks
+from .loop import MTPStats, generate_tokens
 
 # mlx_lm options that would change what is computed, refused with one line
 UNSUPPORTED = {
@@ -129,7 +130,7 @@ def stream_generate(
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
     kwargs = _check_options(dict(kwargs, draft_tokens=draft_tokens))
-    draft_tokens = parse_depth(kwargs["draft_tokens"])
+    draft_tokens = checks.depth(kwargs["draft_tokens"])
     kwargs.pop("stream", None)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -224,16 +225,40 @@ def print_stats(response: MTPGenerationResponse, model=None, file=None):
 DEFAULT_PROMPT = "def fibonacci(n):"
 
 
-def _depth_arg(s: str):
-    if s == "auto":
-        return s
-    try:
-        k = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected an integer >= 0 or 'auto'") from None
-    if k < 0:
-        raise argparse.ArgumentTypeError("expected an integer >= 0 or 'auto'")
-    return k
+def _arg(check, parse=None):
+    """An argparse type from a check: argparse prints its message and exits 2."""
+    def convert(text):
+        try:
+            return check(parse(text) if parse else text)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
+def _number(name, lo=None, hi=None):
+    return _arg(lambda v: checks.number(name, v, lo, hi), float)
+
+
+def _integer(name, lo=None, hi=None):
+    return _arg(lambda v: checks.integer(name, v, lo, hi), int)
+
+
+def _json_object(name):
+    def parse(text):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a JSON object")
+        return value
+    return _arg(lambda v: v, parse)
+
+
+def _max_tokens(v: int) -> int:
+    if v == 0:
+        raise ValueError("max_tokens must be at least 1, or -1 for no limit")
+    return checks.max_tokens(v)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -246,35 +271,38 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", type=str, default=DEFAULT_PROMPT,
                    help="Message to the model ('-' reads stdin)")
     p.add_argument("--system-prompt", type=str, default=None)
-    p.add_argument("--max-tokens", "-m", type=int, default=100)
-    p.add_argument("--draft-tokens", "--num-draft-tokens", type=_depth_arg, default="auto",
+    p.add_argument("--max-tokens", "-m", type=_arg(_max_tokens, int), default=100,
+                   help="tokens to generate (-1: no limit)")
+    p.add_argument("--draft-tokens", "--num-draft-tokens", type=_arg(checks.depth), default="auto",
                    help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
                         "measured acceptance and cost, 0 (plain decoding) included")
-    p.add_argument("--max-draft-tokens", type=int, default=4, help="largest depth 'auto' tries")
+    p.add_argument("--max-draft-tokens", type=_integer("max_draft_tokens", 1, checks.MAX_DEPTH),
+                   default=4, help="largest depth 'auto' tries")
     p.add_argument("--no-pipeline", action="store_true",
                    help="read every cycle before building the next (default: double-buffered)")
     p.add_argument("--draft-vocab", type=str, default=None,
                    help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
                         "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
-    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
-    p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-tokens-to-keep", type=int, default=1)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--repetition-context-size", type=int, default=20)
-    p.add_argument("--logit-bias", type=str, default=None,
+    p.add_argument("--temp", type=_number("temp", 0), default=0.0, help="Sampling temperature")
+    p.add_argument("--top-p", type=_number("top_p", 0, 1), default=0.0)
+    p.add_argument("--min-p", type=_number("min_p", 0, 1), default=0.0)
+    p.add_argument("--top-k", type=_integer("top_k", 0), default=0)
+    p.add_argument("--min-tokens-to-keep", type=_integer("min_tokens_to_keep", 1), default=1)
+    p.add_argument("--repetition-penalty", type=_number("repetition_penalty", 0), default=None)
+    p.add_argument("--repetition-context-size", type=_integer("repetition_context_size", 0),
+                   default=20)
+    p.add_argument("--logit-bias", type=_json_object("--logit-bias"), default=None,
                    help='JSON object of token id -> additive bias, e.g. \'{"13": -5}\'')
-    p.add_argument("--draft-temp", type=float, default=None,
+    p.add_argument("--draft-temp", type=_number("draft_temp", 0), default=None,
                    help="Temperature the MTP head drafts at when sampling (default: --temp; "
                         "0: greedy drafts). Any value keeps the output exact")
     p.add_argument("--seed", type=int, default=None,
                    help="Seed of mx.random: the same seed gives the same output")
     p.add_argument("--ignore-chat-template", action="store_true")
-    p.add_argument("--chat-template-config", type=str, default=None,
-                   help="JSON of extra chat-template arguments")
+    p.add_argument("--chat-template-config", type=_json_object("--chat-template-config"),
+                   default=None, help="JSON of extra chat-template arguments")
     p.add_argument("--extra-eos-token", type=str, nargs="+", default=())
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=_integer("prefill_step_size", 1), default=2048)
     p.add_argument("--prompt-cache-file", type=str, default=None,
                    help="A prompt cache from mlx_lm.cache_prompt (or save_prompt_cache): "
                         "the prompt continues after the cached one")
@@ -284,16 +312,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
+def read_prompt(args) -> str:
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    prompt = sys.stdin.read() if prompt == "-" else prompt
+    if prompt != "-":
+        return prompt
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from None
+
+
+def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
+    prompt = read_prompt(args)
     use_chat = not args.ignore_chat_template and tokenizer.has_chat_template
     if use_chat:
         messages = []
         if args.system_prompt is not None:
             messages.append({"role": "system", "content": args.system_prompt})
         messages.append({"role": "user", "content": prompt})
-        kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
+        kwargs = args.chat_template_config or {}
         prompt = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
@@ -302,67 +340,89 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
             test = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **kwargs)
             prompt = prompt[test.index("<query>"):]
-    return tokenizer.encode(prompt, add_special_tokens=not use_chat)
+    ids = tokenizer.encode(prompt, add_special_tokens=not use_chat)
+    if not ids:
+        raise ValueError("the prompt is empty (give --prompt some text)")
+    return ids
 
 
 def main(argv=None):
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .load import load
+    from .load import CheckpointError, load
     from .sampling import make_sampler
 
     args = setup_arg_parser().parse_args(argv)
     if args.seed is not None:
         mx.random.seed(args.seed)
     prompt_cache, model_path, tokenizer_config = None, args.model, None
-    if args.prompt_cache_file is not None:
-        from mlx_lm.models.cache import load_prompt_cache
+    try:
+        if args.prompt_cache_file is not None:
+            from mlx_lm.models.cache import load_prompt_cache
+
+            try:
+                prompt_cache, metadata = load_prompt_cache(args.prompt_cache_file,
+                                                           return_metadata=True)
+            except (OSError, ValueError, KeyError) as e:
+                print(f"error: cannot read the prompt cache {args.prompt_cache_file}: {e}",
+                      file=sys.stderr)
+                return 1
+            tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
+            cached_model = metadata.get("model")
+            if model_path is None:
+                model_path = cached_model
+            elif cached_model is not None and model_path != cached_model:
+                print(f"error: the prompt cache was made with {cached_model}, not {model_path}",
+                      file=sys.stderr)
+                return 1
+        try:
+            model, tokenizer = load(model_path, tokenizer_config=tokenizer_config)
+        except (FileNotFoundError, CheckpointError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        from . import draft_vocab
 
         try:
-            prompt_cache, metadata = load_prompt_cache(args.prompt_cache_file,
-                                                       return_metadata=True)
-        except (OSError, ValueError, KeyError) as e:
-            print(f"error: cannot read the prompt cache {args.prompt_cache_file}: {e}",
-                  file=sys.stderr)
-            return 1
-        tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
-        cached_model = metadata.get("model")
-        if model_path is None:
-            model_path = cached_model
-        elif cached_model is not None and model_path != cached_model:
-            print(f"error: the prompt cache was made with {cached_model}, not {model_path}",
-                  file=sys.stderr)
-            return 1
-    try:
-        model, tokenizer = load(model_path, tokenizer_config=tokenizer_config)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    for eos in args.extra_eos_token:
-        tokenizer.add_eos_token(eos)
-    prompt = build_prompt(tokenizer, args, using_cache=prompt_cache is not None)
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
-                           top_k=args.top_k, draft_temp=args.draft_temp)
-    logit_bias = {int(k): v for k, v in json.loads(args.logit_bias).items()} if args.logit_bias else None
-    processors = make_logits_processors(logit_bias, args.repetition_penalty,
-                                        args.repetition_context_size)
-    from . import draft_vocab
-
-    try:
-        vocab = draft_vocab.load(args.draft_vocab, tokenizer, model.vocab_size)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    text = generate(
-        model, tokenizer, prompt, max_tokens=args.max_tokens, draft_tokens=args.draft_tokens,
-        verbose=args.verbose, sampler=sampler, logits_processors=processors,
-        prefill_step_size=args.prefill_step_size, draft_vocab=vocab,
-        max_draft_tokens=args.max_draft_tokens, pipeline=not args.no_pipeline,
-        prompt_cache=prompt_cache,
-    )
-    if not args.verbose:
-        print(text)
-    return 0
+            for eos in args.extra_eos_token:
+                tokenizer.add_eos_token(eos)
+            prompt = build_prompt(tokenizer, args, using_cache=prompt_cache is not None)
+            sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
+                                   top_k=args.top_k, draft_temp=args.draft_temp)
+            processors = make_logits_processors(checks.logit_bias(args.logit_bias, model.vocab_size),
+                                                args.repetition_penalty,
+                                                args.repetition_context_size)
+            vocab = draft_vocab.load(args.draft_vocab, tokenizer, model.vocab_size)
+        except (TypeError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        text, last = "", None
+        try:
+            if args.verbose:
+                print("=" * 10)
+            for last in stream_generate(
+                    model, tokenizer, prompt, max_tokens=args.max_tokens,
+                    draft_tokens=args.draft_tokens, sampler=sampler,
+                    logits_processors=processors, prefill_step_size=args.prefill_step_size,
+                    draft_vocab=vocab, max_draft_tokens=args.max_draft_tokens,
+                    pipeline=not args.no_pipeline, prompt_cache=prompt_cache):
+                text += last.text
+                if args.verbose:
+                    print(last.text, end="", flush=True)
+        except KeyboardInterrupt:  # keep what was generated
+            print("" if args.verbose else text, flush=True)
+            n = last.generation_tokens if last is not None else 0
+            print(f"interrupted after {n} generated tokens", file=sys.stderr)
+            return 130
+        if args.verbose:
+            print()
+            print("=" * 10)
+            print_stats(last, model)
+        else:
+            print(text)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,9 +6,14 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from .families import MODEL_CLASSES, SUPPORTED_MODEL_TYPES
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from .model import MTPModel
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo"
 
@@ -58,6 +63,8 @@ def read_config(model_path: Path) -> Dict[str, Any]:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object, not {type(config).__name__}")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -106,7 +113,13 @@ def weight_files(model_path: Path) -> list:
     """The safetensors files of a checkpoint, all of them checked to exist."""
     index = model_path / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+        except (KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} has no weight_map object") from None
         for s in shards:
             if not (model_path / s).exists():
                 raise FileNotFoundError(f"{model_path / s} (listed in {index.name}) is missing")
@@ -117,6 +130,16 @@ def weight_files(model_path: Path) -> list:
     return files
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def check_tokenizer_files(model_path: Path):
+    if not any((model_path / f).exists() for f in TOKENIZER_FILES) and not any(
+            model_path.glob("*.tiktoken")):
+        raise FileNotFoundError(f"{model_path} has no tokenizer files (one of "
+                                f"{', '.join(TOKENIZER_FILES)})")
+
+
 def load(
     path_or_hf_repo: Optional[Union[str, Path]] = None,
     tokenizer_config: Optional[Dict[str, Any]] = None,
@@ -125,8 +148,10 @@ def load(
     return_config: bool = False,
     revision: Optional[str] = None,
     quiet: bool = False,
-) -> Tuple[Any, Any]:
-    """Load model (trunk + MTP head) and tokenizer. Without a path, the demo model.
+) -> Union[Tuple["MTPModel", "TokenizerWrapper"],
+           Tuple["MTPModel", "TokenizerWrapper", Dict[str, Any]]]:
+    """Load model (trunk + MTP head) and tokenizer (and the config with
+    return_config=True). Without a path, the demo model.
 
     The model is mlx_lm's own class for the trunk, so it also works unchanged
     with mlx_lm.generate. A checkpoint without `mtp.*` loads for plain decoding
@@ -140,6 +165,7 @@ def load(
         config.update(model_config)
     for f in weight_files(model_path):
         safetensors_header(f)
+    check_tokenizer_files(model_path)
 
     model, config = load_model(
         model_path,

@@ -31,7 +31,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from .cache import MTPCache, check_prompt_cache, head_caches, set_last_hidden
+from . import checks
+from .cache import MTPCache, cache_length, check_prompt_cache, head_caches, set_last_hidden
 from .cycle import RING, DecodeState, Graphs, Spec, feed, init_ring, prefill
 from .depth import DepthController
 from .sampling import MTPSampler, is_greedy
@@ -114,21 +115,6 @@ class Launched:
     traced: bool  # its launch traced a graph (slow: not a cost sample)
 
 
-def parse_depth(draft_tokens, num_draft_tokens=None) -> Union[int, str]:
-    """draft_tokens as an int >= 0 or 'auto' (num_draft_tokens: mlx_lm's name)."""
-    if num_draft_tokens is not None:
-        draft_tokens = num_draft_tokens
-    if draft_tokens == "auto":
-        return draft_tokens
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, str)) or (
-            isinstance(draft_tokens, str) and not draft_tokens.isdigit()):
-        raise ValueError(f"draft_tokens must be an integer >= 0 or 'auto', not {draft_tokens!r}")
-    k = int(draft_tokens)
-    if k < 0:
-        raise ValueError(f"draft_tokens must be an integer >= 0 or 'auto', not {draft_tokens!r}")
-    return k
-
-
 def generate_tokens(
     prompt: mx.array,
     model,
@@ -156,12 +142,16 @@ def generate_tokens(
     cycle read, the perf_counter stamps of the loop's host work)."""
     if not hasattr(model, "make_cache") or not hasattr(model, "has_mtp"):
         raise TypeError("model must come from mlx_mtp.load")
-    if prompt.size == 0:
+    ids = checks.token_ids("prompt", prompt, model.vocab_size)
+    if not ids:
         raise ValueError("the prompt is empty: give at least one token")
-    depth = parse_depth(draft_tokens)
-    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or not (
-            1 <= max_draft_tokens <= 16):
-        raise ValueError(f"max_draft_tokens must be an integer in 1..16, not {max_draft_tokens!r}")
+    prompt = mx.array(ids, dtype=mx.int32)
+    max_tokens = checks.max_tokens(max_tokens)
+    depth = checks.depth(draft_tokens)
+    checks.integer("max_draft_tokens", max_draft_tokens, 1, checks.MAX_DEPTH)
+    checks.integer("prefill_step_size", prefill_step_size, lo=1)
+    if seed is not None:
+        checks.integer("seed", seed)
     if mtp_disabled_by_env():
         depth = 0
     auto = depth == "auto"
@@ -189,7 +179,10 @@ def generate_tokens(
     if drafter is not None and drafter.host_side and not spec.speculative:
         raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
     host_history = bool(spec.processors) or (spec.drafter is not None and spec.drafter.host_side)
-    lookahead = 1 if pipeline and not host_history else 0
+    # a sampler of our own or greedy cannot leave the vocabulary; any other's
+    # tokens are checked on the host before the next cycle reads them
+    trusted = is_greedy(sampler) or isinstance(sampler, MTPSampler)
+    lookahead = 1 if pipeline and not host_history and trusted else 0
     graphs = Graphs(spec, compiled)
     stats = stats if stats is not None else MTPStats()
 
@@ -202,14 +195,18 @@ def generate_tokens(
             owner[1]().close()
     head_layers = len(model.mtp.layers) if model.has_mtp else 0
     check_prompt_cache(prompt_cache, model.is_linear, head_layers)
+    context = getattr(model.text_args, "max_position_embeddings", None)
+    checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context, id(model))
     key = None
     if spec.speculative:
         key = (mx.random.key(mix_seed(seed)) if seed is not None
                else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
     progress = prompt_progress_callback or (lambda *_: None)
     token = object()
+    vocab = None if trusted else model.vocab_size
     gen = _generate(spec, graphs, prompt, prompt_cache, keep_cache, token, key, max_tokens,
-                    depth, controller, lookahead, stats, prefill_step_size, progress, timeline)
+                    depth, controller, lookahead, stats, prefill_step_size, progress, timeline,
+                    vocab)
     if keep_cache:
         _OWNERS[id(prompt_cache)] = (token, weakref.ref(gen))
     return gen
@@ -222,15 +219,17 @@ _OWNERS: dict = {}
 
 def _generate(spec: Spec, graphs: Graphs, prompt, prompt_cache, keep_cache, token, key,
               max_tokens, depth, controller, lookahead, stats, prefill_step_size, progress,
-              timeline):
+              timeline, vocab):
     model, use_head = spec.model, spec.use_head
     n_trunk = len(model.is_linear)
     with mx.stream(generation_stream):
-        y, logprobs, g, key, h_last = prefill(spec, prompt_cache, prompt, prefill_step_size,
-                                              progress, key)
+        y, y_safe, logprobs, g, key, h_last = prefill(spec, prompt_cache, prompt,
+                                                      prefill_step_size, progress, key)
         mx.eval(y, logprobs)
         progress(prompt.size, prompt.size)
         first = y.item()
+        if vocab is not None:
+            _check_sampled([first], vocab)
         lens = Lengths(_trunk_length(prompt_cache, model),
                        head_caches(prompt_cache, n_trunk)[0].offset if use_head else 0)
         if max_tokens == 0:  # mlx_lm then leaves the prompt alone in the cache
@@ -240,11 +239,11 @@ def _generate(spec: Spec, graphs: Graphs, prompt, prompt_cache, keep_cache, toke
         # the decoding form; the prompt cache's objects let go of the buffers,
         # so the cycles update them in place
         state = DecodeState(MTPCache.from_prompt_cache(prompt_cache, n_trunk, use_head),
-                            y.astype(mx.int32), mx.ones((1,), mx.int32), g, key)
+                            y_safe.astype(mx.int32), mx.ones((1,), mx.int32), g, key)
         _detach(prompt_cache, n_trunk, use_head)
         if spec.ring:
             state = init_ring(spec, state)
-        history = (mx.concatenate([prompt, y]) if spec.processors else None)
+        history = (mx.concatenate([prompt, y_safe]) if spec.processors else None)
         generated = [first]
         # finishing point: (state before the cycle, its lengths, tokens it emitted up to
         # here); the states are kept only when a prompt cache is written back
@@ -286,6 +285,8 @@ def _generate(spec: Spec, graphs: Graphs, prompt, prompt_cache, keep_cache, toke
                 toc = time.perf_counter()
                 k, a = cycle.k, values[0]
                 tokens = values[1 : a + 2]
+                if vocab is not None:
+                    _check_sampled(tokens, vocab)
                 before_lens = lens.flushed() if cycle.flushed else lens
                 lens = before_lens.after(k, a, spec.ring)
                 bound = _upper_bound(lens, inflight, spec.ring)
@@ -334,6 +335,13 @@ def _arrays(state: DecodeState) -> list:
 
 def _trunk_length(prompt_cache: list, model) -> int:
     return next(c.offset for c, lin in zip(prompt_cache, model.is_linear) if not lin)
+
+
+def _check_sampled(tokens: List[int], vocab: int):
+    for t in tokens:
+        if not 0 <= t < vocab:
+            raise ValueError(f"the sampler returned token id {t}, outside the vocabulary "
+                             f"(0..{vocab - 1})")
 
 
 def _upper_bound(lens: Lengths, inflight, ring: bool) -> Lengths:

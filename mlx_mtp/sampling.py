@@ -64,6 +64,10 @@ class MTPSampler:
         xtc_special_tokens: Optional[List[int]] = None,
         draft_temp: Optional[float] = None,
     ):
+        from . import checks
+
+        checks.sampling(temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability,
+                        xtc_threshold, draft_temp)
         self.temp = float(temp)
         self.top_p = float(top_p)
         self.min_p = float(min_p)
@@ -73,8 +77,6 @@ class MTPSampler:
         self.xtc_threshold = float(xtc_threshold)
         self.xtc_special_tokens = list(xtc_special_tokens or [])
         self.draft_temp = None if draft_temp is None else float(draft_temp)
-        if self.draft_temp is not None and self.draft_temp < 0:
-            raise ValueError("draft_temp must be >= 0")
         self._sampler = _mlx_lm_make_sampler(
             temp, top_p, min_p, min_tokens_to_keep, top_k=top_k,
             xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,

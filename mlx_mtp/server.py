@@ -48,7 +48,9 @@ from mlx_lm.utils import _parse_size
 
 from . import anthropic
 from .load import load
-from .loop import MTPStats, parse_depth
+from . import checks
+from .checks import depth as parse_depth
+from .loop import MTPStats
 from .sampling import make_sampler
 
 MAX_BODY = 64 << 20  # bytes
@@ -405,6 +407,10 @@ class MTPAPIHandler(lm_server.APIHandler):
             if body.get(name, 0) > limit:
                 raise ApiError(400, f"{name} must be at most {limit} (--max-tokens-limit)",
                                param=name)
+        try:
+            checks.logit_bias(body.get("logit_bias"), rg.model_provider.model.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), param="logit_bias") from None
         for m in body.get("messages", ()):
             if m["role"] == "developer":  # OpenAI's newer name for the system role
                 m["role"] = "system"
