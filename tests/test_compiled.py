@@ -11,6 +11,7 @@ import time
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
@@ -187,4 +188,5 @@ def test_memory_kv_held_once_and_released(tmp_path):
         kv = sum(x.nbytes for c in cache if isinstance(c, KVCache) for x in (c.keys, c.values))
         assert kv > 10e6 and during < 1.25 * kv, (during, kv)
         del cache, gen
+        mx.synchronize(generation_stream)
         assert mx.get_active_memory() - base < 0.05 * kv
