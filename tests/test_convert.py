@@ -211,9 +211,19 @@ def test_refuses_non_empty_output_without_force(hf, tmp_path, capsys):
     assert rc == 1 and "--force" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert (out / "keep.txt").read_text() == "mine"
-    # an empty folder is fine; --force replaces a non-empty one
-    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    # --force replaces only a folder that holds a model: not this one
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to replace" in err and str(out) in err and "no config.json" in err
+    assert len(err.strip().splitlines()) == 1 and (out / "keep.txt").read_text() == "mine"
+    # an empty folder is fine; --force replaces a model folder (an earlier output)
+    (out / "keep.txt").unlink()
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out)]) == 0
+    first = (out / "model.safetensors.index.json").stat().st_ino
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q"]) == 1
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q", "--force"]) == 0
+    assert (out / "model.safetensors.index.json").stat().st_ino != first
+    assert cfg(out)["quantization"]["bits"] == 4
     no_leftovers(tmp_path)
 
 
