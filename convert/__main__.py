@@ -5,8 +5,8 @@ Exit status:
        arrived after publishing: the signal no longer changes anything);
   1    an error, reported in one line (MLX_MTP_DEBUG=1 shows the traceback);
   2    bad command-line arguments (argparse);
-  130  SIGINT, 143 SIGTERM before the output was published: temporary files
-       removed, nothing published (an existing output / --graft target unchanged).
+  130  SIGINT, 143 SIGTERM (129 SIGHUP) before the output was published: temporary
+       files removed, nothing published (an existing output / --graft target unchanged).
 """
 
 from __future__ import annotations

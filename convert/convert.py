@@ -187,8 +187,9 @@ def convert(
         model, config = load_model(
             src, lazy=True, get_model_classes=lambda config: MODEL_CLASSES[config["model_type"]]
         )
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConvertError(f"cannot load {src}: {type(e).__name__ + ': ' if isinstance(e, TypeError) else ''}{e}") from None
+    except (ValueError, KeyError, TypeError) as e:  # TypeError: a config value of the wrong type
+        what = f"{type(e).__name__}: " if isinstance(e, TypeError) else ""
+        raise ConvertError(f"cannot load {src}: {what}{e}") from None
     interrupts.pause_point("loaded")
 
     if dtype is None:

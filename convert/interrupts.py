@@ -1,6 +1,6 @@
-"""SIGINT / SIGTERM handling of `python -m mlx_mtp.convert`.
+"""SIGINT / SIGTERM (and SIGHUP) handling of `python -m mlx_mtp.convert`.
 
-The command line runs inside `guard()`: both signals raise `Interrupted` (a
+The command line runs inside `guard()`: these signals raise `Interrupted` (a
 KeyboardInterrupt, so library code that cleans up on Ctrl-C does it for
 SIGTERM too) at the next Python instruction, except inside `deferred()`
 sections (creating a staging folder, removing one, publishing), where the
@@ -13,7 +13,7 @@ command exits 0, so a published output is never followed by a nonzero exit.
 
 Temporary folders are registered here (`add_temp`) so that the command line
 removes whatever a run left behind, however it ends (short of SIGKILL; a
-later run of the same output removes those, see `common.make_staging`).
+later run of the same output removes those, see `common.remove_stale_temps`).
 
 Test hook: MLX_MTP_CONVERT_PAUSE=POINT[,POINT...] makes `pause_point(POINT)`
 print "MLX_MTP_CONVERT_PAUSED POINT" to stderr and wait (until a signal
@@ -33,7 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Set
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too (a closed terminal or ssh session): 129.
+SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 PAUSE_ENV = "MLX_MTP_CONVERT_PAUSE"
 PAUSE_TIMEOUT_ENV = "MLX_MTP_CONVERT_PAUSE_TIMEOUT"
 PAUSE_POINTS = ("start", "loaded", "staging", "mid-write", "before-publish", "after-publish")
