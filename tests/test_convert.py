@@ -426,3 +426,32 @@ def test_folder_set_aside_by_a_killed_run_is_put_back(hf, tmp_path, capsys):
     assert "restored" in err and "pass --force" in err
     assert (tmp_path / "out" / "config.json").exists()
     no_leftovers(tmp_path)
+
+
+def test_signal_during_publish_before_the_rename_publishes_nothing(hf, tmp_path, monkeypatch, capsys):
+    """A signal that arrives inside `publish` (signals held off) but before the
+    rename still means no output: exit 143, the old folder unchanged."""
+    import importlib
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    mod = importlib.import_module("mlx_mtp.convert.convert")
+    out = tmp_path / "out"
+    convert(hf, out)
+    before = snapshot(out)
+    real = mod.check_replace
+
+    def signal_then_check(o, force):
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded by the converter's handler, not raised here
+        return real(o, force)
+
+    monkeypatch.setattr(mod, "check_replace", signal_then_check)
+    capsys.readouterr()
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q", "--force"]) == 143
+    err = capsys.readouterr().err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert snapshot(out) == before
+    no_leftovers(tmp_path)
