@@ -128,15 +128,14 @@ def check_common(r: Run, rc: int, sig: Optional[int]):
 # -- inputs ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """Sources shared (read only) by every case: an HF checkpoint, the same without
-    head, an mlx_mtp conversion of it and a plain mlx_lm 4-bit one (no head)."""
+    """Sources shared (read only) by every case: an HF checkpoint, an mlx_mtp
+    conversion of it and a plain mlx_lm 4-bit one (no head)."""
     from mlx_lm.convert import convert as lm_convert
 
     from mlx_mtp.convert import convert
 
     b = tmp_path_factory.mktemp("cli")
     src = write_checkpoint(b / "src", seed=21)
-    write_checkpoint(b / "nohead", seed=21, mtp=False)
     convert(src, b / "prior")
     lm_convert(str(src), str(b / "mlx_q4"), quantize=True, q_bits=4)
     return b
@@ -376,11 +375,11 @@ def _cwd_model(folder, base):
     return ["--hf-path", base / "src", "--mlx-path", ".", "--force"]
 
 
-# (id, setup, exit code, words of the one line)
+# (id, setup, exit code, words of the one line). Also checked in-process elsewhere, so
+# not here: a non-empty output without --force, the --force rules one by one
+# (test_convert.py), a --graft source without head (test_convert_graft.py).
 BAD = [
     ("missing-source", lambda f, b: ["--hf-path", f / "nope", "--mlx-path", f / "out"], 1, ["does not exist"]),
-    ("source-is-a-file", lambda f, b: ["--hf-path", _write(f / "model.txt", "x"), "--mlx-path", f / "out"], 1,
-     ["not a model folder"]),
     ("source-without-config", _bad_src(lambda s: (s / "config.json").unlink()), 1, ["no config.json"]),
     ("config-not-an-object", _bad_src(lambda s: _write(s / "config.json", "[1, 2, 3]")), 1,
      ["config.json", "not a JSON object"]),
@@ -396,17 +395,11 @@ BAD = [
      ["model.safetensors", "truncated"]),
     ("output-inside-source", lambda f, b: ["--hf-path", _src_copy(f, b), "--mlx-path", f / "src" / "out"], 1,
      ["overlaps the source"]),
-    ("output-not-empty", lambda f, b: _out_with("notes.txt")(f, b)[:-1], 1, ["not empty", "--force"]),
     ("force-on-non-model-folder", _out_with("notes.txt", "photos/"), 1,
      ["refusing to replace", "/out", "no config.json"]),
-    ("force-on-config-without-weights", _out_with("config.json", "notes.txt"), 1,
-     ["refusing to replace", "no *.safetensors"]),
     ("force-on-current-folder", _cwd_model, 1, ["refusing to replace", "current working folder"]),
     ("graft-onto-hf-layout", _graft_onto(lambda f, b: _src_copy(f, b, "hf")), 1, ["Hugging Face layout"]),
     ("graft-onto-non-model-folder", _graft_onto(_notes_folder), 1, ["no config.json"]),
-    ("graft-source-without-head",
-     lambda f, b: ["--graft", shutil.copytree(b / "mlx_q4", f / "t"), "--hf-path", b / "nohead"], 1,
-     ["no mtp.* tensors"]),
     ("bad-argument", lambda f, b: ["--hf-path", b / "src", "--mlx-path", f / "out", "--q-bits", "7"], 2,
      ["invalid choice"]),
 ]
