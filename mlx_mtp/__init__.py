@@ -26,7 +26,8 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "metal")) and os.pa
     __path__.append(_root)  # noqa: F821
 
 _EXPORTS = {"load": "load", "generate": "generate", "generate_step": "generate",
-            "stream_generate": "generate", "make_sampler": "sampling"}
+            "stream_generate": "generate", "batch_generate": "generate",
+            "make_sampler": "sampling"}
 __all__ = [*_EXPORTS, "__version__"]
 
 

@@ -108,15 +108,21 @@ class PaddedKVCache(_BaseCache):
         capacity = self.capacity
         if needed <= capacity and capacity_for(capacity) == capacity:
             return self
-        target = capacity_for(max(needed, 1))
+        return self.recut(capacity_for(max(needed, 1)))
+
+    def recut(self, capacity: int) -> "PaddedKVCache":
+        """The buffer cut or padded to `capacity` entries (all valid ones fit)."""
+        if capacity == self.capacity:
+            return self
         B, H, _, _ = self.keys.shape
-        keep = min(capacity, target)  # `needed` covers every valid entry
+        keep = min(self.capacity, capacity)
 
-        def recut(x):
+        def cut(x):
             return mx.concatenate(
-                [x[..., :keep, :], mx.zeros((B, H, target - keep, x.shape[-1]), x.dtype)], axis=2)
+                [x[..., :keep, :], mx.zeros((B, H, capacity - keep, x.shape[-1]), x.dtype)],
+                axis=2)
 
-        return PaddedKVCache(recut(self.keys), recut(self.values), self.lengths)
+        return PaddedKVCache(cut(self.keys), cut(self.values), self.lengths)
 
     def empty(self):
         return self.keys is None
@@ -252,6 +258,30 @@ class MTPCache:
         def one(c):
             return PaddedKVCache(None, None, c.lengths) if isinstance(c, PaddedKVCache) else c
         return MTPCache([one(c) for c in self.trunk], [one(c) for c in self.head])
+
+    def take_rows(self, rows: mx.array) -> "MTPCache":
+        """These batch rows only (rows: int32 indices)."""
+        def one(c):
+            if isinstance(c, PaddedKVCache):
+                if c.keys is None:  # a state kept without its buffers
+                    return PaddedKVCache(None, None, c.lengths[rows])
+                return PaddedKVCache(c.keys[rows], c.values[rows], c.lengths[rows])
+            return CaptureCache(c[0][rows], c[1][rows])
+        return MTPCache([one(c) for c in self.trunk], [one(c) for c in self.head])
+
+    @staticmethod
+    def concat(a: "MTPCache", b: "MTPCache") -> "MTPCache":
+        """a's rows, then b's (KV buffers cut to one capacity)."""
+        def one(x, y):
+            if isinstance(x, PaddedKVCache):
+                capacity = capacity_for(max(x.capacity, y.capacity))
+                x, y = x.recut(capacity), y.recut(capacity)
+                return PaddedKVCache(mx.concatenate([x.keys, y.keys]),
+                                     mx.concatenate([x.values, y.values]),
+                                     mx.concatenate([x.lengths, y.lengths]))
+            return CaptureCache(mx.concatenate([x[0], y[0]]), mx.concatenate([x[1], y[1]]))
+        return MTPCache([one(x, y) for x, y in zip(a.trunk, b.trunk)],
+                        [one(x, y) for x, y in zip(a.head, b.head)])
 
     @classmethod
     def from_prompt_cache(cls, prompt_cache: list, n_trunk: int, use_head: bool,

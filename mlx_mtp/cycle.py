@@ -58,7 +58,7 @@ class DecodeState:
     y: mx.array  # [B] int32: last emitted token, not yet fed to the trunk
     emitted: mx.array  # [B] int32: tokens emitted so far (drafters index by it)
     g: Optional[mx.array] = None  # [B, 1, H]: head hidden that drafts the next d1
-    key: Optional[mx.array] = None  # Leviathan–Chen's random key (sampling)
+    key: Optional[mx.array] = None  # [B, 2]: each row's random key (sampling)
     ring_h: Optional[mx.array] = None  # [B, RING, H]: plain steps' hiddens ...
     ring_tok: Optional[mx.array] = None  # [B, RING]: ... paired with their tokens
     ring_n: Optional[mx.array] = None  # []: pairs waiting in the ring
@@ -78,6 +78,22 @@ class DecodeState:
 
     def without_buffers(self) -> "DecodeState":
         return self.replace(cache=self.cache.without_buffers())
+
+    def take_rows(self, rows) -> "DecodeState":
+        """These batch rows only (the ring's count is shared by all rows)."""
+        rows = mx.array(rows, dtype=mx.int32)
+        pick = lambda x: None if x is None else x[rows]
+        return DecodeState(self.cache.take_rows(rows), pick(self.y), pick(self.emitted),
+                           pick(self.g), pick(self.key), pick(self.ring_h), pick(self.ring_tok),
+                           self.ring_n)
+
+    @staticmethod
+    def concat(a: "DecodeState", b: "DecodeState") -> "DecodeState":
+        """a's rows, then b's; both with empty rings (flushed before)."""
+        cat = lambda x, y: None if x is None else mx.concatenate([x, y])
+        return DecodeState(MTPCache.concat(a.cache, b.cache), cat(a.y, b.y),
+                           cat(a.emitted, b.emitted), cat(a.g, b.g), cat(a.key, b.key),
+                           cat(a.ring_h, b.ring_h), cat(a.ring_tok, b.ring_tok), a.ring_n)
 
 
 @dataclass
@@ -115,6 +131,12 @@ class Spec:
         """Ids fit to gather with: another sampler's ids are clamped into the
         vocabulary (the host checks the raw ones and stops before using any)."""
         return ids if self.trusted_sampler else mx.clip(ids, 0, self.model.vocab_size - 1)
+
+    @property
+    def host_history(self) -> bool:
+        """Its steps need the row's tokens on the host (processors, host-side
+        drafters): one row at a time, each cycle read before the next."""
+        return bool(self.processors) or (self.drafter is not None and self.drafter.host_side)
 
     @property
     def compilable(self) -> bool:
@@ -225,22 +247,24 @@ def draft(spec: Spec, aux: dict, state: DecodeState, head_cache: list, k: int,
     greedy) and how many entries the chain added to the head's cache."""
     model, drafter = spec.model, spec.drafter
     if drafter is not None and drafter.replaces_head:
-        drafts, q = drafter.propose(aux["drafter"], state.emitted, k, None, None)
+        drafts, q = drafter.propose(aux["drafter"], state, k, None, None)
         return drafts, q, 0
     g, drafts, qs = state.g, [], []
     for j in range(k):
         if j > 0:
             g = _head(model, g, drafts[-1][:, None], head_cache)
-        if spec.speculative:
-            d, q = spec.sampler.draft(_draft_logprobs(spec, aux, g, history, drafts), keys[j])
-            qs.append(q)
+        if spec.speculative:  # each row with its own key
+            lp = _draft_logprobs(spec, aux, g, history, drafts)
+            rows = [spec.sampler.draft(lp[b:b + 1], keys[b][j]) for b in range(lp.shape[0])]
+            d = mx.concatenate([r[0] for r in rows])
+            qs.append(mx.concatenate([r[1] for r in rows]))
         else:
             d = model.draft_tokens_from_hidden(g[:, -1], aux["vocab"])
         drafts.append(d.astype(mx.int32))
     drafts = mx.stack(drafts, axis=1)
     q = mx.stack(qs, axis=1) if qs else None
     if drafter is not None:  # replaces the proposals; the head's chain still ran
-        drafts, q = drafter.propose(aux["drafter"], state.emitted, k, drafts, q)
+        drafts, q = drafter.propose(aux["drafter"], state, k, drafts, q)
     return drafts, q, k - 1
 
 
@@ -271,9 +295,9 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
     model = spec.model
     cache = state.cache.copy()
     key, keys = state.key, None
-    if spec.speculative:  # k draft keys and one for the acceptance
-        split = mx.random.split(state.key, k + 2)
-        key, keys = split[0], split[1:]
+    if spec.speculative:  # per row: k draft keys and one for the acceptance
+        splits = [mx.random.split(row_key, k + 2) for row_key in state.key]
+        key, keys = mx.stack([s[0] for s in splits]), [s[1:] for s in splits]
 
     # 1. draft
     seen = None if history is None else mx.concatenate([history, state.y])
@@ -288,9 +312,12 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
     logprobs = _logprobs(model.logits_from_hidden(h), spec.processors, history, tokens)
 
     # 3. accept: `accepted` drafts, then out[accepted] after them
-    if spec.speculative:  # Leviathan–Chen: residual or bonus sample
-        accepted, out = speculative_sample(spec.sampler.target_logits(logprobs), q, drafts,
-                                           keys[k])
+    if spec.speculative:  # Leviathan–Chen: residual or bonus sample, per row
+        target = spec.sampler.target_logits(logprobs)
+        rows = [speculative_sample(target[b:b + 1], q[b:b + 1], drafts[b:b + 1], keys[b][k])
+                for b in range(target.shape[0])]
+        accepted = mx.concatenate([r[0] for r in rows])
+        out = mx.concatenate([r[1] for r in rows])
     else:  # match: keep drafts while they equal the sampler's choice
         out = _sample_rows(spec.sampler, logprobs)  # [B, k+1]
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
@@ -325,9 +352,11 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
     logprobs = _logprobs(model.logits_from_hidden(h), spec.processors, history,
                          state.y[:, None])
     key = state.key
-    if spec.speculative:
-        key, sub = mx.random.split(key)
-        y = spec.sampler.sample(logprobs[:, 0], sub)
+    if spec.speculative:  # per row, its own key
+        splits = [mx.random.split(row_key) for row_key in key]
+        key = mx.stack([s[0] for s in splits])
+        y = mx.concatenate([spec.sampler.sample(logprobs[b:b + 1, 0], s[1])
+                            for b, s in enumerate(splits)])
     else:
         y = _sample_rows(spec.sampler, logprobs)[:, 0]
     packed = mx.concatenate([mx.zeros_like(y)[:, None], y[:, None]], axis=1)
@@ -444,8 +473,9 @@ def prefill(spec: Spec, prompt_cache: list, prompt: mx.array, prefill_step_size:
     h = model.trunk_hidden(last, trunk)
     history = prompt[:-1] if spec.processors else None
     logprobs = _logprobs(model.logits_from_hidden(h), spec.processors, history, last)
-    if spec.speculative:
-        key, sub = mx.random.split(key)
+    if spec.speculative:  # key: [1, 2], this row's
+        key, sub = mx.random.split(key[0])
+        key = key[None]
         y = spec.sampler.sample(logprobs[:, 0], sub)
     else:  # one dtype for every cycle's y
         y = _sample_rows(spec.sampler, logprobs)[:, 0]

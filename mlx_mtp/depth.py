@@ -15,7 +15,7 @@ stale measurement look cheap. A switch needs a clear predicted gain
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 
 class DepthController:
@@ -90,13 +90,15 @@ class DepthController:
         self.update_acceptance(k, accepted)
         self.update_cost(k, seconds)
 
-    def update_acceptance(self, k: int, accepted: int):
+    def update_acceptance(self, k: int, accepted: Union[int, List[int]]):
+        """One cycle's acceptance: one count, or one per batch row."""
         self.cycles += 1
         self.since_probe += 1
-        for j in range(min(k, accepted + 1)):  # positions reached this cycle
-            self.accept_n[j] += 1
-            hit = 1.0 if j < accepted else 0.0
-            self.accept[j] = self._average(self.accept[j], hit, self.accept_n[j], prior=1)
+        for a in accepted if isinstance(accepted, list) else [accepted]:
+            for j in range(min(k, a + 1)):  # positions reached this cycle
+                self.accept_n[j] += 1
+                hit = 1.0 if j < a else 0.0
+                self.accept[j] = self._average(self.accept[j], hit, self.accept_n[j], prior=1)
 
     def update_cost(self, k: int, seconds: float):
         if self._probe_left > 0 and k == self._probing:

@@ -9,7 +9,8 @@ accept patterns exercise the real rollback. The interface:
   replaces_head      True: the head's own chain is skipped
   arrays()           device arrays the proposals read (passed to compiled graphs)
   graph_key()        what a compiled graph bakes in
-  propose(arrays, emitted, k, head_drafts, head_q) -> (drafts [B, k], q [B, k, V] | None)
+  propose(arrays, state, k, head_drafts, head_q) -> (drafts [B, k], q [B, k, V] | None)
+                     (state: the cycle's DecodeState; its y and emitted are per row)
 """
 
 from __future__ import annotations
@@ -47,16 +48,52 @@ class OracleDrafter:
     def graph_key(self):
         return ("oracle",)
 
-    def propose(self, arrays, emitted, k, head_drafts, head_q):
+    def propose(self, arrays, state, k, head_drafts, head_q):
         """Drafts for emitted positions emitted .. emitted+k-1 (index 0 is the
         prompt's first generated token)."""
         (table,) = arrays
-        idx = mx.minimum(emitted[:, None] + mx.arange(k, dtype=mx.int32), table.size - 1)
+        idx = mx.minimum(state.emitted[:, None] + mx.arange(k, dtype=mx.int32), table.size - 1)
         drafts = mx.take(table, idx)
-        q = None
-        if head_q is not None:
-            q = (mx.arange(head_q.shape[-1]) == drafts[..., None]).astype(mx.float32)
-        return drafts, q
+        return drafts, _one_hot(drafts, head_q)
+
+
+def _one_hot(drafts: mx.array, head_q: Optional[mx.array]) -> Optional[mx.array]:
+    """The q a deterministic drafter claims when sampling (None when greedy)."""
+    if head_q is None:
+        return None
+    return (mx.arange(head_q.shape[-1]) == drafts[..., None]).astype(mx.float32)
+
+
+class BigramDrafter:
+    """Each draft is `table[previous token]` (from the row's last emitted
+    token on): a device-side lookup that needs no row identity, so rows of a
+    batch that join and leave get drafts right or wrong each by their own
+    context. Built from known continuations, its acceptance is partial."""
+
+    host_side = False
+    replaces_head = False
+
+    def __init__(self, sequences: List[List[int]], vocab_size: int):
+        table = [(t + 1) % vocab_size for t in range(vocab_size)]  # wrong unless learned
+        for seq in sequences:
+            for a, b in zip(seq, seq[1:]):
+                table[a] = b
+        self.table = mx.array(table, dtype=mx.int32)
+
+    def arrays(self):
+        return [self.table]
+
+    def graph_key(self):
+        return ("bigram",)
+
+    def propose(self, arrays, state, k, head_drafts, head_q):
+        (table,) = arrays
+        drafts, last = [], state.y
+        for _ in range(k):
+            last = mx.take(table, last)
+            drafts.append(last)
+        drafts = mx.stack(drafts, axis=1).astype(mx.int32)
+        return drafts, _one_hot(drafts, head_q)
 
 
 class DistributionDrafter:
@@ -85,7 +122,7 @@ class DistributionDrafter:
     def graph_key(self):
         return ("distribution", id(self))
 
-    def propose(self, arrays, emitted, k, head_drafts, head_q):
+    def propose(self, arrays, state, k, head_drafts, head_q):
         prefix, drafts, qs = tuple(self.generated), [], []
         for _ in range(k):
             q = np.asarray(self.dist(prefix), dtype=np.float64)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -11,11 +12,12 @@ from dataclasses import dataclass, field
 from typing import Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+from mlx_lm.generate import (BatchResponse, BatchStats, GenerationResponse, generation_stream,
+                             wired_limit)
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import checks
-from .loop import MTPStats, generate_tokens
+from .loop import MTPStats, Request, decode_rows, generate_tokens, make_batch
 
 # mlx_lm options that would change what is computed, refused with one line
 UNSUPPORTED = {
@@ -199,6 +201,86 @@ def generate(
         print("=" * 10)
         print_stats(response, model)
     return text
+
+
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: List[List[int]],
+    prompt_caches: Optional[List[list]] = None,
+    max_tokens: Union[int, List[int]] = 128,
+    verbose: bool = False,
+    return_prompt_caches: bool = False,
+    return_token_ids: bool = False,
+    *,
+    draft_tokens: Union[int, str] = "auto",
+    max_draft_tokens: int = 4,
+    sampler=None,
+    seeds: Optional[List[Optional[int]]] = None,
+    completion_batch_size: int = 32,
+    prefill_step_size: int = 2048,
+    stats: Optional[List[MTPStats]] = None,
+) -> BatchResponse:
+    """Like mlx_lm.batch_generate, decoding with the MTP head: the prompts
+    decode together (one trunk forward per cycle; each row accepts its own
+    drafts), up to `completion_batch_size` at a time, the next joining as one
+    finishes. Every row's tokens are those it gets decoded alone; the stop
+    token is left out of the text, as in mlx_lm. prompt_caches are read, not
+    updated (as in mlx_lm); return_prompt_caches gives each row's cache after
+    it. seeds: one per prompt for sampling (None: drawn from mx.random).
+    stats: a list that gets one MTPStats per prompt."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    n = len(prompts)
+    max_tokens = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    seeds = [None] * n if seeds is None else list(seeds)
+    for name, values in (("prompt_caches", prompt_caches), ("max_tokens", max_tokens),
+                         ("seeds", seeds)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+    checks.integer("completion_batch_size", completion_batch_size, lo=1)
+    batch = make_batch(model, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens,
+                       sampler=sampler)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        cache = None
+        if prompt_caches is not None:  # read, not updated: decode on a copy
+            cache = copy.deepcopy(prompt_caches[i])
+        elif return_prompt_caches:
+            cache = model.make_cache()
+        prompt, cache, keep, mt, key = batch.prepare(prompt, cache, max_tokens[i], seeds[i],
+                                                     prefill_step_size)
+        if mt == 0:
+            raise ValueError("max_tokens must be at least 1 for each prompt")
+        requests.append(Request(prompt, cache, keep, mt, key))
+    results: List[List[int]] = [[] for _ in range(n)]
+    counters = BatchStats(prompt_tokens=sum(r.prompt.size for r in requests))
+    tic = time.perf_counter()
+    done = 0
+    with wired_limit(model, [generation_stream]):
+        for i, token, _, reason in decode_rows(batch, requests, tokenizer.eos_token_ids,
+                                               completion_batch_size, prefill_step_size):
+            if reason != "stop":
+                results[i].append(token)
+            if reason is not None:
+                done += 1
+                if verbose:
+                    print(f"[batch_generate] Finished processing {done}/{n} ...", end="\r")
+    counters.wall_time = time.perf_counter() - tic
+    counters.generation_tokens = sum(len(r) for r in results)
+    counters.peak_memory = mx.get_peak_memory() / 1e9
+    if stats is not None:
+        stats.extend(r.stats for r in requests)
+    if verbose:
+        print(f"[batch_generate] Finished processing {done}/{n}")
+        print(f"[batch_generate] Generation: {counters.generation_tokens} tokens in "
+              f"{counters.wall_time:.3f} s (prompts included), "
+              f"{counters.generation_tokens / max(counters.wall_time, 1e-9):.3f} tokens-per-sec")
+        print(f"[batch_generate] Peak memory: {counters.peak_memory:.3f} GB")
+    return BatchResponse(
+        texts=[tokenizer.decode(r) for r in results], stats=counters,
+        caches=[r.prompt_cache for r in requests] if return_prompt_caches else None,
+        token_ids=results if return_token_ids else None)
 
 
 def print_stats(response: MTPGenerationResponse, model=None, file=None):

@@ -1,0 +1,158 @@
+"""Batched decoding is exact per row: each row's tokens are the ones it gets
+decoded alone (greedy: mlx_lm's; seeded sampling: mlx_mtp's single-row
+decoding with the same seed), with B rows of different lengths, each
+accepting its own number of drafts, rows joining and leaving between cycles.
+
+The fixtures' random heads rarely draft right, so a BigramDrafter (drafts
+from the rows' known continuations, by each row's own last token) gives
+every row its own partial acceptance; verify, per-row commit and rollback run
+for real.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_mtp
+from mlx_mtp.drafters import BigramDrafter
+from mlx_mtp.loop import Request, decode_rows, generate_tokens, make_batch
+from util import LONG, SHORT, reference
+
+PROMPTS = [SHORT, LONG, "hello world, this is", "a", "x = [1, 2, 3]\nprint(", LONG * 2,
+           "The quick brown fox", "if __name__ == '__main__':\n    "]
+
+
+def run_batch(model, ids, max_tokens, width, k, drafter=None, sampler=None, seeds=None,
+              stop=()):
+    """decode_rows over these prompts: each row's tokens, finish reasons, stats."""
+    batch = make_batch(model, draft_tokens=k, drafter=drafter, sampler=sampler)
+    requests = []
+    for i, p in enumerate(ids):
+        seed = None if seeds is None else seeds[i]
+        requests.append(Request(*batch.prepare(p, None, max_tokens[i], seed)))
+    got, reasons = [[] for _ in ids], [None] * len(ids)
+    for i, t, _, reason in decode_rows(batch, requests, stop, width):
+        got[i].append(t)
+        reasons[i] = reason or reasons[i]
+    assert not batch.rows and batch.state is None  # every row left
+    return got, reasons, [r.stats for r in requests]
+
+
+@pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe", "q4"])
+def test_rows_equal_alone_greedy(loaded, name):
+    """B = 1, 2, 3, 8 and a batch narrower than its prompts (rows join as
+    others leave), each row with its own max_tokens, fixed depths and auto."""
+    model, ref_model, tok = loaded(name)
+    ids = [tok.encode(p) for p in PROMPTS]
+    want = [reference(ref_model, i, 24) for i in ids]
+    drafter = BigramDrafter(want[::2], model.vocab_size)  # odd rows: mostly wrong drafts
+    limits = [24, 9, 24, 5, 17, 24, 1, 13]
+    cases = [(1, 1), (2, 2), (3, 3), (8, 8), (8, 3)] if name == "dense" else [(3, 3), (8, 3)]
+    for n, width in cases:
+        for k in ([0, 1, 2, 3, "auto"] if name == "dense" else [2, "auto"]):
+            got, reasons, stats = run_batch(model, ids[:n], limits[:n], width, k, drafter)
+            for r in range(n):
+                assert got[r] == want[r][: limits[r]], f"B={n} width={width} depth {k} row {r}"
+                assert reasons[r] == "length"
+            if k not in (0, "auto"):
+                accepted = [s.accepted for s in stats]
+                assert all(s.drafted > 0 for s in stats if s.cycles)
+                if n >= 3:  # rows accept different numbers of drafts
+                    assert len(set(accepted)) > 1 and max(accepted) > 0
+
+
+def test_stop_token_per_row(loaded):
+    """A stop token ends its row only (mid-cycle too); the others go on."""
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    want = [reference(ref_model, i, 20) for i in ids]
+    drafter = BigramDrafter(want, model.vocab_size)  # long accepted runs: stops fall mid-cycle
+    stop_at = 7
+    stop = want[0][stop_at]
+    first = want[0].index(stop)
+    got, reasons, _ = run_batch(model, ids, [20] * 4, 4, 3, drafter, stop=[stop])
+    assert got[0] == want[0][: first + 1] and reasons[0] == "stop"
+    for r in range(1, 4):
+        cut = want[r].index(stop) + 1 if stop in want[r] else 20
+        assert got[r] == want[r][:cut]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rows_equal_alone_sampled(loaded, k):
+    """Seeded sampling: each row of a batch (rows joining too) draws exactly
+    what it draws decoded alone with the same seed."""
+    model, _, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:5]]
+    sampler = mlx_mtp.make_sampler(temp=1.0, top_p=0.95)
+    alone = [list(t for t, _, _ in generate_tokens(mx.array(i), model, max_tokens=16,
+                                                     draft_tokens=k, sampler=sampler,
+                                                     seed=100 + r))
+             for r, i in enumerate(ids)]
+    drafter = BigramDrafter(alone, model.vocab_size)
+    alone_drafted = [list(t for t, _, _ in generate_tokens(
+        mx.array(i), model, max_tokens=16, draft_tokens=k, sampler=sampler, seed=100 + r,
+        drafter=drafter)) for r, i in enumerate(ids)]
+    for width in (5, 2):
+        got, _, stats = run_batch(model, ids, [16] * 5, width, k, drafter, sampler,
+                                  seeds=[100 + r for r in range(5)])
+        assert got == alone_drafted, f"width {width}"
+        assert sum(s.accepted for s in stats) > 0
+    assert len({tuple(a) for a in alone}) == 5  # the seeds differ, so do the rows
+
+
+def test_batch_generate_api(loaded):
+    """mlx_lm.batch_generate's counterpart: texts, token ids, per-row
+    max_tokens, and prompt caches that continue exactly."""
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:3]]
+    want = [reference(ref_model, i, 12) for i in ids]
+    stats = []
+    out = mlx_mtp.batch_generate(model, tok, ids, max_tokens=[12, 5, 12], draft_tokens=2,
+                                 return_token_ids=True, return_prompt_caches=True, stats=stats,
+                                 completion_batch_size=2)
+    assert out.token_ids == [want[0], want[1][:5], want[2]]
+    assert out.texts == [tok.decode(t) for t in out.token_ids]
+    assert out.stats.generation_tokens == 29 and len(stats) == 3
+    # each returned cache holds prompt + tokens, as mlx_lm's would: a second
+    # turn on it equals mlx_lm's on its own cache
+    follow = tok.encode(" more")
+    for r, cache in enumerate(out.caches):
+        ref_cache = make_prompt_cache(ref_model)
+        reference(ref_model, ids[r], len(out.token_ids[r]), prompt_cache=ref_cache)
+        expect = reference(ref_model, follow, 10, prompt_cache=ref_cache)
+        got = list(t for t, _, _ in generate_tokens(mx.array(follow), model, max_tokens=10,
+                                                      draft_tokens=2, prompt_cache=cache))
+        assert got == expect, f"row {r}"
+    with pytest.raises(ValueError, match="seeds has 1 entries for 3 prompts"):
+        mlx_mtp.batch_generate(model, tok, ids, seeds=[1])
+
+
+def test_one_row_only_with_processors(loaded):
+    model, _, tok = loaded("dense")
+    from mlx_lm.sample_utils import make_logits_processors
+    batch = make_batch(model, draft_tokens=2,
+                       logits_processors=make_logits_processors(repetition_penalty=1.2))
+    ids = tok.encode(SHORT)
+    req = Request(*batch.prepare(ids, None, 4, None))
+    gen = decode_rows(batch, [req], [], 1)
+    next(gen)
+    with pytest.raises(ValueError, match="one row at a time"):
+        batch.prepare(ids, None, 4, None)
+    gen.close()
+
+
+def test_depth_learned_per_batch_size(loaded):
+    """Auto depth keeps one controller per batch-size bucket (a verify costs
+    more at a larger batch), each fed by its own cycles' measurements."""
+    model, _, tok = loaded("dense")
+    model.runtime.controllers.clear()
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    run_batch(model, ids[:1], [12], 1, "auto")
+    run_batch(model, ids, [12] * 4, 4, "auto")
+    buckets = sorted(key[-1] for key in model.runtime.controllers)
+    assert buckets == [1, 4]
+    for key, ctl in model.runtime.controllers.items():
+        assert ctl.cycles > 0 and sum(ctl.cost_n.values()) > 0, key
+    # acceptance counts every row, the probe schedule counts cycles
+    four = model.runtime.controllers[next(k for k in model.runtime.controllers if k[-1] == 4)]
+    assert sum(four.accept_n) >= four.cycles
