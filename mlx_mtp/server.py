@@ -7,9 +7,12 @@ reasoning handling, response and SSE building, the single generation thread)
 with three subclasses:
 
 - `MTPModelProvider` loads with `mlx_mtp.load` and serves that one model;
-- `MTPResponseGenerator` generates with `mlx_mtp.stream_generate` and a
-  prefix cache: mlx_lm's `LRUPromptCache`, bounded by entries and bytes, with
-  snapshots where a recurrent state can be restored exactly (the end of the
+- `MTPResponseGenerator` decodes requests together in batches (loop.py's
+  `Batch`: one trunk forward per cycle, each row accepting its own drafts;
+  rows join and leave between cycles; requests with other sampler settings
+  wait for the batch to drain, ones with logits processors decode alone),
+  with a prefix cache: mlx_lm's `LRUPromptCache`, bounded by entries and
+  bytes, with snapshots where a recurrent state can be restored exactly (the end of the
   system prompt, of the last user message, of the prompt, of each answer);
   GDN states cannot be trimmed, so only an exact stored prefix is ever reused;
 - `MTPAPIHandler` checks requests before mlx_lm's handler sees them (JSON
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import io
 import json
 import logging
@@ -36,13 +40,15 @@ import threading
 import warnings
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from collections import deque
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
 import jsonschema
 import mlx.core as mx
 from mlx_lm import server as lm_server
-from mlx_lm.generate import TextStateMachine
+from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.utils import _parse_size
 
@@ -189,11 +195,12 @@ def _sampler(args, tokenizer):
 
 
 class MTPResponseGenerator(lm_server.ResponseGenerator):
-    """mlx_lm's generation thread; each request is decoded alone, with MTP."""
+    """mlx_lm's generation thread, decoding requests in MTP batches (`_Lane`)."""
 
     def __init__(self, model_provider, prompt_cache):
         super().__init__(model_provider, prompt_cache)
-        self._slots = threading.Semaphore(1 + model_provider.cli_args.max_queued_requests)
+        a = model_provider.cli_args
+        self._slots = threading.Semaphore(max(1, a.decode_concurrency) + a.max_queued_requests)
 
     @contextlib.contextmanager
     def slot(self):
@@ -205,9 +212,6 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             yield
         finally:
             self._slots.release()
-
-    def _is_batchable(self, args):
-        return False  # mlx_lm's batch generator decodes plainly
 
     def preflight(self, request, chat_template_kwargs, max_tokens: int) -> list:
         """Checks made in the request's own thread before it is queued: the
@@ -235,53 +239,51 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         return self.cli_args.draft_tokens if args.num_draft_tokens is None else \
             parse_depth(args.num_draft_tokens)
 
-    def _serve_single(self, request, stream):
-        rqueue, request, args = request
-        try:
-            mp = self.model_provider
-            model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
-            prompt, segments, kinds, initial_state, _ = self._tokenize(tokenizer, request, args)
-            stop_sequences, text_sm = self._make_state_machine(key, tokenizer, args.stop_words)
-            # an exact stored prefix (GDN states cannot be cut back), leaving at
-            # least the last prompt token to run
-            cache, rest = self.prompt_cache.fetch_nearest_cache(key, prompt[:-1])
-            n = len(prompt) - 1 - len(rest)
-            ctx = MTPGenerationContext(
-                has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
-                tool_parser=tokenizer.tool_parser, text_sm=text_sm,
-                initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
-            ctx.stats = MTPStats()
-            rqueue.put(ctx)
-            if args.seed is not None:
-                mx.random.seed(args.seed)
-            if cache is None:
-                cache = model.make_cache()
-            n = self._snapshots(key, model, prompt, segments, kinds, n, cache)
-            depth = self._depth(args)
-            key_tokens, matcher = prompt[:], stop_sequences.matcher()
-            gen = _stream_generate(
-                model, tokenizer, prompt[n:], max_tokens=args.max_tokens, draft_tokens=depth,
-                max_draft_tokens=self.cli_args.max_draft_tokens,
-                sampler=_sampler(args, tokenizer),
-                logits_processors=lm_server._make_logits_processors(args), prompt_cache=cache,
-                prompt_progress_callback=lambda done, total: rqueue.put((done, total)),
-                prefill_step_size=self.cli_args.prefill_step_size, seed=args.seed,
-                stats=ctx.stats)
-            with contextlib.closing(gen):  # closing writes the prompt cache back
-                for g in gen:
-                    finish = "stop" if matcher.advance(g.token) else g.finish_reason
-                    rqueue.put(lm_server.Response(
-                        g.text, g.token, g.logprobs[g.token].item(), finish,
-                        lm_server._format_top_logprobs(g.logprobs, args.top_logprobs, tokenizer)))
-                    key_tokens.append(g.token)
-                    if ctx._should_stop or finish is not None:
-                        break
-            rqueue.put(None)
-            self.prompt_cache.insert_cache(key, key_tokens, cache)
-        except Exception as e:
-            if not isinstance(e, ApiError):
-                logging.error("generation failed: %s: %s", type(e).__name__, e)
-            rqueue.put(e)
+    # -- the generation thread ------------------------------------------------------------
+    def _generate(self):
+        """mlx_lm's generation thread, batching with MTP: requests with the same
+        sampler settings decode together in one `Batch` (rows join and leave
+        between cycles); a request with other settings waits until the batch
+        drains, one with logits processors decodes alone."""
+        self.model_provider.load_default()
+        lane: Optional[_Lane] = None
+        waiting: deque = deque()
+        width = max(1, self.cli_args.decode_concurrency)
+        while not self._stop:
+            busy = lane is not None and bool(lane.rows)
+            if waiting and (not busy or lane.accepts(waiting[0][1], width)):
+                request, settings = waiting.popleft()
+            else:
+                request = self._next_request(timeout=None if busy else 0.1)
+                if request is not None:
+                    try:
+                        settings = self._settings(request[2])
+                    except Exception as e:
+                        request[0].put(e)
+                        continue
+                    if waiting or (busy and not lane.accepts(settings, width)):
+                        waiting.append((request, settings))  # in order, once there is room
+                        request = None
+            if request is not None:
+                if not busy and (lane is None or not lane.accepts(settings, width)):
+                    lane = _Lane(self, settings, request[2])
+                lane.join(request)
+                continue  # take every request that is waiting before the next cycle
+            if busy:
+                lane.step()
+                if lane.batch is None:
+                    lane = None
+        self.model_provider.reset()
+        del self.prompt_cache
+        gc.collect()
+
+    def _settings(self, args) -> tuple:
+        """What a batch shares: the sampler's settings, the depth, and whether
+        logits processors make the request decode alone."""
+        s = args.sampling
+        processors = bool(lm_server._make_logits_processors(args))
+        return (s.temperature, s.top_p, s.min_p, s.top_k, s.xtc_probability, s.xtc_threshold,
+                self._depth(args), processors)
 
     def _snapshots(self, key, model, prompt, segments, kinds, n, cache) -> int:
         """Prefill up to the end of each segment (system prompt, last user
@@ -308,10 +310,127 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         return n
 
 
-def _stream_generate(*args, **kwargs):
-    from .generate import stream_generate
+@dataclass
+class _RowState:
+    """A request's side of a batch row: its queue, context and text state."""
 
-    return stream_generate(*args, **kwargs)
+    rqueue: object
+    ctx: MTPGenerationContext
+    args: object
+    cache: list
+    key_tokens: list
+    matcher: object
+    detokenizer: object
+    n: int = 0
+
+
+class _Lane:
+    """One batch of rows that share sampler settings (see `_generate`)."""
+
+    def __init__(self, gen: MTPResponseGenerator, settings: tuple, args):
+        from .loop import make_batch
+
+        self.gen, self.settings = gen, settings
+        mp = gen.model_provider
+        self.exclusive = settings[-1]
+        self.batch = make_batch(
+            mp.model, draft_tokens=gen._depth(args),
+            max_draft_tokens=gen.cli_args.max_draft_tokens,
+            sampler=_sampler(args, mp.tokenizer),
+            logits_processors=lm_server._make_logits_processors(args))
+        self.rows: dict = {}  # Row -> _RowState
+
+    def accepts(self, settings: tuple, width: int) -> bool:
+        """A request with these settings can join now."""
+        return (settings == self.settings and not self.exclusive and self.batch is not None
+                and len(self.rows) < width)
+
+    def join(self, request):
+        """Prefill the request's new tokens (from the nearest stored prefix)
+        and add it as a row; its first token goes out at once."""
+        rqueue, request, args = request
+        gen, mp = self.gen, self.gen.model_provider
+        try:
+            model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
+            prompt, segments, kinds, initial_state, _ = gen._tokenize(tokenizer, request, args)
+            stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
+            # an exact stored prefix (GDN states cannot be cut back), leaving at
+            # least the last prompt token to run
+            cache, rest = gen.prompt_cache.fetch_nearest_cache(key, prompt[:-1])
+            n = len(prompt) - 1 - len(rest)
+            ctx = MTPGenerationContext(
+                has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+                tool_parser=tokenizer.tool_parser, text_sm=text_sm,
+                initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
+            ctx.stats = MTPStats()
+            rqueue.put(ctx)
+            if cache is None:
+                cache = model.make_cache()
+            n = gen._snapshots(key, model, prompt, segments, kinds, n, cache)
+            batch = self.batch
+            new, cache, keep, max_tokens, row_key = batch.prepare(
+                prompt[n:], cache, args.max_tokens, args.seed, gen.cli_args.prefill_step_size)
+            with mx.stream(generation_stream):
+                row, first, logprobs = batch.add(
+                    new, cache, keep, max_tokens, row_key, ctx.stats,
+                    gen.cli_args.prefill_step_size,
+                    lambda done, total: rqueue.put((n + done, n + total)))
+            state = _RowState(rqueue, ctx, args, cache, prompt[:], stop_sequences.matcher(),
+                              tokenizer.detokenizer)
+            self.rows[row] = state
+            self._emit(row, state, 0, first, logprobs)
+        except Exception as e:
+            self._fail(rqueue, e)
+
+    def step(self):
+        """One cycle for every row; each row's tokens go to its request."""
+        try:
+            with mx.stream(generation_stream):
+                for row, tokens, logprobs, _ in self.batch.step():
+                    for j, t in enumerate(tokens):
+                        state = self.rows.get(row)
+                        if state is None or self._emit(row, state, j + 1, t, logprobs[j]):
+                            break
+        except Exception as e:  # every row of the batch is lost: tell each request
+            for state in self.rows.values():
+                self._fail(state.rqueue, e)
+            self.rows.clear()
+            self.batch = None  # the generation thread starts a new lane
+
+    def _emit(self, row, state: _RowState, used: int, token: int, logprobs) -> bool:
+        """Send one token (as mlx_lm.server's responses are built); finish the
+        row on EOS, a stop sequence, max_tokens or a client that left.
+        Returns True when the row finished."""
+        tokenizer = self.gen.model_provider.tokenizer
+        state.n += 1
+        eos = token in tokenizer.eos_token_ids
+        if not eos:
+            state.detokenizer.add_token(token)
+        finish = ("stop" if eos else "length" if state.n == row.max_tokens else None)
+        if state.matcher.advance(token):
+            finish = "stop"
+        if finish is not None:
+            state.detokenizer.finalize()
+        state.rqueue.put(lm_server.Response(
+            state.detokenizer.last_segment, token, logprobs[token].item(), finish,
+            lm_server._format_top_logprobs(logprobs, state.args.top_logprobs, tokenizer)))
+        state.key_tokens.append(token)
+        if finish is None and not state.ctx._should_stop:
+            return False
+        row.used = used
+        del self.rows[row]
+        with mx.stream(generation_stream):
+            self.batch.finish(row)  # writes the row's prompt cache back
+        state.rqueue.put(None)
+        self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key, state.key_tokens,
+                                           state.cache)
+        return True
+
+    @staticmethod
+    def _fail(rqueue, e: Exception):
+        if not isinstance(e, ApiError):
+            logging.error("generation failed: %s: %s", type(e).__name__, e)
+        rqueue.put(e)
 
 
 def _generate_step(*args, **kwargs):
@@ -640,9 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache snapshots at message boundaries too (default), or only after "
                         "each answer")
     p.add_argument("--max-queued-requests", type=int, default=32,
-                   help="requests that may wait while one is answered; more get 503")
-    # mlx_lm.server flags that shape its batching: accepted, no effect here
-    p.add_argument("--decode-concurrency", type=int, default=32, help=argparse.SUPPRESS)
+                   help="requests that may wait while a full batch (--decode-concurrency) "
+                        "decodes; more get 503")
+    p.add_argument("--decode-concurrency", type=int, default=32,
+                   help="requests decoded together at most (one batch)")
+    # mlx_lm.server flags without effect here (prompts are prefilled one at a time)
     p.add_argument("--prompt-concurrency", type=int, default=8, help=argparse.SUPPRESS)
     p.add_argument("--kv-group-size", type=int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--quantized-kv-start", type=int, default=0, help=argparse.SUPPRESS)

@@ -180,13 +180,25 @@ def test_multi_turn_reuses_the_cached_prefix(mtp):
         second.choices[0].message.content
 
 
+def _sampled_text(server, seed):
+    r = server.openai().chat.completions.create(
+        model="default_model", messages=CHATS[0]["messages"], max_tokens=16, temperature=0.8,
+        top_p=0.9, seed=seed, extra_body={"num_draft_tokens": 2})
+    return r.choices[0].message.content
+
+
 def test_concurrent_clients(mtp):
-    """Four clients at once get complete answers, each equal to its serial one."""
-    reqs = CHATS[:4]
-    serial = [_chat_text(mtp, r) for r in reqs]
-    with ThreadPoolExecutor(4) as pool:
-        parallel = list(pool.map(lambda r: _chat_text(mtp, r, stream=True), reqs))
+    """Clients at once (batched: rows joining and leaving; a logit_bias request
+    decoding alone; seeded sampling beside greedy) get complete answers, each
+    equal to its serial one. (Seeded draws repeat at a fixed depth: with auto
+    the depth schedule, which follows timing, decides which draws are made.)"""
+    serial = [_chat_text(mtp, r) for r in CHATS] + [_sampled_text(mtp, s) for s in (1, 2)]
+    jobs = [lambda r=r: _chat_text(mtp, r, stream=True) for r in CHATS] + \
+        [lambda s=s: _sampled_text(mtp, s) for s in (1, 2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        parallel = list(pool.map(lambda job: job(), jobs))
     assert parallel == serial
+    assert serial[-1] != serial[-2]  # the seeds matter
 
 
 def test_disconnect_mid_stream(mtp):
@@ -312,7 +324,8 @@ def test_anthropic_conversion_of_tools_and_system():
 
 # -- access and load ---------------------------------------------------------------------
 def test_api_key_and_busy_server(tmp_path):
-    s = Server(["mlx_mtp.server", "--api-key", "sesame", "--max-queued-requests", "0"],
+    s = Server(["mlx_mtp.server", "--api-key", "sesame", "--max-queued-requests", "0",
+                "--decode-concurrency", "1"],
                tmp_path / "key.log")
     try:
         r = requests.post(s.url + "/v1/chat/completions", json=CHATS[0])
@@ -321,7 +334,7 @@ def test_api_key_and_busy_server(tmp_path):
             s.openai(api_key="wrong").chat.completions.create(model="default_model", **CHATS[0])
         ok = s.openai(api_key="sesame")
         assert ok.chat.completions.create(model="default_model", **CHATS[0]).choices
-        # one request at a time: a second one while the first runs gets 503
+        # a batch of one, nothing waiting: a second request while the first runs gets 503
         first = threading.Thread(target=lambda: ok.chat.completions.create(
             model="default_model", messages=CHATS[0]["messages"], max_tokens=300))
         first.start()
