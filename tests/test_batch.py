@@ -156,3 +156,25 @@ def test_depth_learned_per_batch_size(loaded):
     # acceptance counts every row, the probe schedule counts cycles
     four = model.runtime.controllers[next(k for k in model.runtime.controllers if k[-1] == 4)]
     assert sum(four.accept_n) >= four.cycles
+
+
+def test_memory_flat_across_batches(loaded):
+    """Rows joining and leaving leave nothing behind: active memory is flat
+    over batch_generate calls with gc off."""
+    import gc
+
+    from mlx_lm.generate import generation_stream
+
+    model, _, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    readings = []
+    gc.disable()
+    try:
+        for _ in range(6):
+            mlx_mtp.batch_generate(model, tok, ids, max_tokens=[30, 8, 20, 40], draft_tokens=2,
+                                   completion_batch_size=3)
+            mx.synchronize(generation_stream)
+            readings.append(mx.get_active_memory())
+    finally:
+        gc.enable()
+    assert readings[-1] - readings[1] < 1 << 20, readings
