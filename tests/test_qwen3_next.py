@@ -171,3 +171,14 @@ def test_next_graft_into_plain_mlx_lm_conversion(next_ckpts, tmp_path):
     for k in heads:
         assert mx.array_equal(a[k], b[k]), k
     _greedy_parity(target, depths=(2,))
+
+
+def test_next_evaluate(next_ckpts, tmp_path, capsys):
+    from mlx_mtp.evaluate import main
+
+    text = tmp_path / "t.py"
+    text.write_text("def add(a, b):\n    return a + b\n" * 3)
+    assert main(["--model", str(next_ckpts["hf"]), "--text-file", str(text), "--depth", "2",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["acceptance"]) == 2 and res["loss_head"] > 0
