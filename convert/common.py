@@ -11,9 +11,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
-
-from mlx_mtp.load import CheckpointError, safetensors_header
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 # Files a text-only conversion needs from a Hugging Face repository. The
 # vision tower's preprocessor files and anything else are never downloaded.
@@ -100,6 +99,8 @@ def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
 def check_headers(files: Iterable[Path]) -> Dict[str, Tuple[Path, Dict[str, Any]]]:
     """Header of every tensor (name -> (file, entry)); corrupt files raise naming the file."""
+    from mlx_mtp.load import safetensors_header
+
     out: Dict[str, Tuple[Path, Dict[str, Any]]] = {}
     for f in files:
         for name, info in safetensors_header(Path(f)).items():
@@ -123,6 +124,59 @@ def st_dtype_name(st_dtype: str) -> Optional[str]:
     return _ST_DTYPES.get(st_dtype)
 
 
+# -- model folders --------------------------------------------------------------
+def read_model_config(folder: Path) -> Dict[str, Any]:
+    """config.json of a model folder, checked to be a JSON object (text_config too),
+    then mlx_mtp's own checks (model_type). One-line errors naming the file."""
+    from mlx_mtp.load import CheckpointError, read_config
+
+    folder = Path(folder)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ConvertError(f"{folder} has no config.json: not a model folder")
+    config = read_json(cfg_file)
+    if not isinstance(config, dict):
+        raise ConvertError(f"{cfg_file} is not a JSON object (found {type(config).__name__})")
+    if "text_config" in config and not isinstance(config["text_config"], dict):
+        raise ConvertError(f"{cfg_file}: text_config is not a JSON object")
+    try:
+        return read_config(folder)
+    except (CheckpointError, ValueError) as e:
+        raise ConvertError(f"{cfg_file}: {e}") from None
+
+
+def read_index(folder: Path) -> Optional[Dict[str, Any]]:
+    """model.safetensors.index.json of a folder (None when there is none), checked:
+    a JSON object whose weight_map maps tensor names to file names."""
+    path = Path(folder) / INDEX_FILE
+    return read_index_file(path) if path.exists() else None
+
+
+def read_index_file(path: Path) -> Dict[str, Any]:
+    path = Path(path)
+    index = read_json(path)
+    if not isinstance(index, dict):
+        raise ConvertError(f"{path} is not a JSON object (found {type(index).__name__})")
+    wm = index.get("weight_map")
+    if not isinstance(wm, dict):
+        raise ConvertError(f"{path} has no weight_map" if wm is None else f"{path}: weight_map is not a JSON object")
+    for k, v in wm.items():
+        if not isinstance(v, str) or not v:
+            raise ConvertError(f"{path}: weight_map entry {k!r} names no file: {v!r}")
+    return index
+
+
+def model_weight_files(folder: Path) -> List[Path]:
+    """The safetensors files of a checkpoint (index checked first), all of them existing."""
+    from mlx_mtp.load import weight_files
+
+    read_index(folder)
+    try:
+        return weight_files(Path(folder))
+    except FileNotFoundError as e:
+        raise ConvertError(str(e)) from None
+
+
 # -- output folders -----------------------------------------------------------
 def _is_within(child: Path, parent: Path) -> bool:
     try:
@@ -130,6 +184,33 @@ def _is_within(child: Path, parent: Path) -> bool:
         return True
     except ValueError:
         return False
+
+
+def not_replaceable(out: Path) -> Optional[str]:
+    """Why `--force` may not replace the existing folder `out` (None: it may).
+
+    It may when the folder is empty or holds a model: a config.json plus
+    *.safetensors weights. Never the file-system root, the home folder or a
+    folder holding the current working folder."""
+    out = Path(out)
+    try:
+        entries = list(out.iterdir())
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    cwd = Path.cwd().resolve() if os.path.isdir(os.getcwd()) else None
+    if out.parent == out:
+        return "it is the file-system root"
+    if out == Path.home().resolve():
+        return "it is the home folder"
+    if cwd is not None and (cwd == out or _is_within(cwd, out)):
+        return "it is (or holds) the current working folder"
+    if not entries:
+        return None
+    if not (out / "config.json").is_file():
+        return "it has no config.json, so it does not hold a model"
+    if not any(p.name.endswith(".safetensors") and p.is_file() for p in entries):
+        return "it has config.json but no *.safetensors weights, so it does not hold a model"
+    return None
 
 
 def check_destination(out: Path, source: Optional[Path], force: bool) -> Path:
@@ -140,20 +221,110 @@ def check_destination(out: Path, source: Optional[Path], force: bool) -> Path:
             raise ConvertError(
                 f"output {out} overlaps the source {src}; the source is never modified, choose another --mlx-path"
             )
-    if out.exists():
-        if not out.is_dir():
-            raise ConvertError(f"output {out} exists and is not a folder")
-        if any(out.iterdir()) and not force:
-            raise ConvertError(f"output {out} exists and is not empty; pass --force to replace it")
+    remove_stale_temps(out, keep=[source] if source is not None else [])
+    check_replace(out, force)
     return out
 
 
-def make_staging(out: Path, tag: str = "tmp") -> Path:
+def check_replace(out: Path, force: bool) -> None:
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise ConvertError(f"output {out} exists and is not a folder")
+    try:
+        empty = not any(out.iterdir())
+    except OSError as e:
+        raise ConvertError(f"output {out} cannot be read: {e.strerror or e}") from None
+    if not empty and not force:
+        raise ConvertError(f"output {out} exists and is not empty; pass --force to replace it")
+    why = not_replaceable(out)
+    if why:
+        what = "replace" if not empty else "use"
+        raise ConvertError(f"refusing to {what} {out}: {why}; nothing was changed (choose another --mlx-path)")
+
+
+# Temporary folders beside an output: .NAME.tmp-PID-XXXXXXXX (staging), .NAME.graft-PID-XXXXXXXX
+# (graft staging), .NAME.old-PID-XXXXXXXX (an old folder set aside while publishing). Names
+# without the PID are those of earlier versions.
+TEMP_TAGS = ("tmp", "graft", "old")
+
+
+def _temp_re(name: str):
+    import re
+
+    return re.compile(r"\.%s\.(%s)-(?:(\d+)-)?[a-z0-9_]{8}\Z" % (re.escape(name), "|".join(TEMP_TAGS)))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process is not writing it: every run makes a new one
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def remove_stale_temps(out: Path, keep: Iterable[Path] = ()) -> List[str]:
+    """Remove the temporary folders that a killed run of `out` left beside it.
+
+    Only folders named exactly as this package names them, whose process (the
+    PID in the name) is gone; one line says what was removed."""
+    from . import interrupts
+
+    out = Path(out)
+    pat = _temp_re(out.name)
+    keep = {Path(k).resolve() for k in keep}
+    removed, busy = [], []
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return []
+    for e in sorted(entries, key=lambda e: e.name):
+        m = pat.match(e.name)
+        if not m or e.is_symlink() or not e.is_dir(follow_symlinks=False):
+            continue
+        p = Path(e.path)
+        if p.resolve() in keep or any(_is_within(k, p.resolve()) for k in keep):
+            continue
+        if m.group(2) and _pid_alive(int(m.group(2))):
+            busy.append(e.name)
+            continue
+        if m.group(1) == "old" and not (out.exists() or out.is_symlink()):
+            # killed between the two renames of a publish without atomic exchange:
+            # this is the folder that was being replaced; put it back.
+            try:
+                os.rename(p, out)
+                log(f"restored {out} from {e.name} (left by a run killed while replacing it)")
+                continue
+            except OSError:
+                pass
+        with interrupts.deferred():
+            shutil.rmtree(p, ignore_errors=True)
+        (busy if p.exists() else removed).append(e.name)
+    if removed:
+        log(f"removed leftover temporary folder(s) of an interrupted run in {out.parent}: {', '.join(removed)}")
+    if busy:
+        warn(f"temporary folder(s) in {out.parent} belong to a run still going, or cannot be removed; "
+             f"left alone: {', '.join(busy)}")
+    return removed
+
+
+def _mkdtemp(out: Path, tag: str) -> Path:
+    from . import interrupts
+
+    with interrupts.deferred():  # registered before a signal can strike
+        p = Path(tempfile.mkdtemp(prefix=f".{out.name}.{tag}-{os.getpid()}-", dir=out.parent))
+        interrupts.add_temp(p)
+    return p
+
+
+def make_staging(out: Path, tag: str = "tmp", keep: Iterable[Path] = ()) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
-    stale = sorted(p.name for p in out.parent.glob(f".{out.name}.*-*") if p.is_dir())
-    if stale:
-        warn(f"leftover folder(s) of an interrupted run in {out.parent}: {', '.join(stale)} (safe to delete)")
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{tag}-", dir=out.parent))
+    remove_stale_temps(out, keep)
+    staging = _mkdtemp(out, tag)
     if out.is_dir():  # keep an existing folder's permissions
         os.chmod(staging, out.stat().st_mode & 0o7777)
     else:  # mkdtemp's 0700 -> what mkdir would give under the umask
@@ -161,6 +332,21 @@ def make_staging(out: Path, tag: str = "tmp") -> Path:
         os.umask(umask)
         os.chmod(staging, 0o777 & ~umask)
     return staging
+
+
+@contextmanager
+def staging_folder(out: Path, tag: str = "tmp", keep: Iterable[Path] = ()) -> Iterator[Path]:
+    """A staging folder beside `out`, removed if the body does not publish it."""
+    from . import interrupts
+
+    staging = None
+    try:
+        staging = make_staging(out, tag, keep)
+        yield staging
+    except BaseException:
+        if staging is not None:
+            interrupts.remove_temp(staging)
+        raise
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -184,31 +370,50 @@ def _exchange(a: Path, b: Path) -> bool:
     return True
 
 
-def publish(staging: Path, out: Path) -> None:
+def publish(staging: Path, out: Path, may_replace: Optional[Callable[[Path], None]] = None) -> None:
     """Move a finished staging folder to `out`, replacing what is there.
 
+    `may_replace(out)` raises ConvertError when an existing `out` may not be
+    replaced; it runs here again, just before the swap, because the folder may
+    have changed since the run started (default: only an empty folder may be).
     An existing folder is swapped atomically where the OS allows it (otherwise
     renamed aside first, then removed), so readers see either the old or the new
-    folder, never a half-written one."""
-    if not out.exists():
-        os.rename(staging, out)
-        return
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-        os.rename(staging, out)
-        return
-    if _exchange(staging, out):
-        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old folder
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    old.rmdir()
-    os.rename(out, old)
-    try:
-        os.rename(staging, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    folder, never a half-written one. Signals are held off from the last check
+    to the end; one that arrived before the rename stops it (no output)."""
+    from . import interrupts
+
+    with interrupts.deferred():
+        if out.exists() or out.is_symlink():
+            (may_replace or (lambda o: check_replace(o, force=False)))(out)
+        interrupts.check()  # the last moment a signal can still mean "no output"
+        if not out.exists():
+            os.rename(staging, out)
+            interrupts.mark_published(out)
+            interrupts.remove_temp(staging)  # (gone: unregisters it)
+            return
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+            os.rename(staging, out)
+            interrupts.mark_published(out)
+            interrupts.remove_temp(staging)
+            return
+        if _exchange(staging, out):
+            interrupts.mark_published(out)
+            interrupts.remove_temp(staging)  # staging now holds the old folder
+            return
+        # Not registered as a temporary until the swap is done: until then it is the user's folder.
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+        old.rmdir()
+        os.rename(out, old)
+        try:
+            os.rename(staging, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        interrupts.mark_published(out)
+        interrupts.add_temp(old)
+        interrupts.remove_temp(staging)
+        interrupts.remove_temp(old)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> List[str]:

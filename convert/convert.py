@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
+from . import interrupts
 from .common import (
     DEFAULT_MTP_BITS_QUANTIZED,
     HEAD_PREFIX,
@@ -23,9 +23,12 @@ from .common import (
     human_size,
     is_unconverted,
     local_source,
+    check_replace,
     log,
-    make_staging,
+    model_weight_files,
     publish,
+    read_model_config,
+    staging_folder,
     text_config,
     warn,
 )
@@ -95,6 +98,8 @@ def _write_weights(staging: Path, model, desc: str = "writing") -> Dict[str, Any
                 index["weight_map"][k] = name
             bar.update(sum(v.nbytes for v in shard.values()))
             del shard
+            if i == 0:
+                interrupts.pause_point("mid-write")
     index["weight_map"] = dict(sorted(index["weight_map"].items()))
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=4))
     return {"tensors": n_tensors, "head_tensors": n_head, "shards": n}
@@ -129,7 +134,6 @@ def convert(
     from mlx_lm.utils import load_model, quantize_model
 
     from mlx_mtp import __version__
-    from mlx_mtp.load import read_config, weight_files
     from mlx_mtp.families import MODEL_CLASSES
 
     if dtype is not None and dtype not in DTYPES:
@@ -145,14 +149,14 @@ def convert(
     if hub:
         src = download_source(str(hf_path), revision)
 
-    config = read_config(src)  # model_type check, one-line errors
+    config = read_model_config(src)  # a JSON object, model_type check, one-line errors
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc and "quantization" not in config:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise ConvertError(
             f"{src} is a pre-quantized checkpoint ({method}); convert from the bf16 release instead"
         )
-    files = weight_files(src)
+    files = model_weight_files(src)  # index checked, every shard present
     headers = check_headers(files)
     unconverted = is_unconverted(headers)
     has_head = any(k.startswith(HEAD_PREFIX) for k in headers)
@@ -183,8 +187,10 @@ def convert(
         model, config = load_model(
             src, lazy=True, get_model_classes=lambda config: MODEL_CLASSES[config["model_type"]]
         )
-    except (ValueError, KeyError) as e:
-        raise ConvertError(f"cannot load {src}: {e}") from None
+    except (ValueError, KeyError, TypeError) as e:  # TypeError: a config value of the wrong type
+        what = f"{type(e).__name__}: " if isinstance(e, TypeError) else ""
+        raise ConvertError(f"cannot load {src}: {what}{e}") from None
+    interrupts.pause_point("loaded")
 
     if dtype is None:
         dtype = _source_dtype(config)
@@ -245,8 +251,10 @@ def convert(
         "source": str(hf_path) if hub else str(src),
     }
 
-    staging = make_staging(out)
-    try:
+    # Removed on any exception or signal until published; `publish` checks again
+    # that an existing `out` may be replaced (it may have changed meanwhile).
+    with staging_folder(out, keep=[src]) as staging:
+        interrupts.pause_point("staging")
         stats = _write_weights(staging, model)  # donates the model's arrays
         del model
         from mlx_lm.utils import save_config
@@ -256,10 +264,9 @@ def convert(
         if "tokenizer_config.json" not in copied and "tokenizer.json" not in copied:
             warn(f"{src} has no tokenizer files; add them to {out} before loading")
         _model_card(staging, str(hf_path), hub)
-        publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        interrupts.pause_point("before-publish")
+        publish(staging, out, may_replace=lambda o: check_replace(o, force))
+    interrupts.pause_point("after-publish")
 
     summary = {
         "output": str(out),

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from . import interrupts
 from .common import (
     DEFAULT_MTP_BITS_QUANTIZED,
     HEAD_PREFIX,
@@ -26,10 +28,14 @@ from .common import (
     is_unconverted,
     local_source,
     log,
-    make_staging,
+    model_weight_files,
     publish,
+    read_index,
+    read_index_file,
     read_json,
+    read_model_config,
     st_dtype_name,
+    staging_folder,
     text_config,
 )
 
@@ -40,11 +46,11 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
     """(config, weight_map or {}, fetch(shard) -> local Path, hub?)."""
     src = local_source(hf_path)
     if src is not None:
-        if not (src / "config.json").exists():
-            raise ConvertError(f"{src}/config.json is missing")
-        config = read_json(src / "config.json")
-        index = src / INDEX_FILE
-        weight_map = read_json(index).get("weight_map", {}) if index.exists() else {}
+        if not (src / "config.json").is_file():
+            raise ConvertError(f"{src} has no config.json: not a model folder")
+        config = _json_object(read_json(src / "config.json"), src / "config.json")
+        index = read_index(src)
+        weight_map = index["weight_map"] if index else {}
 
         def fetch(name: str) -> Path:
             p = src / name
@@ -69,16 +75,57 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
         except Exception as e:
             raise ConvertError(f"could not download {name} from {repo}: {type(e).__name__}: {e}") from None
 
-    config = read_json(fetch("config.json"))
+    config = _json_object(read_json(fetch("config.json")), f"{repo}/config.json")
     try:
         index_path = Path(hf_hub_download(repo, INDEX_FILE, revision=revision))
-        weight_map = read_json(index_path).get("weight_map", {})
+        weight_map = read_index_file(index_path)["weight_map"]
+    except ConvertError:
+        raise
     except Exception as e:
         if type(e).__name__ not in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
             raise ConvertError(f"could not download {INDEX_FILE} from {repo}: {type(e).__name__}: {e}") from None
         path = fetch("model.safetensors")  # single-file repo: the only shard holds the head
         weight_map = {k: "model.safetensors" for k in check_headers([path])}
     return config, weight_map, fetch, True
+
+
+def _json_object(obj: Any, where) -> Dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{where} is not a JSON object (found {type(obj).__name__})")
+    if "text_config" in obj and not isinstance(obj["text_config"], dict):
+        raise ConvertError(f"{where}: text_config is not a JSON object")
+    return obj
+
+
+def _tree_state(folder: Path) -> Dict[str, Tuple]:
+    """relative path -> (inode, size, mtime_ns, kind) of every entry under `folder`."""
+    out: Dict[str, Tuple] = {}
+
+    def walk(d: Path, rel: str):
+        for e in os.scandir(d):
+            st = e.stat(follow_symlinks=False)
+            r = rel + e.name
+            out[r] = (st.st_ino, st.st_size if not stat.S_ISDIR(st.st_mode) else 0,
+                      st.st_mtime_ns if not stat.S_ISDIR(st.st_mode) else 0, stat.S_IFMT(st.st_mode))
+            if stat.S_ISDIR(st.st_mode):
+                walk(Path(e.path), r + "/")
+
+    walk(folder, "")
+    return out
+
+
+def _check_unchanged(target: Path, before: Dict[str, Tuple]) -> None:
+    """The swap drops the old folder: refuse if anything in it changed since the start
+    (a file added or rewritten meanwhile would be lost)."""
+    try:
+        now = _tree_state(target)
+    except OSError as e:
+        raise ConvertError(f"{target} cannot be read any more: {e}; nothing was changed") from None
+    changed = sorted(set(now) ^ set(before)) or sorted(k for k in now if now[k] != before[k])
+    if changed:
+        raise ConvertError(
+            f"{target} changed while grafting ({changed[0]}); nothing was changed, run the graft again"
+        )
 
 
 def _check_match(target_cfg: Dict, source_cfg: Dict, target: Path, source: str):
@@ -127,7 +174,6 @@ def graft(
 
     from mlx_mtp import __version__
     from mlx_mtp.families import family_of
-    from mlx_mtp.load import read_config, weight_files
     from mlx_mtp.model import check_head_weights, declared_mtp_layers, head_layers_in
 
     if mtp_bits is not None and mtp_bits not in MTP_BITS_CHOICES:
@@ -143,8 +189,9 @@ def graft(
         raise ConvertError("--graft and --hf-path name the same folder")
 
     # -- target: config, its own headers (never its data) ------------------------
-    tcfg = read_config(target)
-    t_files = weight_files(target)
+    state = _tree_state(target)  # to prove at the swap that nothing changed meanwhile
+    tcfg = read_model_config(target)
+    t_files = model_weight_files(target)
     t_headers = check_headers(t_files)
     if is_unconverted(t_headers):
         raise ConvertError(
@@ -196,6 +243,7 @@ def graft(
         raise ConvertError(f"the head in {hf_path} is already quantized; graft from the unquantized checkpoint")
     # HF-named sources hold zero-centred norms; MLX-named ones are shifted (the family's rule).
     shift = family.hf_layout(weight_map)
+    interrupts.pause_point("loaded")
 
     # -- build and quantize the head ------------------------------------------------
     head = family.make_head(family.args_from_config(tcfg), layers)
@@ -254,10 +302,8 @@ def graft(
         "grafted_from": str(hf_path),
     }
 
-    index_path = target / INDEX_FILE
-    if index_path.exists():
-        index = read_json(index_path)
-    else:
+    index = read_index(target)
+    if index is None:
         index = {"metadata": {}, "weight_map": {k: f.name for k, (f, _) in t_headers.items()}}
     wm = {k: v for k, v in index.get("weight_map", {}).items() if v not in drop_files and not k.startswith(HEAD_PREFIX)}
     wm.update({k: HEAD_FILE for k in head_tensors})
@@ -272,19 +318,21 @@ def graft(
         meta["total_parameters"] += get_total_parameters(head)
 
     # -- staging folder of links + new files, then swap ---------------------------------
-    staging = make_staging(target, "graft")
-    try:
+    # Removed on any exception or signal until swapped in; the swap first checks
+    # that the target is as it was when the graft started.
+    with staging_folder(target, "graft", keep=[src_local] if src_local else []) as staging:
+        interrupts.pause_point("staging")
         _link_tree(target, staging, skip={"config.json", INDEX_FILE, HEAD_FILE} | drop_files)
         total = sum(v.nbytes for v in head_tensors.values())
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing head") as bar:
             mx.save_safetensors(str(staging / HEAD_FILE), head_tensors, metadata={"format": "mlx"})
             bar.update(total)
+        interrupts.pause_point("mid-write")
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=4))
         (staging / "config.json").write_text(json.dumps(cfg, indent=4))
-        publish(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        interrupts.pause_point("before-publish")
+        publish(staging, target, may_replace=lambda t: _check_unchanged(t, state))
+    interrupts.pause_point("after-publish")
 
     head_q = recorded.get("mtp.fc")
     return {

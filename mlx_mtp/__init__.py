@@ -1,6 +1,13 @@
-"""mlx-mtp: exact multi-token-prediction decoding for Qwen3.5/3.6 on MLX."""
+"""mlx-mtp: exact multi-token-prediction decoding for Qwen3.5/3.6 on MLX.
 
+The public names load on first use, so the command-line tools start (and the
+converter installs its signal handlers) before MLX and transformers load.
+"""
+
+import importlib
 import os
+import sys
+import types
 import warnings
 
 __version__ = "0.1.0"
@@ -18,8 +25,29 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "metal")) and os.pa
 ):
     __path__.append(_root)  # noqa: F821
 
-from .load import load  # noqa: E402
-from .generate import generate, generate_step, stream_generate  # noqa: E402
-from .sampling import make_sampler  # noqa: E402
+_EXPORTS = {"load": "load", "generate": "generate", "generate_step": "generate",
+            "stream_generate": "generate", "make_sampler": "sampling"}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["load", "generate", "generate_step", "stream_generate", "make_sampler", "__version__"]
+
+def _export(name: str, module: str) -> property:
+    def get(self):
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+    def set(self, value):
+        # the import system binds a submodule of the same name (`generate`,
+        # `load`) here when it is first imported: the function keeps the name,
+        # as it would after `from .generate import generate`
+        pass
+
+    return property(get, set)
+
+
+class _Package(types.ModuleType):
+    locals().update({n: _export(n, m) for n, m in _EXPORTS.items()})
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(_EXPORTS))
+
+
+sys.modules[__name__].__class__ = _Package

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -211,9 +212,19 @@ def test_refuses_non_empty_output_without_force(hf, tmp_path, capsys):
     assert rc == 1 and "--force" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert (out / "keep.txt").read_text() == "mine"
-    # an empty folder is fine; --force replaces a non-empty one
-    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    # --force replaces only a folder that holds a model: not this one
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to replace" in err and str(out) in err and "no config.json" in err
+    assert len(err.strip().splitlines()) == 1 and (out / "keep.txt").read_text() == "mine"
+    # an empty folder is fine; --force replaces a model folder (an earlier output)
+    (out / "keep.txt").unlink()
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out)]) == 0
+    first = (out / "model.safetensors.index.json").stat().st_ino
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q"]) == 1
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q", "--force"]) == 0
+    assert (out / "model.safetensors.index.json").stat().st_ino != first
+    assert cfg(out)["quantization"]["bits"] == 4
     no_leftovers(tmp_path)
 
 
@@ -329,3 +340,118 @@ def test_reconverting_a_quantized_folder_keeps_its_head(hf, tmp_path):
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
     with pytest.raises(ConvertError, match="already quantized at 4 bits"):
         convert(q, tmp_path / "h8", mtp_bits=8)
+
+
+# -- --force, temporaries, an output that changes during the run ----------------------------
+def test_force_replaces_only_model_folders(tmp_path, monkeypatch):
+    from mlx_mtp.convert.common import not_replaceable
+
+    d = tmp_path / "d"
+    d.mkdir()
+    assert not_replaceable(d) is None  # empty
+    (d / "config.json").write_text("{}")
+    assert "no *.safetensors" in not_replaceable(d)
+    (d / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert not_replaceable(d) is None  # a model: config.json + weights
+    (d / "config.json").unlink()
+    assert "no config.json" in not_replaceable(d)
+    (d / "config.json").mkdir()  # not a file
+    assert "no config.json" in not_replaceable(d)
+    assert "file-system root" in not_replaceable(Path("/"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    assert "home folder" in not_replaceable(tmp_path / "home")
+    monkeypatch.chdir(d)
+    assert "current working folder" in not_replaceable(d)
+    assert "current working folder" in not_replaceable(tmp_path)
+
+
+def test_output_changed_during_the_run_is_not_replaced(hf, tmp_path, monkeypatch, capsys):
+    """`publish` checks the output again just before the swap: a folder that appeared
+    meanwhile (no --force), or stopped being a model (--force), is left alone."""
+    from mlx_mtp.convert import interrupts
+
+    out = tmp_path / "out"
+
+    def appears(point):
+        if point == "before-publish":
+            out.mkdir()
+            (out / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(interrupts, "pause_point", appears)
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "not empty" in err and "Traceback" not in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    no_leftovers(tmp_path)
+
+    shutil.rmtree(out)
+    monkeypatch.setattr(interrupts, "pause_point", lambda point: None)
+    convert(hf, out)
+
+    def no_longer_a_model(point):
+        if point == "before-publish":
+            (out / "config.json").unlink()
+            (out / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(interrupts, "pause_point", no_longer_a_model)
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q", "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to replace" in err and "no config.json" in err
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors.index.json").exists()
+    no_leftovers(tmp_path)
+
+
+def test_replace_without_atomic_exchange(hf, tmp_path, monkeypatch):
+    """Where the OS cannot swap two folders, the old one is renamed aside, then removed."""
+    from mlx_mtp.convert import common
+
+    out = tmp_path / "out"
+    convert(hf, out)
+    monkeypatch.setattr(common, "_exchange", lambda a, b: False)
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q", "--force"]) == 0
+    assert cfg(out)["quantization"]["bits"] == 4
+    no_leftovers(tmp_path)
+
+
+def test_folder_set_aside_by_a_killed_run_is_put_back(hf, tmp_path, capsys):
+    """Killed between the two renames of that fallback: the next run restores the old folder."""
+    convert(hf, tmp_path / "x")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "x").rename(tmp_path / f".out.old-{gone.pid}-abcd1234")
+    capsys.readouterr()
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "restored" in err and "pass --force" in err
+    assert (tmp_path / "out" / "config.json").exists()
+    no_leftovers(tmp_path)
+
+
+def test_signal_during_publish_before_the_rename_publishes_nothing(hf, tmp_path, monkeypatch, capsys):
+    """A signal that arrives inside `publish` (signals held off) but before the
+    rename still means no output: exit 143, the old folder unchanged."""
+    import importlib
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    mod = importlib.import_module("mlx_mtp.convert.convert")
+    out = tmp_path / "out"
+    convert(hf, out)
+    before = snapshot(out)
+    real = mod.check_replace
+
+    def signal_then_check(o, force):
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded by the converter's handler, not raised here
+        return real(o, force)
+
+    monkeypatch.setattr(mod, "check_replace", signal_then_check)
+    capsys.readouterr()
+    assert cli(["--hf-path", str(hf), "--mlx-path", str(out), "-q", "--force"]) == 143
+    err = capsys.readouterr().err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert snapshot(out) == before
+    no_leftovers(tmp_path)

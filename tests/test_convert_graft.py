@@ -222,3 +222,43 @@ def test_graft_from_mlx_source_does_not_shift_twice(src, q4, tmp_path):
     a, b = raw(q4), raw(direct)
     for k in (k for k in b if k.startswith("mtp.")):
         assert mx.array_equal(a[k], b[k]), k
+
+
+def test_graft_refuses_if_the_target_changed_meanwhile(src, q4, tmp_path, monkeypatch, capsys):
+    """The swap drops the old folder: a file added to it during the graft would be lost."""
+    from mlx_mtp.convert import interrupts
+
+    def meddle(point):
+        if point == "before-publish":
+            (q4 / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(interrupts, "pause_point", meddle)
+    assert cli(["--graft", str(q4), "--hf-path", str(src[1])]) == 1
+    err = capsys.readouterr().err
+    assert "changed while grafting (notes.txt)" in err and "Traceback" not in err
+    assert (q4 / "notes.txt").read_text() == "mine" and not (q4 / "model-mtp.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_graft_signal_during_the_swap_check_changes_nothing(src, q4, tmp_path, monkeypatch, capsys):
+    import importlib
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    mod = importlib.import_module("mlx_mtp.convert.graft")
+    real = mod._check_unchanged
+
+    def signal_then_check(target, state):
+        os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised: signals are held off in publish
+        return real(target, state)
+
+    monkeypatch.setattr(mod, "_check_unchanged", signal_then_check)
+    before = snapshot(q4)
+    assert cli(["--graft", str(q4), "--hf-path", str(src[1])]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted by SIGINT" in err and "Traceback" not in err
+    assert snapshot(q4) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
