@@ -59,7 +59,7 @@ def _head_quant(model) -> Optional[Dict[str, Any]]:
 
 
 def _float_dtype(model) -> str:
-    return str(model.language_model.model.norm.weight.dtype).split(".")[-1]
+    return str(model.text_model.norm.weight.dtype).split(".")[-1]
 
 
 def _write_weights(staging: Path, model, desc: str = "writing") -> Dict[str, Any]:
@@ -207,6 +207,9 @@ def convert(
 
     if has_head and not model.has_mtp:
         warn(f"{src} has mtp.* tensors but its config declares no MTP layers: head dropped")
+    if model.has_mtp and model.mtp_layers_declared is None:  # found from the tensors: record it
+        tc = config.get("text_config", config)
+        tc[model.mtp_layers_key] = model.mtp_layers
     head_q_before = _head_quant(model)
     if head_q_before and not mtp_bits_given:
         mtp_bits = head_q_before["bits"]  # an already-quantized head stays as it is

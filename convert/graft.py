@@ -37,11 +37,9 @@ from .common import (
     st_dtype_name,
     staging_folder,
     text_config,
-    warn,
 )
 
 HEAD_FILE = "model-mtp.safetensors"
-MATCH_KEYS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
 
 
 def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[Dict[str, Any], Dict[str, str], callable, bool]:
@@ -131,15 +129,15 @@ def _check_unchanged(target: Path, before: Dict[str, Tuple]) -> None:
 
 
 def _check_match(target_cfg: Dict, source_cfg: Dict, target: Path, source: str):
-    if target_cfg.get("model_type") != source_cfg.get("model_type"):
-        raise ConvertError(
-            f"trunk mismatch: model_type {target_cfg.get('model_type')!r} in {target} "
-            f"vs {source_cfg.get('model_type')!r} in {source}"
-        )
-    t, s = text_config(target_cfg), text_config(source_cfg)
-    for k in MATCH_KEYS:
-        if t.get(k, 0) != s.get(k, 0):
-            raise ConvertError(f"trunk mismatch: {k} {t.get(k)} in {target} vs {s.get(k)} in {source}")
+    """The checks a drafter folder gets at load (mlx_mtp/draft.py)."""
+    from mlx_mtp.draft import check_head_fits_trunk
+    from mlx_mtp.model import MTPWeightError, check_head_config
+
+    try:
+        check_head_fits_trunk(target_cfg, source_cfg, target, source)
+        check_head_config(text_config(source_cfg))
+    except (ValueError, MTPWeightError) as e:
+        raise ConvertError(str(e)) from None
 
 
 def _link_tree(src: Path, dst: Path, skip: set):
@@ -172,12 +170,11 @@ def graft(
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models.qwen3_5 import TextModelArgs
     from tqdm import tqdm
 
     from mlx_mtp import __version__
-    from mlx_mtp.head import MTPHead
-    from mlx_mtp.model import mtp_num_layers
+    from mlx_mtp.families import family_of
+    from mlx_mtp.model import check_head_weights, declared_mtp_layers, head_layers_in
 
     if mtp_bits is not None and mtp_bits not in MTP_BITS_CHOICES:
         raise ConvertError(f"--mtp-bits must be one of {', '.join(map(str, MTP_BITS_CHOICES))}")
@@ -221,16 +218,19 @@ def graft(
     # -- source: config + index, then only the head's shards -----------------------
     scfg, weight_map, fetch, hub = _source_files(hf_path, revision)
     _check_match(tcfg, scfg, target, str(hf_path))
-    layers = mtp_num_layers(text_config(scfg))
+    family = family_of(tcfg.get("model_type"))
     head_keys = sorted(k for k in weight_map if k.startswith(HEAD_PREFIX))
     if not head_keys:
         raise ConvertError(f"{hf_path} has no mtp.* tensors: there is no MTP head to graft")
+    layers = declared_mtp_layers(text_config(scfg))
+    if layers is None:  # the config names no count: the tensors say
+        layers = head_layers_in(head_keys)
     if layers == 0:
         raise ConvertError(f"{hf_path} has mtp.* tensors but its config declares no MTP layers")
     shards = sorted({weight_map[k] for k in head_keys})
     log(f"reading the MTP head from {len(shards)} of {len(set(weight_map.values()))} source shard(s): {', '.join(shards)}")
     paths = [fetch(s) for s in shards]
-    s_headers = check_headers(paths)
+    check_headers(paths)
     weights = {}
     for p in paths:
         loaded = mx.load(str(p))
@@ -241,18 +241,15 @@ def graft(
         raise ConvertError(f"{missing[0]} is listed in the source index but not in its shard")
     if any(k.endswith(".scales") for k in weights):
         raise ConvertError(f"the head in {hf_path} is already quantized; graft from the unquantized checkpoint")
-    # HF-named sources (model.language_model.*) hold zero-centred norms; MLX-named ones are shifted.
-    shift = not any(k.startswith("language_model.") for k in weight_map)
+    # HF-named sources hold zero-centred norms; MLX-named ones are shifted (the family's rule).
+    shift = family.hf_layout(weight_map)
     interrupts.pause_point("loaded")
 
     # -- build and quantize the head ------------------------------------------------
-    tc = text_config(tcfg)
-    head = MTPHead(TextModelArgs.from_dict(tc), layers)
-    from mlx_mtp.families import MODEL_CLASSES
-
-    family = MODEL_CLASSES.get(scfg.get("model_type"), MODEL_CLASSES["qwen3_5"])[0]
+    head = family.make_head(family.args_from_config(tcfg), layers)
     weights = family.sanitize_head(weights, layers, shift)
     try:
+        check_head_weights(head, weights)
         head.load_weights([(k[len(HEAD_PREFIX):], v) for k, v in weights.items()], strict=True)
     except ValueError as e:
         raise ConvertError(f"the MTP head in {hf_path} does not fit {target}: {e}") from None
@@ -285,8 +282,8 @@ def graft(
     # -- new config and index ---------------------------------------------------------
     cfg = read_json(target / "config.json")  # as written, not as read_config normalised it
     where = cfg.get("text_config", cfg)
-    if not mtp_num_layers(where):
-        where["mtp_num_hidden_layers"] = layers
+    if not declared_mtp_layers(where):
+        where[family.mtp_layers_key] = layers
     for key in ("quantization", "quantization_config"):
         if isinstance(cfg.get(key), dict):
             for k in [k for k in cfg[key] if k.startswith(HEAD_PREFIX)]:

@@ -120,7 +120,7 @@ def main(argv: Optional[list] = None) -> int:
 
     all_tokens = tokenizer.encode(text)
     tokens = all_tokens[: args.max_tokens]
-    V = model.language_model.args.vocab_size
+    V = model.vocab_size
     if args.write_draft_vocab:
         ids = dv.count([all_tokens], args.draft_vocab_size, tokenizer, V)
         dv.save(args.write_draft_vocab, ids, source=args.text_file)

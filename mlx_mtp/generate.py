@@ -1,5 +1,6 @@
 """Drop-in replacements for mlx_lm's generate / stream_generate, and the CLI
-`python -m mlx_mtp.generate` (mlx_lm.generate's flags plus --draft-tokens)."""
+`python -m mlx_mtp.generate` (mlx_lm.generate's flags plus --draft-tokens;
+--draft-model takes a folder holding the MTP head, not a separate model)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .loop import MTPStats, Request, decode_rows, generate_tokens, make_batch
 UNSUPPORTED = {
     "max_kv_size": "a rotating KV cache",
     "kv_bits": "a quantized KV cache",
-    "draft_model": "a separate draft model (the MTP head drafts)",
+    "draft_model": "a separate draft model: the MTP head drafts; to draft with a head stored "
+                   "in its own folder, load it with mlx_mtp.load(path, draft=FOLDER)",
     "input_embeddings": "input embeddings",
 }
 
@@ -358,6 +360,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", "--num-draft-tokens", type=_arg(checks.depth), default="auto",
                    help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
                         "measured acceptance and cost, 0 (plain decoding) included")
+    p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
+                   help="A folder holding the model's MTP head, drafted with instead of the "
+                        "checkpoint's own (mlx-vlm's split drafter, or mtp.* safetensors with "
+                        "their config). A separate draft model is refused: the head drafts")
     p.add_argument("--max-draft-tokens", type=_integer("max_draft_tokens", 1, checks.MAX_DEPTH),
                    default=4, help="largest depth 'auto' tries")
     p.add_argument("--no-pipeline", action="store_true",
@@ -458,7 +464,8 @@ def main(argv=None):
                       file=sys.stderr)
                 return 1
         try:
-            model, tokenizer = load(model_path, tokenizer_config=tokenizer_config)
+            model, tokenizer = load(model_path, tokenizer_config=tokenizer_config,
+                                    draft=args.draft_model)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -2,22 +2,22 @@
 
 Forward (docs/design.md, "Models"), at position t:
     x = fc(concat[pre_fc_norm_embedding(embed(tok_{t+1})), pre_fc_norm_hidden(h_t)])
-    x = decoder_layer(x)                   # mlx_lm's own Qwen3.5 layer, own KV cache
+    x = decoder_layer(x)                   # the family's mlx_lm layer, own KV cache
     g = norm(x)                            # fed back as h for the next draft step
     logits = lm_head(g)                    # shared with the trunk
 h_t is the trunk's final hidden after its final norm. Embedding and lm_head are
-the trunk's; the head owns none.
+the trunk's; the head owns none. The decoder layer is built by the family
+(`head_layer`, docs/design.md "Families"): Qwen3.5's by default.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
-from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 # Zero-centred RMSNorm weights of the head (stored as w, applied as 1+w in HF).
 HEAD_NORM_SUFFIXES = (
@@ -32,16 +32,18 @@ HEAD_NORM_SUFFIXES = (
 
 
 class MTPHead(nn.Module):
-    def __init__(self, args: TextModelArgs, num_layers: int = 1):
+    def __init__(self, args, num_layers: int = 1,
+                 make_layer: Optional[Callable[[object, int], nn.Module]] = None):
+        """args: the trunk's text args; make_layer(args, i): head layer i, a
+        full-attention decoder layer of the family (Qwen3.5's when not given)."""
         super().__init__()
+        if make_layer is None:
+            from .families.qwen3_5 import head_layer as make_layer
         H = args.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        # layer_idx = interval - 1 makes mlx_lm build a full-attention layer
-        # (MoE MLP when the trunk is MoE, as in the released checkpoints).
-        attn_idx = args.full_attention_interval - 1
-        self.layers = [DecoderLayer(args, attn_idx) for _ in range(num_layers)]
+        self.layers = [make_layer(args, i) for i in range(num_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
 
     def make_cache(self):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
-from .families import MODEL_CLASSES, SUPPORTED_MODEL_TYPES
+from .families import MODEL_CLASSES, family_of
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -65,12 +65,7 @@ def read_config(model_path: Path) -> Dict[str, Any]:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{cfg_file} must hold a JSON object, not {type(config).__name__}")
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported by mlx_mtp; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    family_of(config.get("model_type"))  # one line naming the supported types
     return config
 
 
@@ -148,6 +143,7 @@ def load(
     return_config: bool = False,
     revision: Optional[str] = None,
     quiet: bool = False,
+    draft: Optional[Union[str, Path]] = None,
 ) -> Union[Tuple["MTPModel", "TokenizerWrapper"],
            Tuple["MTPModel", "TokenizerWrapper", Dict[str, Any]]]:
     """Load model (trunk + MTP head) and tokenizer (and the config with
@@ -155,7 +151,9 @@ def load(
 
     The model is mlx_lm's own class for the trunk, so it also works unchanged
     with mlx_lm.generate. A checkpoint without `mtp.*` loads for plain decoding
-    (one notice on stderr).
+    (one notice on stderr). `draft`: a folder holding an MTP head for this
+    trunk (mlx-vlm's split drafter, or `mtp.*` safetensors with their
+    config; see mlx_mtp/draft.py), drafted with instead of the checkpoint's own.
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -166,6 +164,11 @@ def load(
     for f in weight_files(model_path):
         safetensors_header(f)
     check_tokenizer_files(model_path)
+    head = None
+    if draft is not None:
+        from .draft import read_draft
+
+        head = read_draft(draft, config, model_path)
 
     model, config = load_model(
         model_path,
@@ -173,22 +176,27 @@ def load(
         model_config=model_config,
         get_model_classes=lambda config: MODEL_CLASSES[config["model_type"]],
     )
+    model.model_path = str(model_path)
+    if head is not None:
+        from .draft import attach_head
+
+        attach_head(model, head, lazy=lazy, quiet=quiet)
     if not model.has_mtp and not quiet:
         reason = (
             "has no mtp.* tensors"
             if getattr(model, "mtp_missing", False)
-            else "declares no MTP layers (mtp_num_hidden_layers)"
+            else f"declares no MTP layers ({model.mtp_layers_key})"
         )
         print(
             f"[mlx_mtp] {model_path} {reason}: decoding without MTP. To add a head to an "
             "MLX conversion, run: python -m mlx_mtp.convert --graft "
-            f"{model_path} --hf-path <original HF repo>",
+            f"{model_path} --hf-path <original HF repo> (or draft from a head folder: "
+            "--draft-model / draft=)",
             file=sys.stderr,
         )
     tokenizer = load_tokenizer(
         model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id", None)
     )
-    model.model_path = str(model_path)
     if return_config:
         return model, tokenizer, config
     return model, tokenizer

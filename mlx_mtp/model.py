@@ -14,6 +14,7 @@ also works unchanged with `mlx_lm.generate`.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from typing import Dict, Optional
 
@@ -25,15 +26,48 @@ from .head import MTPHead
 
 
 class MTPWeightError(ValueError):
-    """Missing, partial or wrong-shaped MTP tensors."""
+    """Missing, partial, unknown or wrong-shaped MTP tensors, or a head
+    configuration mlx_mtp cannot run."""
+
+
+# Config keys that give the head's layer count: Qwen3.5/3.6 name it
+# mtp_num_hidden_layers, Qwen3-Next (and DeepSeek-style configs)
+# num_nextn_predict_layers.
+MTP_LAYER_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+
+_HEAD_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def declared_mtp_layers(text_config: dict) -> Optional[int]:
+    """The head's layer count the config declares; None when it names none
+    (then the `mtp.*` tensors decide: `head_layers_in`)."""
+    for key in MTP_LAYER_KEYS:
+        if text_config.get(key) is not None:
+            return int(text_config[key])
+    return None
 
 
 def mtp_num_layers(text_config: dict) -> int:
-    return int(
-        text_config.get("mtp_num_hidden_layers")
-        or text_config.get("num_nextn_predict_layers")
-        or 0
-    )
+    return declared_mtp_layers(text_config) or 0
+
+
+def head_layers_in(names) -> int:
+    """How many head decoder layers the tensor names hold (`mtp.layers.{i}.*`)."""
+    found = [int(m.group(1)) for m in map(_HEAD_LAYER.match, names) if m]
+    return max(found) + 1 if found else 0
+
+
+def check_head_config(text_config: dict) -> None:
+    """Refuse head variants mlx_mtp cannot run, naming the config key.
+
+    `mtp_use_dedicated_embeddings: true` would give the head an embedding and
+    lm_head of its own; every released Qwen3.5/3.6/3.8 config sets it false
+    (the head shares the trunk's), which is the only layout supported
+    (docs/design.md, "Families")."""
+    if text_config.get("mtp_use_dedicated_embeddings"):
+        raise MTPWeightError(
+            "mtp_use_dedicated_embeddings=true (an MTP head with its own embedding and "
+            "lm_head) is not supported by mlx_mtp; the released checkpoints set it false")
 
 
 class Runtime:
@@ -67,10 +101,14 @@ class Runtime:
 
 
 class MTPModel:
-    """Mixin for a family's model classes (first base, before mlx_lm's class)."""
+    """Mixin for a family's model classes (first base, before mlx_lm's class).
+
+    A family says where it keeps its parts and how its checkpoints name the
+    head (docs/design.md, "Families"); everything else is here."""
 
     # -- family hooks -------------------------------------------------------------
     verifying_gdn = None  # the family's GDN subclass that captures a verify
+    mtp_layers_key = "mtp_num_hidden_layers"  # the config key the family's configs use
 
     @property
     def text_model(self) -> nn.Module:
@@ -81,9 +119,37 @@ class MTPModel:
     def text_args(self):
         raise NotImplementedError
 
+    @property
+    def untied_lm_head(self) -> nn.Module:
+        """The trunk's lm_head module (used when embeddings are not tied)."""
+        raise NotImplementedError
+
+    @classmethod
+    def args_from_config(cls, config: dict):
+        """The trunk's text args from a config.json dict, without building a
+        model (the converter's graft and draft folders build a head alone)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def head_layer(args, index: int) -> nn.Module:
+        """Head decoder layer `index`: the family's full-attention layer."""
+        raise NotImplementedError
+
     @staticmethod
     def sanitize_trunk_experts(weights: dict) -> dict:
         return weights
+
+    @staticmethod
+    def trunk_norms_unshifted(weights: dict) -> bool:
+        """mlx_lm's own rule for shifting the trunk's zero-centred norms (+1)
+        at load: the head's norms follow it, so both are shifted exactly once."""
+        raise NotImplementedError
+
+    @staticmethod
+    def hf_layout(names) -> bool:
+        """Whether a full checkpoint's tensor names are the HF release's
+        (norms zero-centred) rather than an MLX conversion's, from names alone."""
+        raise NotImplementedError
 
     @staticmethod
     def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
@@ -92,12 +158,27 @@ class MTPModel:
 
     # -- setup --------------------------------------------------------------------
     def _init_mtp(self, text_config: dict):
-        self.mtp_layers = mtp_num_layers(text_config)
+        check_head_config(text_config)
+        self.mtp_layers_declared = declared_mtp_layers(text_config)
         for layer in self.text_model.layers:
             if layer.is_linear:  # same parameters, can capture a verify
                 layer.linear_attn = self.verifying_gdn(self.text_args)
-        self.mtp = MTPHead(self.text_args, self.mtp_layers) if self.mtp_layers > 0 else None
+        self.mtp = None
+        self.set_head(self.mtp_layers_declared or 0)
         self.runtime = Runtime()
+
+    @classmethod
+    def make_head(cls, args, num_layers: int) -> "MTPHead":
+        return MTPHead(args, num_layers, cls.head_layer)
+
+    def set_head(self, num_layers: int):
+        """A fresh head of `num_layers` layers (none for 0), replacing any."""
+        self.drop_mtp()
+        self.mtp_layers = num_layers
+        if num_layers > 0:
+            self.mtp = self.make_head(self.text_args, num_layers)
+        if hasattr(self, "runtime"):
+            self.runtime.clear()
 
     @property
     def has_mtp(self) -> bool:
@@ -121,7 +202,7 @@ class MTPModel:
         """mlx_lm's own prompt cache for the trunk: mlx_lm's generation and
         batching use it unchanged; mlx_mtp's first call appends the head's
         entries to it (cache.py)."""
-        return self.language_model.make_cache()
+        return super().make_cache()
 
     # -- forward pieces the decode cycle calls ------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
@@ -134,12 +215,12 @@ class MTPModel:
     def _lm_head_module(self):
         if self.text_args.tie_word_embeddings:
             return self.text_model.embed_tokens
-        return self.language_model.lm_head
+        return self.untied_lm_head
 
     def logits_from_hidden(self, hidden: mx.array) -> mx.array:
         if self.text_args.tie_word_embeddings:
             return self.text_model.embed_tokens.as_linear(hidden)
-        return self.language_model.lm_head(hidden)
+        return self.untied_lm_head(hidden)
 
     def lm_head_weights(self) -> dict:
         """lm_head (or tied embedding) as draft_project arguments: weight and,
@@ -167,14 +248,15 @@ class MTPModel:
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         # mlx_lm shifts zero-centred norms iff it sees an unconverted checkpoint;
         # the head's norms follow the same rule so they are shifted exactly once.
-        unconverted = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in trunk.items())
+        unconverted = self.trunk_norms_unshifted(trunk)
         trunk = super().sanitize(self.sanitize_trunk_experts(trunk))
         if not mtp:
-            if self.has_mtp:
-                self.drop_mtp()
-                self.mtp_missing = True
+            self.drop_mtp()
+            self.mtp_missing = self.mtp_layers_declared != 0
             return trunk
-        if not self.has_mtp:  # tensors present but config has no head: ignore them
+        if self.mtp_layers_declared is None:  # the config names no count: the tensors say
+            self.set_head(head_layers_in(mtp))
+        if not self.has_mtp:  # tensors present but the config declares 0 layers: ignore them
             return trunk
         mtp = self.sanitize_head(mtp, self.mtp_layers, unconverted)
         self._check_mtp(mtp)
@@ -182,16 +264,28 @@ class MTPModel:
         return trunk
 
     def _check_mtp(self, mtp: dict):
-        expected = {f"mtp.{k}": v for k, v in tree_flatten(self.mtp.parameters())}
-        quantized = any(k.endswith(".scales") for k in mtp)
-        for name, param in expected.items():
-            if name not in mtp:
-                raise MTPWeightError(f"MTP tensor {name} is missing from the checkpoint")
-            got = tuple(mtp[name].shape)
-            if not quantized and got != tuple(param.shape):
-                raise MTPWeightError(
-                    f"MTP tensor {name} has shape {got}, expected {tuple(param.shape)}")
-        if not quantized:
-            extra = sorted(set(mtp) - set(expected))
-            if extra:
-                raise MTPWeightError(f"unexpected MTP tensor {extra[0]}")
+        check_head_weights(self.mtp, mtp)
+
+
+def check_head_weights(head: nn.Module, mtp: dict) -> None:
+    """Every tensor the head needs is there with its shape (quantized tensors:
+    by name), and no tensor is unknown; errors name the tensor."""
+    expected = {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
+    quantized = any(k.endswith(".scales") for k in mtp)
+    for name, param in expected.items():
+        if name not in mtp:
+            raise MTPWeightError(f"MTP tensor {name} is missing from the checkpoint")
+        got = tuple(mtp[name].shape)
+        if not quantized and got != tuple(param.shape):
+            raise MTPWeightError(
+                f"MTP tensor {name} has shape {got}, expected {tuple(param.shape)}")
+
+    def known(name):
+        if name in expected:
+            return True
+        base, _, kind = name.rpartition(".")
+        return quantized and kind in ("scales", "biases") and f"{base}.weight" in expected
+
+    extra = sorted(k for k in mtp if not known(k))
+    if extra:
+        raise MTPWeightError(f"unexpected MTP tensor {extra[0]} (a head layout mlx_mtp does not know)")

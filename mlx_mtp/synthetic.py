@@ -1,9 +1,13 @@
 """Random-weight checkpoints in the released Hugging Face layout.
 
-Used by the tests and benchmarks (no real Qwen3.5 weights can be fetched here):
-`model.language_model.*`, `lm_head.*`, `mtp.*`, a vision tensor to ignore,
-zero-centred norms, HF conv1d layout [C, 1, K], fused 3-D experts (or one
-tensor per expert), a byte-level tokenizer and a chat template.
+Used by the tests and benchmarks (no real weights can be fetched here).
+Qwen3.5/3.6 (`family="qwen3_5"`): `model.language_model.*`, `lm_head.*`,
+`mtp.*`, a vision tensor to ignore, nested `text_config`, fused 3-D experts
+(or one tensor per expert). Qwen3-Next (`family="qwen3_next"`, as
+transformers' Qwen3NextForCausalLM names it): flat config, `model.*`,
+`lm_head.*`, `mtp.*`, fused GDN projections `in_proj_qkvz` / `in_proj_ba`,
+one tensor per expert, in the head too. Both: zero-centred norms, HF conv1d
+layout [C, 1, K], a byte-level tokenizer and a chat template.
 """
 
 from __future__ import annotations
@@ -68,10 +72,66 @@ def tiny_text_config(moe: bool = False, **overrides) -> Dict:
     return cfg
 
 
+def tiny_next_config(**overrides) -> Dict:
+    """A tiny Qwen3-Next config (flat, as the released config.json; it names
+    no MTP layer count, as the released one does not)."""
+    cfg = dict(
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        rms_norm_eps=1e-6,
+        vocab_size=259,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        rope_scaling=None,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        hidden_act="silu",
+        eos_token_id=258,
+        # no torch_dtype (released: bfloat16): conversions then stay float32,
+        # since MLX CPU's gather_mm (MoE experts) runs only in float32
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def _next_layer_is_moe(tc: Dict, index: int) -> bool:
+    """Qwen3-Next's MLP rule for layer `index` (trunk and head alike)."""
+    return (index not in tc.get("mlp_only_layers", [])
+            and tc.get("num_experts", 0) > 0
+            and (index + 1) % tc.get("decoder_sparse_step", 1) == 0)
+
+
 def random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
-                   per_expert: bool = False, scale: float = 0.02) -> Dict[str, np.ndarray]:
-    """HF-named float32 numpy tensors with random values."""
+                   per_expert: bool = False, scale: float = 0.02,
+                   mtp_layers: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """HF-named float32 numpy tensors with random values; the layout follows
+    tc["model_type"] (Qwen3.5/3.6 or Qwen3-Next). `mtp_layers` defaults to
+    the config's count (1 when it names none)."""
     rng = np.random.default_rng(seed)
+    next_layout = tc["model_type"] == "qwen3_next"
+    per_expert = per_expert or next_layout  # Qwen3-Next ships one tensor per expert
+    if mtp_layers is None:
+        mtp_layers = tc.get("mtp_num_hidden_layers", tc.get("num_nextn_predict_layers", 1))
     H, V = tc["hidden_size"], tc["vocab_size"]
 
     def w(*shape, s=scale):
@@ -97,8 +157,8 @@ def random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
             f"{p}.k_norm.weight": zc_norm(hd),
         }
 
-    def mlp(p):
-        if not moe:
+    def mlp(p, index):
+        if not (_next_layer_is_moe(tc, index) if next_layout else moe):
             I = tc["intermediate_size"]
             return {
                 f"{p}.gate_proj.weight": w(I, H),
@@ -125,7 +185,7 @@ def random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
         return out
 
     t: Dict[str, np.ndarray] = {}
-    lm = "model.language_model"
+    lm = "model" if next_layout else "model.language_model"
     t[f"{lm}.embed_tokens.weight"] = w(V, H, s=1.0)
     for i in range(tc["num_hidden_layers"]):
         p = f"{lm}.layers.{i}"
@@ -135,32 +195,37 @@ def random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
             t.update(attn(f"{p}.self_attn"))
         else:
             la = f"{p}.linear_attn"
-            t[f"{la}.in_proj_qkv.weight"] = w(conv_dim, H, s=0.1)
-            t[f"{la}.in_proj_z.weight"] = w(hv * dv, H, s=0.1)
-            t[f"{la}.in_proj_b.weight"] = w(hv, H, s=0.1)
-            t[f"{la}.in_proj_a.weight"] = w(hv, H, s=0.1)
+            if next_layout:  # fused, grouped per key head: [q k v z] and [b a]
+                t[f"{la}.in_proj_qkvz.weight"] = w(conv_dim + hv * dv, H, s=0.1)
+                t[f"{la}.in_proj_ba.weight"] = w(2 * hv, H, s=0.1)
+            else:
+                t[f"{la}.in_proj_qkv.weight"] = w(conv_dim, H, s=0.1)
+                t[f"{la}.in_proj_z.weight"] = w(hv * dv, H, s=0.1)
+                t[f"{la}.in_proj_b.weight"] = w(hv, H, s=0.1)
+                t[f"{la}.in_proj_a.weight"] = w(hv, H, s=0.1)
             t[f"{la}.conv1d.weight"] = w(conv_dim, 1, K, s=0.3)
             t[f"{la}.dt_bias"] = np.ones(hv, np.float32)
             t[f"{la}.A_log"] = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
             t[f"{la}.norm.weight"] = (1.0 + rng.standard_normal(dv) * 0.1).astype(np.float32)
             t[f"{la}.out_proj.weight"] = w(H, hv * dv, s=0.1)
-        t.update(mlp(f"{p}.mlp"))
+        t.update(mlp(f"{p}.mlp", i))
     t[f"{lm}.norm.weight"] = zc_norm(H)
     if not tc.get("tie_word_embeddings", False):
         t["lm_head.weight"] = w(V, H, s=0.5)
-    if mtp:
-        for i in range(tc.get("mtp_num_hidden_layers", 0)):
+    if mtp and mtp_layers:
+        for i in range(mtp_layers):
             p = f"mtp.layers.{i}"
             t[f"{p}.input_layernorm.weight"] = zc_norm(H)
             t[f"{p}.post_attention_layernorm.weight"] = zc_norm(H)
             t.update(attn(f"{p}.self_attn"))
-            t.update(mlp(f"{p}.mlp"))
+            t.update(mlp(f"{p}.mlp", i))
         t["mtp.fc.weight"] = w(H, 2 * H, s=0.1)
         t["mtp.pre_fc_norm_embedding.weight"] = zc_norm(H)
         t["mtp.pre_fc_norm_hidden.weight"] = zc_norm(H)
         t["mtp.norm.weight"] = zc_norm(H)
-    # Vision tower tensors ship in the released checkpoints; loaders ignore them.
-    t["model.visual.patch_embed.proj.weight"] = w(8, 3, 2, 2)
+    if not next_layout:
+        # Vision tower tensors ship in the released checkpoints; loaders ignore them.
+        t["model.visual.patch_embed.proj.weight"] = w(8, 3, 2, 2)
     return t
 
 
@@ -209,10 +274,22 @@ def save_safetensors_shards(path: Path, tensors: Dict[str, np.ndarray], dtype: s
 def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True,
                      per_expert: bool = False, dtype: str = "float32", shards: int = 1,
                      text_overrides: Optional[Dict] = None,
-                     weights: Optional[Dict[str, np.ndarray]] = None) -> Path:
-    """Write a random Qwen3.5(-MoE) checkpoint folder in the released HF layout."""
+                     weights: Optional[Dict[str, np.ndarray]] = None,
+                     family: str = "qwen3_5") -> Path:
+    """Write a random checkpoint folder in the released HF layout: Qwen3.5
+    (Qwen3.5-MoE with moe=True), or Qwen3-Next with family="qwen3_next"."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if family == "qwen3_next":
+        config = tiny_next_config(**(text_overrides or {}))
+        if weights is None:
+            weights = random_weights(config, seed, mtp=mtp)
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        save_safetensors_shards(path, weights, dtype, shards)
+        write_tokenizer(path, config["eos_token_id"])
+        return path
+    if family != "qwen3_5":
+        raise ValueError(f"unknown family {family!r}")
     tc = tiny_text_config(moe=moe, **(text_overrides or {}))
     if weights is None:
         weights = random_weights(tc, seed, mtp=mtp, per_expert=per_expert)
@@ -228,3 +305,69 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
     save_safetensors_shards(path, weights, dtype, shards)
     write_tokenizer(path, tc["eos_token_id"])
     return path
+
+
+# Norms mlx-vlm's qwen3_5_mtp splitter shifts (+1) when it reads an HF source.
+_MLX_VLM_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
+                  ".k_norm.weight", "norm.weight", "pre_fc_norm_embedding.weight",
+                  "pre_fc_norm_hidden.weight")
+
+
+def write_mlx_vlm_drafter(source, out, *, bits: Optional[int] = None, group_size: int = 64) -> Path:
+    """The split drafter folder mlx-vlm's `qwen3_5_mtp` splitter writes from
+    an HF checkpoint (mlx_vlm/speculative/drafters/qwen3_5_mtp/split.py and
+    mtp_split.py, read, not copied): config.json with `model_type:
+    qwen3_5_mtp`, the source's `text_config`, `block_size`,
+    `tie_word_embeddings` (+ `quantization`); `model.safetensors` (format
+    mlx) with the head's tensors without the `mtp.` prefix, norms shifted,
+    experts as `switch_mlp`; the tokenizer files. With `bits`, every 2-D+
+    `.weight` but the router gate is affine-quantized, as its splitter does."""
+    import mlx.core as mx
+
+    source, out = Path(source), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    tc = config.get("text_config") or config
+    heads = {}
+    for f in sorted(source.glob("*.safetensors")):
+        heads.update({k[len("mtp."):]: v for k, v in mx.load(str(f)).items() if k.startswith("mtp.")})
+    tensors, per_expert = {}, {}
+    for k, v in heads.items():
+        parts = k.split(".")
+        if ".experts." in k and parts[-3].isdigit():  # layers.i.mlp.experts.e.proj.weight
+            mlp = ".".join(parts[:-4])
+            per_expert.setdefault((mlp, parts[-2]), {})[int(parts[-3])] = v
+        elif k.endswith(".experts.gate_up_proj"):
+            mlp = k[: -len(".experts.gate_up_proj")]
+            gate, up = mx.split(v, 2, axis=-2)
+            tensors[f"{mlp}.switch_mlp.gate_proj.weight"] = gate
+            tensors[f"{mlp}.switch_mlp.up_proj.weight"] = up
+        elif k.endswith(".experts.down_proj"):
+            tensors[f"{k[: -len('.experts.down_proj')]}.switch_mlp.down_proj.weight"] = v
+        elif k.endswith(_MLX_VLM_NORMS) and v.ndim == 1:
+            tensors[k] = v + 1.0
+        else:
+            tensors[k] = v
+    for (mlp, proj), experts in per_expert.items():
+        tensors[f"{mlp}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in sorted(experts)])
+    draft_config = {
+        "model_type": "qwen3_5_mtp",
+        "text_config": tc,
+        "block_size": int(tc.get("mtp_num_hidden_layers", 1)) + 2,
+        "tie_word_embeddings": bool(tc.get("tie_word_embeddings", True)),
+    }
+    if bits:
+        for k in [k for k in tensors if k.endswith(".weight") and not k.endswith("mlp.gate.weight")]:
+            v = tensors[k]
+            if v.ndim >= 2 and v.shape[-1] % group_size == 0:
+                base = k[: -len(".weight")]
+                tensors[k], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = mx.quantize(
+                    v, group_size=group_size, bits=bits)
+        draft_config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        draft_config["quantization_config"] = draft_config["quantization"]
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(dict(sorted(draft_config.items())), indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        if (source / name).exists():
+            (out / name).write_bytes((source / name).read_bytes())
+    return out

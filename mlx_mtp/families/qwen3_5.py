@@ -4,7 +4,9 @@ parts, its verifying GDN layer, and its checkpoints' head tensor names.
 Layout: `language_model.model` (embed_tokens, layers, norm) and
 `language_model.lm_head` (or the tied embedding); HF checkpoints name the
 trunk `model.language_model.*` and the head `mtp.*`, MoE experts fused
-(`experts.gate_up_proj`, `experts.down_proj`) or one tensor per expert.
+(`experts.gate_up_proj`, `experts.down_proj`) or one tensor per expert
+(also in the head of a fused trunk). The head layer is mlx_lm's Qwen3.5
+DecoderLayer. See docs/design.md, "Families".
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ def split_fused_experts(weights: dict, mlp: str) -> None:
         if down is None:
             raise MTPWeightError(f"{mlp}.experts.down_proj is missing")
         weights[f"{mlp}.switch_mlp.down_proj.weight"] = down
+
+
+def head_layer(args, index: int):
+    """Head layer `index`: mlx_lm's Qwen3.5 DecoderLayer, built as a
+    full-attention layer (layer_idx = interval - 1), with the MoE MLP when
+    the trunk is MoE, as in the released checkpoints."""
+    return qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
+
+
+def trunk_norms_unshifted(weights: dict) -> bool:
+    """mlx_lm's qwen3_5 rule: an unconverted checkpoint has conv1d [C, 1, K]."""
+    return any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
 
 
 def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
@@ -110,6 +124,7 @@ class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):
 
 class _Qwen35(MTPModel):
     verifying_gdn = VerifyingGatedDeltaNet
+    mtp_layers_key = "mtp_num_hidden_layers"
 
     @property
     def text_model(self):
@@ -119,10 +134,25 @@ class _Qwen35(MTPModel):
     def text_args(self):
         return self.language_model.args
 
+    @property
+    def untied_lm_head(self):
+        return self.language_model.lm_head
+
+    @classmethod
+    def args_from_config(cls, config: dict):
+        return qwen3_5.TextModelArgs.from_dict(config.get("text_config", config))
+
     @staticmethod
     def sanitize_trunk_experts(weights: dict) -> dict:
         return stack_expert_tensors(weights, TRUNK_PREFIX)
 
+    @staticmethod
+    def hf_layout(names) -> bool:
+        # mlx_lm's conversions name every trunk tensor `language_model.*`
+        return not any(k.startswith("language_model.") for k in names)
+
+    head_layer = staticmethod(head_layer)
+    trunk_norms_unshifted = staticmethod(trunk_norms_unshifted)
     sanitize_head = staticmethod(sanitize_head)
 
 

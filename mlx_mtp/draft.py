@@ -1,0 +1,239 @@
+"""MTP heads stored apart from their trunk: a drafter folder, attached at load
+(`mlx_mtp.load(trunk, draft=FOLDER)`, `--draft-model FOLDER`).
+
+Folders read (docs/design.md, "Families" / "Draft folders"):
+
+- mlx-vlm's split drafter (`model_type: qwen3_5_mtp`, written by
+  `mlx_vlm.speculative.drafters.qwen3_5_mtp.split`): config.json holds
+  `text_config` (the source model's), `block_size`, `tie_word_embeddings` and,
+  when quantized, `quantization`; `model.safetensors` holds the head's tensors
+  without the `mtp.` prefix, norms already shifted (its splitter adds 1 to an
+  HF source's and keeps an MLX source's), experts as `switch_mlp` (older
+  versions: as the source had them).
+- a folder of `mtp.*` safetensors beside the source's config.json: an HF
+  release's head shard with its config, an mlx_mtp conversion, or a whole
+  checkpoint with a head (only the shards holding `mtp.*` are read).
+
+A folder without an MTP head (a separate draft model, as mlx_lm's
+`--draft-model` takes) is refused: the MTP head is the drafter here.
+
+The head must fit the trunk (`check_head_fits_trunk`, shared with
+`convert --graft`), and whether its norms are zero-centred (HF) or shifted
+(MLX) is read from the folder (`norms_shifted`), never assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .load import CheckpointError, safetensors_header
+
+HEAD_PREFIX = "mtp."
+MLX_VLM_DRAFTER = "qwen3_5_mtp"
+# Trunk properties a head must share with the trunk it was trained with.
+MATCH_KEYS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
+
+_HF_EXPERTS = re.compile(r"\.experts\.(\d+\.(gate|up|down)_proj|gate_up_proj|down_proj)")
+
+
+class DraftError(ValueError):
+    """A drafter folder that cannot be attached; the message is one line."""
+
+
+def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    return config.get("text_config") or config
+
+
+def _kind(config: Dict[str, Any]) -> str:
+    """The architecture a config describes (`qwen3_5`, `qwen3_5_moe`,
+    `qwen3_next`), whether nested (`*_text`), flat, or an mlx-vlm drafter's."""
+    kind = text_config(config).get("model_type") or config.get("model_type") or "?"
+    return kind[: -len("_text")] if kind.endswith("_text") else kind
+
+
+def check_head_fits_trunk(trunk_config: Dict, head_config: Dict, trunk_name, head_name) -> None:
+    """Raise ValueError ("trunk mismatch: ...") unless the head's source
+    config describes the same architecture and sizes as the trunk's."""
+    a, b = _kind(trunk_config), _kind(head_config)
+    if a != b:
+        raise ValueError(f"trunk mismatch: model_type {a!r} in {trunk_name} vs {b!r} in {head_name}")
+    t, s = text_config(trunk_config), text_config(head_config)
+    for k in MATCH_KEYS:
+        if t.get(k, 0) != s.get(k, 0):
+            raise ValueError(
+                f"trunk mismatch: {k} {t.get(k)} in {trunk_name} vs {s.get(k)} in {head_name}")
+
+
+@dataclass
+class DraftHead:
+    """A head read from a folder: `mtp.*`-named tensors and what they need."""
+
+    path: Path
+    config: Dict[str, Any]  # the source model's config (the trunk it belongs to)
+    weights: Dict[str, Any]
+    layers: int
+    norms_shifted: bool
+    norms_evidence: str
+    quantization: Optional[Dict[str, Any]]
+
+
+def _weight_files(folder: Path) -> Tuple[Dict[str, Path], Dict[Path, Dict]]:
+    """(tensor name -> file, file -> header) of a folder's safetensors."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(folder.glob("*.safetensors"))
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index} has no weight_map object") from None
+        files = sorted({folder / f for f in weight_map.values()})
+        for f in files:
+            if not f.exists():
+                raise FileNotFoundError(f"{f} (listed in {index.name}) is missing")
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    headers = {f: safetensors_header(f) for f in files}
+    where = {n: f for f, h in headers.items() for n in h if n != "__metadata__"}
+    return where, headers
+
+
+def norms_shifted(config: Dict, names: List[str], all_names: List[str],
+                  formats: set, family) -> Tuple[bool, str]:
+    """Whether a head's RMSNorm weights are already shifted (+1, MLX) or still
+    zero-centred (HF), from the folder's own evidence, strongest first;
+    DraftError when nothing tells."""
+    recorded = (config.get("mlx_mtp") or {}).get("norms_shifted")
+    if recorded is not None:
+        return bool(recorded), "recorded by mlx_mtp (config mlx_mtp.norms_shifted)"
+    if config.get("model_type") == MLX_VLM_DRAFTER:
+        return True, "mlx-vlm split drafter (its splitter shifts them)"
+    trunk = [n for n in all_names if not n.startswith(HEAD_PREFIX)]
+    if trunk and family is not None:
+        hf = family.hf_layout(trunk)
+        return (not hf), ("HF" if hf else "MLX") + " tensor names of the trunk beside it"
+    if config.get("quantization") or any(n.endswith(".scales") for n in names):
+        return True, "MLX-quantized head"
+    if any(".switch_mlp." in n for n in names):
+        return True, "MLX expert layout (switch_mlp)"
+    if any(_HF_EXPERTS.search(n) for n in names):
+        return False, "HF expert layout"
+    if formats == {"pt"}:
+        return False, "safetensors written by PyTorch (HF)"
+    if formats == {"mlx"}:
+        return True, "safetensors written by MLX"
+    raise DraftError(
+        "cannot tell whether the MTP norms are zero-centred (HF) or shifted (MLX): no "
+        "config record, expert layout or safetensors format says; add \"mlx_mtp\": "
+        "{\"norms_shifted\": true|false} to its config.json")
+
+
+def read_draft_folder(folder, trunk_family=None, trunk_config: Optional[Dict] = None,
+                      trunk_name=None) -> DraftHead:
+    """Read a drafter folder's head (only the shards holding it), after
+    checking it against `trunk_config` when given."""
+    import mlx.core as mx
+
+    from .families import MODEL_CLASSES
+    from .model import check_head_config, declared_mtp_layers, head_layers_in
+
+    folder = Path(folder)
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} is missing")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    drafter = config.get("model_type") == MLX_VLM_DRAFTER
+    where, headers = _weight_files(folder)
+    if drafter:  # mlx-vlm strips the prefix
+        rename = {n: n if n.startswith(HEAD_PREFIX) else HEAD_PREFIX + n for n in where}
+    else:
+        rename = {n: n for n in where if n.startswith(HEAD_PREFIX)}
+    if not rename:
+        raise DraftError(
+            f"{folder} holds no MTP head (no mtp.* tensors; model_type "
+            f"{config.get('model_type')!r}): mlx_mtp drafts with the target's MTP head, not "
+            "with a separate draft model; give a folder with the head's mtp.* tensors "
+            "(e.g. mlx-vlm's split drafter, or the original checkpoint)")
+    source = config["text_config"] if drafter and isinstance(config.get("text_config"), dict) else config
+    if trunk_config is not None:
+        check_head_fits_trunk(trunk_config, source, trunk_name, folder)
+    source_text = text_config(source)
+    check_head_config(source_text)
+    names = sorted(rename.values())
+    found = head_layers_in(names)
+    declared = declared_mtp_layers(source_text)
+    if declared is not None and declared != found:
+        raise DraftError(f"{folder}: its config declares {declared} MTP layer(s) but its tensors "
+                         f"hold {found}")
+    family = trunk_family
+    if family is None:
+        entry = MODEL_CLASSES.get(config.get("model_type"))
+        family = entry[0] if entry else None
+    formats = {(h.get("__metadata__") or {}).get("format") for f, h in headers.items()
+               if any(where[n] == f for n in rename)}
+    shifted, evidence = norms_shifted(config, names, list(where), formats, family)
+    weights: Dict[str, Any] = {}
+    for f in sorted({where[n] for n in rename}):
+        loaded = mx.load(str(f))
+        weights.update({rename[n]: v for n, v in loaded.items() if n in rename})
+        del loaded
+    quant = config.get("quantization")
+    if isinstance(quant, dict) and drafter:  # per-module entries are named like the tensors
+        quant = {(HEAD_PREFIX + k if isinstance(v, dict) and not k.startswith(HEAD_PREFIX) else k): v
+                 for k, v in quant.items()}
+    return DraftHead(folder, source, weights, found, shifted, evidence,
+                     quant if isinstance(quant, dict) else None)
+
+
+def attach_head(model, head: DraftHead, lazy: bool = False, quiet: bool = False) -> None:
+    """Build the model family's head from `head` and make it the model's."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import infer_quant_config
+
+    from .model import check_head_weights
+
+    family = type(model)
+    weights = family.sanitize_head(dict(head.weights), head.layers, not head.norms_shifted)
+    new = family.make_head(model.text_args, head.layers)
+    quantization = head.quantization or {}
+    if any(k.endswith(".scales") for k in weights):
+        def predicate(path, module):
+            name = HEAD_PREFIX + path
+            if isinstance(quantization.get(name), dict):
+                return quantization[name]
+            if not hasattr(module, "to_quantized") or f"{name}.scales" not in weights:
+                return False
+            return infer_quant_config(name, module, weights)
+
+        nn.quantize(new, group_size=quantization.get("group_size", 64),
+                    bits=quantization.get("bits", 4), class_predicate=predicate)
+    check_head_weights(new, weights)
+    new.load_weights([(k[len(HEAD_PREFIX):], v) for k, v in weights.items()], strict=True)
+    if not lazy:
+        mx.eval(new.parameters())
+    if model.has_mtp and not quiet:
+        print(f"[mlx_mtp] {getattr(model, 'model_path', 'the model')} has its own MTP head; "
+              f"drafting with the one in {head.path}", file=sys.stderr)
+    model.set_head(0)
+    model.mtp = new
+    model.mtp_layers = head.layers
+
+
+def read_draft(draft, trunk_config: Dict, trunk_name) -> DraftHead:
+    """Read the drafter folder `draft` for the trunk of `trunk_config`
+    (checked before any tensor is read)."""
+    from .families import family_of
+
+    folder = Path(draft).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"draft folder {draft} does not exist")
+    return read_draft_folder(folder, family_of(trunk_config.get("model_type")), trunk_config,
+                             trunk_name)

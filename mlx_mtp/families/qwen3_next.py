@@ -1,0 +1,136 @@
+"""Qwen3-Next (`qwen3_next`): where this family keeps its parts, its verifying
+GDN layer, and its checkpoints' head tensor names.
+
+Layout: mlx_lm's `qwen3_next.Model`, flat: `model` (embed_tokens, layers,
+norm) and `lm_head`. HF checkpoints use the same names (`model.*`,
+`lm_head.weight`) plus `mtp.*`, and store one tensor per MoE expert
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`), in the head too. The GDN
+layers fuse their input projections (`in_proj_qkvz`, `in_proj_ba`, grouped
+per key head). The config names the head's layers `num_nextn_predict_layers`
+when it names them at all (released configs do not: the tensors decide).
+
+The head is vLLM's `Qwen3NextMultiTokenPredictor`: the same fc / norms as
+Qwen3.5's, and layer i is a full-attention Qwen3-Next decoder layer whose
+MLP follows the trunk's rule for layer index i (MoE unless i is in
+`mlp_only_layers` or off `decoder_sparse_step`). See docs/design.md, "Families".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models import qwen3_next
+
+from .. import metal as kernels
+from ..cache import CaptureCache
+from ..model import MTPModel
+from .qwen3_5 import sanitize_head
+
+
+@dataclasses.dataclass
+class ModelArgs(qwen3_next.ModelArgs):
+    """mlx_lm's args plus the config itself, which the head needs
+    (`num_nextn_predict_layers`, `mtp_use_dedicated_embeddings`) and mlx_lm's
+    dataclass drops."""
+
+    config: Optional[dict] = None
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "ModelArgs":
+        args = super().from_dict(params)
+        args.config = dict(params)
+        return args
+
+
+def head_layer(args, index: int):
+    """Head layer `index`: mlx_lm's Qwen3NextDecoderLayer as a full-attention
+    layer (interval 1), so `index` picks its MLP exactly as vLLM's
+    `mtp.layers.{index}` does."""
+    return qwen3_next.Qwen3NextDecoderLayer(
+        dataclasses.replace(args, full_attention_interval=1), index)
+
+
+def trunk_norms_unshifted(weights: dict) -> bool:
+    """mlx_lm's qwen3_next rule: it shifts the norms (and re-lays conv1d) when
+    the trunk stores one tensor per expert, i.e. an unconverted checkpoint."""
+    return any(k.startswith("model.layers.") and k.endswith(".mlp.experts.0.up_proj.weight")
+               for k in weights)
+
+
+class VerifyingGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
+    """mlx_lm's Qwen3NextGatedDeltaNet that, in a capturing cache, keeps every state.
+
+    Same parameters and arithmetic as the parent: its fused projections and
+    `fix_query_key_value_ordering`, then mlx_lm's single-token recurrence (the
+    kernels' reference), so an accepted position is bit-identical to plain
+    decoding. Outside a verify it is the parent, unchanged.
+    """
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if not (isinstance(cache, CaptureCache) and cache.capturing):
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), inputs.dtype)
+        state = cache[1]
+        if state is None:
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        mixed_qkv = mx.concatenate(
+            [q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        conv_out, conv_input = kernels.conv_verify(conv_state, mixed_qkv, self.conv1d.weight)
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        y, states = kernels.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, state)
+        cache.captured_states = states
+        cache.captured_conv_input = conv_input
+        out = self.norm(y, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class Model(MTPModel, qwen3_next.Model):
+    verifying_gdn = VerifyingGatedDeltaNet
+    mtp_layers_key = "num_nextn_predict_layers"
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self._init_mtp(args.config or {})
+
+    @property
+    def text_model(self):
+        return self.model
+
+    @property
+    def text_args(self):
+        return self.args
+
+    @property
+    def untied_lm_head(self):
+        return self.lm_head
+
+    @classmethod
+    def args_from_config(cls, config: dict):
+        return ModelArgs.from_dict(config)
+
+    @staticmethod
+    def hf_layout(names) -> bool:
+        return trunk_norms_unshifted(dict.fromkeys(names))
+
+    head_layer = staticmethod(head_layer)
+    trunk_norms_unshifted = staticmethod(trunk_norms_unshifted)
+    sanitize_head = staticmethod(sanitize_head)
+
+
+MODEL_CLASSES = {
+    "qwen3_next": (Model, ModelArgs),
+}
