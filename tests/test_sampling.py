@@ -448,7 +448,7 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
         assert np.array_equal(keep, row > -1e6)
         np.testing.assert_allclose(row[keep], want[keep], atol=2e-4, err_msg=f"{cfg} {i}")
         assert keep[t]  # never a token outside the support
-    if mode == "q":
+    if mode == "q" and k != "auto":  # (auto's depths follow timings: not a fixed mix)
         assert 0 < stats.accepted < stats.drafted
 
 
