@@ -169,7 +169,8 @@ class MTPModelProvider(lm_server.ModelProvider):
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         self.reset()
         mx.clear_cache()
-        model, tokenizer = load(model_path, tokenizer_config=self._tokenizer_config)
+        model, tokenizer = load(model_path, tokenizer_config=self._tokenizer_config,
+                                draft=self.cli_args.draft_model)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
@@ -715,8 +716,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 # -- CLI ----------------------------------------------------------------------------------------
-REFUSED = {"adapter_path": "--adapter-path (adapters)", "draft_model": "--draft-model "
-           "(a separate draft model: the MTP head drafts)", "kv_bits": "--kv-bits (a quantized "
+REFUSED = {"adapter_path": "--adapter-path (adapters)", "kv_bits": "--kv-bits (a quantized "
            "KV cache)", "pipeline": "--pipeline (distributed serving)"}
 
 
@@ -735,6 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", "--num-draft-tokens", dest="draft_tokens", type=parse_depth,
                    default="auto", help="MTP draft depth, or 'auto' (default)")
     p.add_argument("--max-draft-tokens", type=int, default=4, help="largest depth 'auto' tries")
+    p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
+                   help="a folder holding an MTP head for a trunk without one (mlx-vlm's "
+                        "split drafter, or mtp.* files with their config)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", type=str, default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -769,7 +772,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantized-kv-start", type=int, default=0, help=argparse.SUPPRESS)
     # mlx_lm.server flags mlx_mtp refuses
     p.add_argument("--adapter-path", type=str, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--draft-model", type=str, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-bits", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--pipeline", action="store_true", help=argparse.SUPPRESS)
     return p

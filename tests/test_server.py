@@ -350,7 +350,31 @@ def test_api_key_and_busy_server(tmp_path):
 
 
 def test_refused_flags():
-    for flag in (["--draft-model", "x"], ["--kv-bits", "4"]):
+    for flag in (["--adapter-path", "x"], ["--kv-bits", "4"]):
         r = subprocess.run([sys.executable, "-m", "mlx_mtp.server", *flag],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "does not support" in r.stderr
+
+
+def test_draft_model_folder(tmp_path):
+    """--draft-model attaches a split drafter (mlx-vlm's layout) to a trunk
+    without a head; a folder without a head is refused in one line."""
+    from mlx_mtp.synthetic import write_checkpoint, write_mlx_vlm_drafter
+
+    hf = write_checkpoint(tmp_path / "hf", seed=31)
+    nohead = write_checkpoint(tmp_path / "nohead", seed=31, mtp=False)
+    vlm = write_mlx_vlm_drafter(hf, tmp_path / "vlm")
+    r = subprocess.run([sys.executable, "-m", "mlx_mtp.server", "--model", str(nohead),
+                        "--draft-model", str(nohead)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "holds no MTP head" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    s = Server(["mlx_mtp.server", "--model", str(nohead), "--draft-model", str(vlm),
+                "--draft-tokens", "2"], tmp_path / "draft.log")
+    try:
+        body = requests.post(s.url + "/v1/completions",
+                             json={"prompt": "def f():", "max_tokens": 8}).json()
+        assert body["usage"]["completion_tokens"] == 8
+        assert body["usage"]["mtp"]["drafted"] > 0
+    finally:
+        s.close()
