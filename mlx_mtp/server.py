@@ -267,7 +267,12 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                         request = None
             if request is not None:
                 if not busy and (lane is None or not lane.accepts(settings, width)):
-                    lane = _Lane(self, settings, request[2])
+                    try:
+                        lane = _Lane(self, settings, request[2])
+                    except Exception as e:  # e.g. settings the sampler refuses
+                        lane = None
+                        _Lane._fail(request[0], e)
+                        continue
                 lane.join(request)
                 continue  # take every request that is waiting before the next cycle
             if busy:

@@ -1,11 +1,17 @@
 """Fixtures: tiny random checkpoints written in the released HF layout."""
 
 import os
+import signal
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# A shell that starts the suite in the background (`cmd &` without job control)
+# hands it SIGINT ignored, and every process it starts inherits that: the
+# Ctrl-C tests would then test nothing. Take SIGINT back (children get the default).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from mlx_mtp.synthetic import write_checkpoint  # noqa: E402
 
