@@ -260,8 +260,8 @@ def batch_generate(
     tic = time.perf_counter()
     done = 0
     with wired_limit(model, [generation_stream]):
-        for i, token, _, reason in decode_rows(batch, requests, tokenizer.eos_token_ids,
-                                               completion_batch_size, prefill_step_size):
+        for i, token, _, reason, _ in decode_rows(batch, requests, tokenizer.eos_token_ids,
+                                                  completion_batch_size, prefill_step_size):
             if reason != "stop":
                 results[i].append(token)
             if reason is not None:

@@ -149,13 +149,13 @@ def generate_tokens(
                        drafter=drafter, controller=controller, timeline=timeline)
     prompt, prompt_cache, keep_cache, max_tokens, key = batch.prepare(
         prompt, prompt_cache, max_tokens, seed, prefill_step_size)
-    stats = stats if stats is not None else MTPStats()
-    progress = prompt_progress_callback or (lambda *_: None)
-    token = object()
-    gen = _generate(batch, prompt, prompt_cache, keep_cache, token, key, max_tokens, stats,
-                    prefill_step_size, progress)
+    request = Request(prompt, prompt_cache, keep_cache, max_tokens, key,
+                      stats if stats is not None else MTPStats())
+    owner = object()
+    gen = _generate(batch, request, prefill_step_size,
+                    prompt_progress_callback or (lambda *_: None), owner)
     if keep_cache:
-        _OWNERS[id(prompt_cache)] = (token, weakref.ref(gen))
+        _OWNERS[id(prompt_cache)] = (owner, weakref.ref(gen))
     return gen
 
 
@@ -214,32 +214,19 @@ def row_key(spec: Spec, seed: Optional[int]) -> Optional[mx.array]:
     return key[None]
 
 
-def _generate(batch: "Batch", prompt, prompt_cache, keep_cache, token, key, max_tokens, stats,
-              prefill_step_size, progress):
-    """One row: yield its tokens as its cycles are read; when the caller stops
-    (max_tokens, EOS, close) the row's prompt cache is written back."""
-    with mx.stream(generation_stream):
-        row, first, logprobs = batch.add(prompt, prompt_cache, keep_cache, max_tokens, key, stats,
-                                         prefill_step_size, progress)
-        if row is None:
-            return
-        try:
-            yield first, logprobs, False
-            n = 1
-            while max_tokens < 0 or n < max_tokens:
-                for _, tokens, rows, a in batch.step():
-                    for i, t in enumerate(tokens):
-                        row.used = i + 1
-                        yield t, rows[i], i < a
-                        n += 1
-                        if n == max_tokens:
-                            return
-        finally:
-            try:
-                batch.finish(row)
-            finally:
-                if _OWNERS.get(id(prompt_cache), (None,))[0] is token:
-                    del _OWNERS[id(prompt_cache)]
+def _generate(batch: "Batch", request: "Request", prefill_step_size, progress, owner):
+    """One row: yield (token, log-probs, from_draft) as its cycles are read;
+    when the caller stops (max_tokens, EOS, close) the row's prompt cache is
+    written back (by `decode_rows`)."""
+    try:
+        for _, t, logprobs, _, from_draft in decode_rows(batch, [request], (), 1,
+                                                          prefill_step_size, progress):
+            if t is None:  # max_tokens 0
+                return
+            yield t, logprobs, from_draft
+    finally:
+        if _OWNERS.get(id(request.prompt_cache), (None,))[0] is owner:
+            del _OWNERS[id(request.prompt_cache)]
 
 
 @dataclass
@@ -255,24 +242,26 @@ class Request:
 
 
 def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int = 32,
-                prefill_step_size: int = 2048):
+                prefill_step_size: int = 2048, progress=lambda *_: None):
     """Continuous batching: up to `width` requests decode together, the next
     joining as one finishes. Yields (request index, token, log-probs, finish
-    reason or None); a stop token comes with "stop", the max_tokens-th with
-    "length". A request with max_tokens 0 yields (index, None, None, "length")."""
+    reason or None, from_draft); a stop token comes with "stop", the
+    max_tokens-th with "length". A request with max_tokens 0 yields (index,
+    None, None, "length", False). A row still decoding when the caller stops
+    is finished with the tokens yielded so far."""
     pending = deque(enumerate(requests))
     active: dict = {}  # Row -> [request index, tokens yielded]
     stop_tokens = set(stop_tokens)
 
-    def emit(row, i, used, t, logprobs):
+    def emit(row, i, used, t, logprobs, from_draft):
         active[row][1] += 1
+        row.used = used  # of its last read cycle's tokens: where it finishes
         reason = ("stop" if t in stop_tokens else
                   "length" if active[row][1] == row.max_tokens else None)
         if reason is not None:
-            row.used = used
             batch.finish(row)
             del active[row]
-        return i, t, logprobs, reason
+        return i, t, logprobs, reason, from_draft
 
     with mx.stream(generation_stream):
         try:
@@ -281,17 +270,17 @@ def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int
                     i, r = pending.popleft()
                     row, first, logprobs = batch.add(r.prompt, r.prompt_cache, r.keep_cache,
                                                      r.max_tokens, r.key, r.stats,
-                                                     prefill_step_size)
+                                                     prefill_step_size, progress)
                     if row is None:
-                        yield i, None, None, "length"
+                        yield i, None, None, "length", False
                         continue
                     active[row] = [i, 0]
-                    yield emit(row, i, 0, first, logprobs)
-                for row, tokens, logprobs, _ in batch.step():
+                    yield emit(row, i, 0, first, logprobs, False)
+                for row, tokens, logprobs, accepted in batch.step():
                     for j, t in enumerate(tokens):
                         if row not in active:
                             break
-                        yield emit(row, active[row][0], j + 1, t, logprobs[j])
+                        yield emit(row, active[row][0], j + 1, t, logprobs[j], j < accepted)
         finally:
             for row in list(active):
                 batch.finish(row)

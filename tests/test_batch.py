@@ -31,7 +31,7 @@ def run_batch(model, ids, max_tokens, width, k, drafter=None, sampler=None, seed
         seed = None if seeds is None else seeds[i]
         requests.append(Request(*batch.prepare(p, None, max_tokens[i], seed)))
     got, reasons = [[] for _ in ids], [None] * len(ids)
-    for i, t, _, reason in decode_rows(batch, requests, stop, width):
+    for i, t, _, reason, _ in decode_rows(batch, requests, stop, width):
         got[i].append(t)
         reasons[i] = reason or reasons[i]
     assert not batch.rows and batch.state is None  # every row left
