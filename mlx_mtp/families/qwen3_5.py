@@ -100,26 +100,35 @@ class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
         b = self.in_proj_b(inputs)
         a = self.in_proj_a(inputs)
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), inputs.dtype)
-        state = cache[1]
-        if state is None:
-            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        conv_out, conv_input = kernels.conv_verify(conv_state, qkv, self.conv1d.weight)
-        q, k, v = [
-            t.reshape(B, S, h, d)
-            for t, h, d in zip(
-                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
-            )
-        ]
-        y, states = kernels.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, state)
-        cache.captured_states = states
-        cache.captured_conv_input = conv_input
-        out = self.norm(y, z)
-        return self.out_proj(out.reshape(B, S, -1))
+        return verify_capturing(self, cache, inputs, qkv, z, b, a)
+
+
+def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
+    """The verify forward of a GatedDeltaNet layer on `inputs` [B, S, H] after
+    its input projections (qkv [B, S, conv_dim], before the conv): the conv and mlx_lm's single-token
+    recurrence at every position, keeping every state and conv input in the
+    cache for the commit. Shared by the families' verifying layers."""
+    B, S, _ = inputs.shape
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), inputs.dtype)
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), mx.float32)
+    conv_out, conv_input = kernels.conv_verify(conv_state, qkv, layer.conv1d.weight)
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
+    y, states = kernels.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
+    cache.captured_states = states
+    cache.captured_conv_input = conv_input
+    out = layer.norm(y, z)
+    return layer.out_proj(out.reshape(B, S, -1))
 
 
 class _Qwen35(MTPModel):

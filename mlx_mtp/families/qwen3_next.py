@@ -23,10 +23,9 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models import qwen3_next
 
-from .. import metal as kernels
 from ..cache import CaptureCache
 from ..model import MTPModel
-from .qwen3_5 import sanitize_head
+from .qwen3_5 import sanitize_head, verify_capturing
 
 
 @dataclasses.dataclass
@@ -74,28 +73,9 @@ class VerifyingGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
         B, S, _ = inputs.shape
         q, k, v, z, b, a = self.fix_query_key_value_ordering(
             self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), inputs.dtype)
-        state = cache[1]
-        if state is None:
-            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
         mixed_qkv = mx.concatenate(
             [q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
-        conv_out, conv_input = kernels.conv_verify(conv_state, mixed_qkv, self.conv1d.weight)
-        q, k, v = [
-            t.reshape(B, S, h, d)
-            for t, h, d in zip(
-                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
-            )
-        ]
-        y, states = kernels.gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, state)
-        cache.captured_states = states
-        cache.captured_conv_input = conv_input
-        out = self.norm(y, z)
-        return self.out_proj(out.reshape(B, S, -1))
+        return verify_capturing(self, cache, inputs, mixed_qkv, z, b, a)
 
 
 class Model(MTPModel, qwen3_next.Model):
