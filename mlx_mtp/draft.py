@@ -24,14 +24,13 @@ The head must fit the trunk (`check_head_fits_trunk`, shared with
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .load import CheckpointError, safetensors_header
+from .load import read_config_file, safetensors_header, weight_files
 
 HEAD_PREFIX = "mtp."
 MLX_VLM_DRAFTER = "qwen3_5_mtp"
@@ -83,20 +82,9 @@ class DraftHead:
 
 
 def _weight_files(folder: Path) -> Tuple[Dict[str, Path], Dict[Path, Dict]]:
-    """(tensor name -> file, file -> header) of a folder's safetensors."""
-    index = folder / "model.safetensors.index.json"
-    files = sorted(folder.glob("*.safetensors"))
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(f"{index} has no weight_map object") from None
-        files = sorted({folder / f for f in weight_map.values()})
-        for f in files:
-            if not f.exists():
-                raise FileNotFoundError(f"{f} (listed in {index.name}) is missing")
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    """(tensor name -> file, file -> header) of a folder's safetensors (a
+    drafter's files may have any name)."""
+    files = weight_files(folder, "*.safetensors")
     headers = {f: safetensors_header(f) for f in files}
     where = {n: f for f, h in headers.items() for n in h if n != "__metadata__"}
     return where, headers
@@ -142,13 +130,7 @@ def read_draft_folder(folder, trunk_family=None, trunk_config: Optional[Dict] = 
     from .model import check_head_config, declared_mtp_layers, head_layers_in
 
     folder = Path(folder)
-    cfg_file = folder / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} is missing")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    config = read_config_file(folder)
     drafter = config.get("model_type") == MLX_VLM_DRAFTER
     where, headers = _weight_files(folder)
     if drafter:  # mlx-vlm strips the prefix

@@ -55,8 +55,9 @@ def resolve_model_path(path_or_hf_repo: Optional[Union[str, Path]], revision=Non
     )
 
 
-def read_config(model_path: Path) -> Dict[str, Any]:
-    cfg_file = model_path / "config.json"
+def read_config_file(folder: Path) -> Dict[str, Any]:
+    """A folder's config.json as a dict; one line naming the file otherwise."""
+    cfg_file = Path(folder) / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file} is missing")
     try:
@@ -65,6 +66,12 @@ def read_config(model_path: Path) -> Dict[str, Any]:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{cfg_file} must hold a JSON object, not {type(config).__name__}")
+    return config
+
+
+def read_config(model_path: Path) -> Dict[str, Any]:
+    """A model folder's config; its model_type must be a supported family."""
+    config = read_config_file(model_path)
     family_of(config.get("model_type"))  # one line naming the supported types
     return config
 
@@ -104,8 +111,9 @@ def safetensors_header(file: Path) -> Dict[str, Any]:
     return header
 
 
-def weight_files(model_path: Path) -> list:
-    """The safetensors files of a checkpoint, all of them checked to exist."""
+def weight_files(model_path: Path, pattern: str = "model*.safetensors") -> list:
+    """The safetensors files of a checkpoint (its index's, else those matching
+    `pattern`), all of them checked to exist."""
     index = model_path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -119,9 +127,9 @@ def weight_files(model_path: Path) -> list:
             if not (model_path / s).exists():
                 raise FileNotFoundError(f"{model_path / s} (listed in {index.name}) is missing")
         return [model_path / s for s in shards]
-    files = sorted(model_path.glob("model*.safetensors"))
+    files = sorted(model_path.glob(pattern))
     if not files:
-        raise FileNotFoundError(f"no model*.safetensors files in {model_path}")
+        raise FileNotFoundError(f"no {pattern} files in {model_path}")
     return files
 
 
