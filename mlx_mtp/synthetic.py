@@ -25,26 +25,41 @@ CHAT_TEMPLATE = (
 )
 
 
+# The geometry both tiny families share (Qwen3.5's and Qwen3-Next's configs
+# name these fields alike), and their MoE fields
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    rms_norm_eps=1e-6,
+    vocab_size=259,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    attention_bias=False,
+)
+_TINY_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+)
+
+
 def tiny_text_config(moe: bool = False, **overrides) -> Dict:
     cfg = dict(
         model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-        rms_norm_eps=1e-6,
-        vocab_size=259,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        attention_bias=False,
+        **_TINY,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -56,14 +71,7 @@ def tiny_text_config(moe: bool = False, **overrides) -> Dict:
         eos_token_id=258,
     )
     if moe:
-        cfg.update(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            norm_topk_prob=True,
-        )
+        cfg.update(_TINY_MOE)
     cfg.update(overrides)
     cfg["layer_types"] = [
         "full_attention" if (i + 1) % cfg["full_attention_interval"] == 0 else "linear_attention"
@@ -78,33 +86,12 @@ def tiny_next_config(**overrides) -> Dict:
     cfg = dict(
         architectures=["Qwen3NextForCausalLM"],
         model_type="qwen3_next",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-        rms_norm_eps=1e-6,
-        vocab_size=259,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        attention_bias=False,
+        **_TINY,
         rope_theta=10000.0,
         partial_rotary_factor=0.25,
         rope_scaling=None,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        decoder_sparse_step=1,
+        **_TINY_MOE,
         mlp_only_layers=[],
-        norm_topk_prob=True,
         hidden_act="silu",
         eos_token_id=258,
         # no torch_dtype (released: bfloat16): conversions then stay float32,
