@@ -302,7 +302,7 @@ class Row:
     last: tuple = None
     used: int = 0
     history: Optional[mx.array] = None  # logits processors (one row)
-    generated: List[int] = field(default_factory=list)  # host-side drafters (one row)
+    generated: Optional[List[int]] = None  # host-side drafters (one row)
     done: bool = False
 
 
@@ -385,7 +385,8 @@ class Batch:
         row.last = (state.without_buffers() if keep_cache else None, 0, lens, first, [])
         if spec.processors:
             row.history = mx.concatenate([prompt, y_safe])
-        row.generated = [first]
+        if spec.drafter is not None and spec.drafter.host_side:
+            row.generated = [first]
         if self.state is None:
             self.state = state
         else:
@@ -501,7 +502,8 @@ class Batch:
             accepted.append(a)
             if row.history is not None:
                 row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])
-            row.generated.extend(tokens)
+            if row.generated is not None:
+                row.generated.extend(tokens)
             out.append((row, tokens, cycle.out.logprobs[i], a))
         if ctl is not None and accepted:
             ctl.update_acceptance(k, accepted)
