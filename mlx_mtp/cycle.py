@@ -45,6 +45,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from . import metal as kernels
 from .cache import (CaptureCache, MTPCache, PaddedKVCache, head_caches, last_hidden,
                     set_last_hidden)
+from .distributed import share
 from .sampling import MTPSampler, is_greedy, speculative_sample
 
 RING = 8  # plain steps the head can fall behind before it catches up
@@ -115,6 +116,24 @@ class Spec:
     draft_vocab: Optional[mx.array] = None  # greedy/sampled drafts over these ids only
     drafter: Any = None  # tests and benchmarks (drafters.py)
     draft_rows: Optional[dict] = field(default=None, repr=False)
+    group: Any = None  # sharded model: the ranks that take rank 0's decisions
+    first_stage: Optional[int] = None  # pipeline: the rank that embeds the tokens
+
+    def shared(self, x: mx.array) -> mx.array:
+        """Rank 0's decision on every rank (sharded models; see distributed.py)."""
+        return share(x, self.group)
+
+    def verified_drafts(self, drafts: mx.array, h: Optional[mx.array] = None) -> mx.array:
+        """The drafts every rank verifies. Tensor parallel: rank 0's, agreed
+        before the forward (every rank embeds them). Pipeline: the first
+        stage's (it alone embeds them), agreed after the forward (h given):
+        before it, rank 0's receive of the hidden states, which has no
+        inputs, could run first and wait on a stage waiting in the agreement."""
+        if self.group is None or (h is None) != (self.first_stage is None):
+            return drafts
+        if h is None:
+            return self.shared(drafts)
+        return share(mx.depends(drafts, h), self.group, self.first_stage)
 
     def __post_init__(self):
         self.sampler = self.sampler or greedy_sampler
@@ -302,6 +321,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
     # 1. draft
     seen = None if history is None else mx.concatenate([history, state.y])
     drafts, q, chained = draft(spec, aux, state, cache.head, k, keys, seen)
+    drafts = spec.verified_drafts(drafts)
 
     # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
     tokens = mx.concatenate([state.y[:, None], drafts], axis=1)  # [B, k+1]
@@ -309,6 +329,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
         if isinstance(c, CaptureCache):
             c.capturing = True
     h = model.trunk_hidden(tokens, cache.trunk)  # [B, k+1, H]
+    drafts = spec.verified_drafts(drafts, h)
     logprobs = _logprobs(model.logits_from_hidden(h), spec.processors, history, tokens)
 
     # 3. accept: `accepted` drafts, then out[accepted] after them
@@ -321,7 +342,8 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
     else:  # match: keep drafts while they equal the sampler's choice
         out = _sample_rows(spec.sampler, logprobs)  # [B, k+1]
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
-    packed = mx.concatenate([accepted[:, None], out], axis=1)
+    packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
+    accepted, out = packed[:, 0].astype(accepted.dtype), packed[:, 1:].astype(out.dtype)
     out = spec.safe_ids(out)
 
     # 4. commit: the trunk keeps [y, d1..da]; the head drops its drafting
@@ -359,6 +381,7 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
                             for b, s in enumerate(splits)])
     else:
         y = _sample_rows(spec.sampler, logprobs)[:, 0]
+    y = spec.shared(y)
     packed = mx.concatenate([mx.zeros_like(y)[:, None], y[:, None]], axis=1)
     y = spec.safe_ids(y)
     new = state.replace(cache=cache, y=y, emitted=state.emitted + 1, key=key)
@@ -479,6 +502,7 @@ def prefill(spec: Spec, prompt_cache: list, prompt: mx.array, prefill_step_size:
         y = spec.sampler.sample(logprobs[:, 0], sub)
     else:  # one dtype for every cycle's y
         y = _sample_rows(spec.sampler, logprobs)[:, 0]
+    y = spec.shared(y)
     safe = spec.safe_ids(y)
     g = None
     if head is not None:

@@ -31,6 +31,7 @@ class DepthController:
         hysteresis: float = 0.04,
         initial: int = 1,
         min_samples: int = 2,
+        agree=None,
     ):
         self.max_depth = max_depth
         self.alpha = alpha
@@ -39,6 +40,8 @@ class DepthController:
         self.interval = probe_every
         self.hysteresis = hysteresis
         self.min_samples = min_samples
+        # sharded models: takes this rank's decision, returns rank 0's
+        self.agree = agree or (lambda decision: decision)
         self.k = min(initial, max_depth)
         # acceptance of position j given 1..j-1 accepted; optimistic prior
         self.accept: List[float] = [0.7] * max_depth
@@ -149,7 +152,8 @@ class DepthController:
         j, samples = self._probing, sorted(self._probe_costs)
         t_cur = self.throughput(self.k)
         t_new = self.expected_tokens(j) / samples[len(samples) // 2] if samples else None
-        if t_new is not None and t_cur is not None and t_new > t_cur * (1 + self.hysteresis):
+        switch = t_new is not None and t_cur is not None and t_new > t_cur * (1 + self.hysteresis)
+        if self.agree(int(switch)):
             self._probe_side = 1 if j > self.k else -1  # it paid: look further that way
             self._keep_side = True
             self.k = j

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -366,6 +367,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "their config). A separate draft model is refused: the head drafts")
     p.add_argument("--max-draft-tokens", type=_integer("max_draft_tokens", 1, checks.MAX_DEPTH),
                    default=4, help="largest depth 'auto' tries")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the layers over the ranks (pipeline "
+                        "parallel) instead of sharding each layer (tensor parallel)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="read every cycle before building the next (default: double-buffered)")
     p.add_argument("--draft-vocab", type=str, default=None,
@@ -437,6 +441,7 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
 def main(argv=None):
     from mlx_lm.sample_utils import make_logits_processors
 
+    from .distributed import sharded_load, world
     from .load import CheckpointError, load
     from .sampling import make_sampler
 
@@ -463,12 +468,24 @@ def main(argv=None):
                 print(f"error: the prompt cache was made with {cached_model}, not {model_path}",
                       file=sys.stderr)
                 return 1
+        group = world()
         try:
-            model, tokenizer = load(model_path, tokenizer_config=tokenizer_config,
-                                    draft=args.draft_model)
+            if group is not None:  # under mlx.launch: this rank's share of the model
+                if args.draft_model is not None:
+                    raise ValueError("--draft-model is not supported on a sharded model")
+                model, tokenizer = sharded_load(
+                    model_path, pipeline_group=group if args.pipeline else None,
+                    tensor_group=None if args.pipeline else group,
+                    tokenizer_config=tokenizer_config)
+            else:
+                model, tokenizer = load(model_path, tokenizer_config=tokenizer_config,
+                                        draft=args.draft_model)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            rank = "" if group is None else f"rank {group.rank()}: "
+            print(f"error: {rank}{e}", file=sys.stderr)
             return 1
+        # every rank decodes; rank 0 prints
+        out = sys.stdout if group is None or group.rank() == 0 else open(os.devnull, "w")
         from . import draft_vocab
 
         try:
@@ -487,7 +504,7 @@ def main(argv=None):
         text, last = "", None
         try:
             if args.verbose:
-                print("=" * 10)
+                print("=" * 10, file=out)
             for last in stream_generate(
                     model, tokenizer, prompt, max_tokens=args.max_tokens,
                     draft_tokens=args.draft_tokens, sampler=sampler,
@@ -496,22 +513,28 @@ def main(argv=None):
                     pipeline=not args.no_pipeline, prompt_cache=prompt_cache):
                 text += last.text
                 if args.verbose:
-                    print(last.text, end="", flush=True)
+                    print(last.text, end="", flush=True, file=out)
         except KeyboardInterrupt:  # keep what was generated
-            print("" if args.verbose else text, flush=True)
+            print("" if args.verbose else text, flush=True, file=out)
             n = last.generation_tokens if last is not None else 0
             print(f"interrupted after {n} generated tokens", file=sys.stderr)
             return 130
         if args.verbose:
-            print()
-            print("=" * 10)
-            print_stats(last, model)
+            print(file=out)
+            print("=" * 10, file=out)
+            print_stats(last, model, file=out)
         else:
-            print(text)
+            print(text, file=out)
         return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # under mlx.launch: another rank stopped (its line says why)
+        group = mx.distributed.init()
+        if group.size() == 1:
+            raise
+        print(f"error: rank {group.rank()}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -111,9 +111,11 @@ def safetensors_header(file: Path) -> Dict[str, Any]:
     return header
 
 
-def weight_files(model_path: Path, pattern: str = "model*.safetensors") -> list:
+def weight_files(model_path: Path, pattern: str = "model*.safetensors",
+                 must_exist: bool = True) -> list:
     """The safetensors files of a checkpoint (its index's, else those matching
-    `pattern`), all of them checked to exist."""
+    `pattern`), all of them checked to exist (or those present, when not
+    `must_exist`: a pipeline stage downloads only its own)."""
     index = model_path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -123,6 +125,8 @@ def weight_files(model_path: Path, pattern: str = "model*.safetensors") -> list:
             raise CheckpointError(f"{index} is not valid JSON: {e}") from None
         except (KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{index} has no weight_map object") from None
+        if not must_exist:
+            shards = [s for s in shards if (model_path / s).exists()]
         for s in shards:
             if not (model_path / s).exists():
                 raise FileNotFoundError(f"{model_path / s} (listed in {index.name}) is missing")
@@ -152,6 +156,7 @@ def load(
     revision: Optional[str] = None,
     quiet: bool = False,
     draft: Optional[Union[str, Path]] = None,
+    strict: bool = True,
 ) -> Union[Tuple["MTPModel", "TokenizerWrapper"],
            Tuple["MTPModel", "TokenizerWrapper", Dict[str, Any]]]:
     """Load model (trunk + MTP head) and tokenizer (and the config with
@@ -169,7 +174,7 @@ def load(
     config = read_config(model_path)
     if model_config:
         config.update(model_config)
-    for f in weight_files(model_path):
+    for f in weight_files(model_path, must_exist=strict):
         safetensors_header(f)
     check_tokenizer_files(model_path)
     head = None
@@ -181,6 +186,7 @@ def load(
     model, config = load_model(
         model_path,
         lazy=lazy,
+        strict=strict,
         model_config=model_config,
         get_model_classes=lambda config: MODEL_CLASSES[config["model_type"]],
     )

@@ -35,6 +35,7 @@ from . import checks
 from .cache import MTPCache, cache_length, check_prompt_cache, head_caches, set_last_hidden
 from .cycle import RING, DecodeState, Graphs, Spec, feed, init_ring, prefill
 from .depth import DepthController
+from .distributed import agree, first_stage
 from .sampling import MTPSampler, is_greedy
 
 
@@ -185,10 +186,14 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
         warnings.warn("mlx_mtp: this sampler cannot be introspected, so drafts are verified by "
                       "exact match (still exact, fewer accepted); build it with "
                       "mlx_mtp.make_sampler for Leviathan-Chen acceptance", stacklevel=4)
+    if draft_vocab is not None and model.lm_head_group is not None:
+        raise ValueError("a draft vocabulary needs the whole lm_head on each rank; this "
+                         "model's is sharded over the vocabulary (tensor parallel)")
     spec = Spec(model, sampler, use_head=use_head, ring=auto and use_head,
                 processors=tuple(logits_processors or ()),
                 draft_vocab=draft_vocab if use_head else None,
-                drafter=drafter if use_head else None)
+                drafter=drafter if use_head else None, group=model.distributed_group,
+                first_stage=first_stage(model))
     if drafter is not None and drafter.host_side and not spec.speculative:
         raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
     # a sampler of our own or greedy cannot leave the vocabulary; any other's
@@ -513,6 +518,8 @@ class Batch:
             launched = self.inflight[-1] if self.inflight else cycle
             t0, t1 = launched.stamps["build0"], launched.stamps["queued"]
             waited_on = launched if self.lookahead and t1 - t0 > toc - t1 else cycle
+            if spec.group is not None:  # which depth gets the sample must not differ by rank
+                waited_on = cycle
             if not (cycle.traced or launched.traced):
                 ctl.update_cost(waited_on.k, toc - self._tic)
         self._tic = toc
@@ -536,7 +543,10 @@ def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthControll
            None if spec.draft_vocab is None else spec.draft_vocab.size, bucket)
     ctl = spec.model.runtime.controllers.get(key)
     if ctl is None:
-        ctl = spec.model.runtime.controllers[key] = DepthController(max_depth=max_depth)
+        # sharded: every rank switches depth when rank 0 does (timings differ by rank)
+        agreed = None if spec.group is None else (lambda v: agree(v, spec.group))
+        ctl = spec.model.runtime.controllers[key] = DepthController(max_depth=max_depth,
+                                                                    agree=agreed)
     return ctl
 
 
@@ -545,6 +555,7 @@ def _arrays(state: DecodeState) -> list:
 
 
 def _trunk_length(prompt_cache: list, model) -> int:
+    # (sharded_load refuses a pipeline stage without an attention layer)
     return next(c.offset for c, lin in zip(prompt_cache, model.is_linear) if not lin)
 
 

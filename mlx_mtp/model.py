@@ -191,8 +191,19 @@ class MTPModel:
 
     @property
     def is_linear(self) -> list:
-        """Per trunk layer: True for a GDN layer, False for attention."""
-        return [layer.is_linear for layer in self.text_model.layers]
+        """Per trunk layer this rank runs (a pipeline stage: its own layers):
+        True for a GDN layer, False for attention."""
+        tm = self.text_model
+        return [layer.is_linear for layer in getattr(tm, "pipeline_layers", tm.layers)]
+
+    # set by distributed.sharded_load: the ranks that decode this model in lockstep
+    distributed_group = None
+
+    @property
+    def lm_head_group(self):
+        """The group an lm_head sharded over the vocabulary (tensor parallel,
+        untied) is gathered across, else None."""
+        return None
 
     @property
     def vocab_size(self) -> int:
@@ -220,7 +231,12 @@ class MTPModel:
     def logits_from_hidden(self, hidden: mx.array) -> mx.array:
         if self.text_args.tie_word_embeddings:
             return self.text_model.embed_tokens.as_linear(hidden)
-        return self.untied_lm_head(hidden)
+        logits = self.untied_lm_head(hidden)
+        if self.lm_head_group is not None:  # each rank holds a slice of the vocabulary
+            from mlx_lm.models.base import gather_last_axis
+
+            logits = gather_last_axis(logits, self.lm_head_group)
+        return logits
 
     def lm_head_weights(self) -> dict:
         """lm_head (or tied embedding) as draft_project arguments: weight and,
@@ -238,6 +254,11 @@ class MTPModel:
         from . import metal as kernels
 
         h = g.reshape(-1, g.shape[-1])
+        if self.lm_head_group is not None:  # a vocabulary slice per rank: gathered logits
+            logits = self.logits_from_hidden(h)
+            if vocab_ids is None:
+                return mx.argmax(logits, axis=-1)
+            return vocab_ids[mx.argmax(logits[:, vocab_ids], axis=-1)]
         # On GPUs the fused kernel never materializes the full-vocabulary logits.
         _, ids = kernels.draft_project(h, vocab_ids=vocab_ids, **self.lm_head_weights())
         return ids[:, 0]

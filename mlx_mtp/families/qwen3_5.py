@@ -127,8 +127,11 @@ def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
     y, states = kernels.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
     cache.captured_states = states
     cache.captured_conv_input = conv_input
-    out = layer.norm(y, z)
-    return layer.out_proj(out.reshape(B, S, -1))
+    out = layer.out_proj(layer.norm(y, z).reshape(B, S, -1))
+    group = getattr(layer, "sharding_group", None)
+    if group is not None:  # tensor parallel: each rank holds some heads (as the parent)
+        out = mx.distributed.all_sum(out, group=group)
+    return out
 
 
 class _Qwen35(MTPModel):
@@ -146,6 +149,10 @@ class _Qwen35(MTPModel):
     @property
     def untied_lm_head(self):
         return self.language_model.lm_head
+
+    @property
+    def lm_head_group(self):
+        return getattr(self.language_model, "sharding_group", None)
 
     @classmethod
     def args_from_config(cls, config: dict):

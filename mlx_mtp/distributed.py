@@ -1,0 +1,136 @@
+"""MTP decoding on a model sharded over `mx.distributed` ranks (`mlx.launch`).
+
+`sharded_load` is mlx_lm's `sharded_load` for a model with its MTP head: the
+trunk is sharded by mlx_lm's own `shard()` (tensor parallel) or
+`model.pipeline()` (pipeline parallel); the head is replicated on every rank
+(one decoder layer: drafting then costs no collective at all). Every rank
+runs the same decode loop in lockstep; the decisions that steer it — the
+first token, the drafts, the accepted count and the emitted tokens — come
+from rank 0 through one `all_sum` each (`share`), so ranks never depend on
+computing equal floats, and the adaptive depth controller's switches are
+agreed the same way (`agree`). See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import mlx.core as mx
+
+from .load import DOWNLOAD_PATTERNS, load
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def world() -> Optional[mx.distributed.Group]:
+    """The launch's group when there is more than one rank, else None."""
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def share(x: mx.array, group: Optional[mx.distributed.Group], src: int = 0) -> mx.array:
+    """Rank `src`'s value of `x` on every rank (one all_sum; identity alone)."""
+    if group is None:
+        return x
+    # computed from x on every rank: a graph's collectives then run in the same
+    # order on all ranks (an input-free all_sum could be scheduled first)
+    mine = mx.where(mx.array(group.rank() == src), x, mx.zeros_like(x))
+    return mx.distributed.all_sum(mine, group=group).astype(x.dtype)
+
+
+def first_stage(model) -> Optional[int]:
+    """The rank that embeds the tokens when the model is split into pipeline
+    stages (mlx_lm gives the first layers to the last rank), else None."""
+    tm = model.text_model
+    size = getattr(tm, "pipeline_size", 1)
+    return size - 1 if size > 1 else None
+
+
+def agree(value: int, group: Optional[mx.distributed.Group]) -> int:
+    """Rank 0's host-side integer on every rank (a blocking all_sum)."""
+    if group is None:
+        return value
+    return int(share(mx.array(value, dtype=mx.int32), group).item())
+
+
+def _local_files(model_path: Path, start: int, end: int) -> Optional[set]:
+    """The safetensors files pipeline stage [start, end) needs: its layers,
+    the embeddings / norm / lm_head, and the MTP head (`mtp.*`, which every
+    rank keeps). None when the checkpoint has no index (one file)."""
+    index = model_path / "model.safetensors.index.json"
+    if not index.exists():
+        return None
+    files = set()
+    for name, file in json.loads(index.read_text())["weight_map"].items():
+        m = None if name.startswith("mtp.") else _LAYER.search(name)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    return files
+
+
+def sharded_load(
+    path_or_hf_repo,
+    pipeline_group: Optional[mx.distributed.Group] = None,
+    tensor_group: Optional[mx.distributed.Group] = None,
+    return_config: bool = False,
+    *,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+):
+    """mlx_lm's `sharded_load` with the MTP head: load this rank's share of
+    the model (tensor parallel by default, pipeline with `pipeline_group`),
+    the head replicated. Weights load lazily, so a rank reads only the
+    tensors it keeps (and, from the Hub, downloads only the files with them).
+    Decode it with `mlx_mtp.stream_generate` / `generate` / `generate_step`
+    on every rank."""
+    if pipeline_group is None and tensor_group is None:
+        tensor_group = mx.distributed.init()
+    model_path = _resolve_for(path_or_hf_repo, pipeline_group)
+    model, tokenizer, config = load(model_path, tokenizer_config, lazy=True, return_config=True,
+                                    strict=False, quiet=mx.distributed.init().rank() != 0)
+    if tensor_group is not None and tensor_group.size() > 1:
+        if not hasattr(model, "shard"):
+            raise ValueError(f"{config['model_type']} models have no tensor parallelism in "
+                             "mlx_lm; launch with --pipeline")
+        model.shard(tensor_group)
+    if pipeline_group is not None and pipeline_group.size() > 1:
+        model.text_model.pipeline(pipeline_group)
+        if all(model.is_linear):
+            raise ValueError(
+                f"pipeline rank {pipeline_group.rank()} holds no attention layer "
+                f"(layers {model.text_model.start_idx}..{model.text_model.end_idx - 1}); "
+                "use fewer ranks")
+    model.distributed_group = world()
+    model.runtime.clear()
+    mx.eval(model.parameters())
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # every rank loaded
+    if return_config:
+        return model, tokenizer, config
+    return model, tokenizer
+
+
+def _resolve_for(path_or_hf_repo, pipeline_group) -> Path:
+    """A local folder as it is; a Hub repo downloaded without the weight
+    files other pipeline stages keep."""
+    from .load import resolve_model_path
+
+    local = Path(str(path_or_hf_repo)).expanduser()
+    if path_or_hf_repo is None or local.exists() or pipeline_group is None:
+        return resolve_model_path(path_or_hf_repo)
+    from huggingface_hub import snapshot_download
+
+    from .load import read_config
+
+    patterns = [p for p in DOWNLOAD_PATTERNS if p != "*.safetensors"]
+    model_path = Path(snapshot_download(str(path_or_hf_repo), allow_patterns=patterns))
+    text = read_config(model_path)
+    text = text.get("text_config", text)
+    n, size, rank = text["num_hidden_layers"], pipeline_group.size(), pipeline_group.rank()
+    base, extra = divmod(n, size)  # mlx_lm's PipelineMixin split (the last ranks run the first layers)
+    split = [base + (1 if r < extra else 0) for r in range(size)]
+    start = sum(split[rank + 1:])
+    files = _local_files(model_path, start, start + split[rank])
+    return Path(snapshot_download(str(path_or_hf_repo),
+                                  allow_patterns=sorted(files) if files else ["*.safetensors"]))

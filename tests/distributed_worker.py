@@ -1,0 +1,77 @@
+"""One rank of tests/test_distributed.py (run by `mlx.launch -n 2 --backend ring`).
+
+    worker.py MODEL {tensor,pipeline} PLAN.json OUT.json
+
+Loads this rank's share with `mlx_mtp.sharded_load` and decodes what PLAN
+asks: mlx_lm's own generate_step on the sharded model (its sharded
+decoding), MTP greedy at each depth (one batch of all prompts, drafts from a
+bigram table built from known continuations, so rows accept partially), MTP
+with the model's own head, seeded sampling, and two turns on one prompt
+cache. Rank 0 writes the tokens to OUT; every rank must finish.
+"""
+
+import json
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step as lm_generate_step
+
+import mlx_mtp
+from mlx_mtp.distributed import sharded_load
+from mlx_mtp.drafters import BigramDrafter
+from mlx_mtp.loop import Request, decode_rows, make_batch
+
+
+def batch_tokens(model, prompts, n, depth, drafter):
+    batch = make_batch(model, draft_tokens=depth, drafter=drafter)
+    requests = [Request(*batch.prepare(p, None, n, None)) for p in prompts]
+    got, accepted = [[] for _ in prompts], 0
+    for i, t, _, _, from_draft in decode_rows(batch, requests, (), len(prompts)):
+        got[i].append(t)
+        accepted += bool(from_draft)
+    return got, accepted
+
+
+def main():
+    path, mode, plan_file, out_file = sys.argv[1:5]
+    group = mx.distributed.init()
+    plan = json.loads(open(plan_file).read())
+    model, tok = sharded_load(path, pipeline_group=group if mode == "pipeline" else None,
+                              tensor_group=group if mode == "tensor" else None)
+    prompts, n = plan["prompts"], plan["max_tokens"]
+    t0 = time.perf_counter()
+    mark = lambda what: print(f"rank {group.rank()}: {what} at {time.perf_counter() - t0:.1f} s",
+                              flush=True)
+    out = {"mlx_lm": [[int(t) for t, _ in lm_generate_step(mx.array(p), model, max_tokens=n)]
+                      for p in prompts]}
+    mark("mlx_lm")
+    drafter = BigramDrafter(plan["continuations"], model.vocab_size)
+    for depth in plan["depths"]:
+        out[f"bigram_{depth}"], out[f"bigram_{depth}_accepted"] = batch_tokens(
+            model, prompts, n, depth, drafter)
+    mark("bigram batches")
+    for depth in plan["head_depths"]:
+        out[f"head_{depth}"] = [[int(t) for t, _ in mlx_mtp.generate_step(
+            mx.array(p), model, max_tokens=n, draft_tokens=depth)] for p in prompts]
+    mark("head")
+    sampler = mlx_mtp.make_sampler(1.0, top_p=0.95)
+    out["sampled"] = [[int(t) for t, _ in mlx_mtp.generate_step(
+        mx.array(p), model, max_tokens=n, draft_tokens=2, sampler=sampler, seed=7)]
+        for p in prompts]
+    mark("sampled")
+    cache = model.make_cache()
+    turns = []
+    for p in prompts[:2]:
+        turns.append([int(t) for t, _ in mlx_mtp.generate_step(
+            mx.array(p), model, max_tokens=n, draft_tokens=2, prompt_cache=cache)])
+    out["turns"] = turns
+    mark("turns")
+    if group.rank() == 0:
+        with open(out_file, "w") as f:
+            json.dump(out, f)
+    print(f"rank {group.rank()} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""A model sharded over two local ranks (`mlx.launch --backend ring`), tensor
+and pipeline parallel, dense and MoE: every rank decodes in lockstep and
+rank 0's tokens equal one process's (mlx_lm's and mlx_mtp's), at depths 1-3
+and auto, in batches whose rows accept drafts partially, with the head's own
+drafts, seeded sampling and two turns on one prompt cache. Each launch is
+bounded by a timeout, so a hang fails instead of blocking."""
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_mtp
+from mlx_mtp.synthetic import write_checkpoint
+from util import reference
+
+LAUNCH = shutil.which("mlx.launch")
+WORKER = Path(__file__).with_name("distributed_worker.py")
+DEPTHS = [1, 2, 3, "auto"]
+HEAD_DEPTHS = [2, "auto"]
+MAX_TOKENS = 12
+pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
+
+
+def launch(args, timeout=240):
+    """mlx.launch two ring ranks on this machine; the whole process group is
+    killed on a timeout. Returns (exit code, output)."""
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, *args]
+    env = dict(os.environ, PYTHONPATH=str(WORKER.parent) + os.pathsep + os.environ.get(
+        "PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the ranks did not finish in {timeout} s (a hang?):\n{out[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """8 layers (each pipeline stage gets an attention layer), a vocabulary
+    two ranks can split, weights in three files."""
+    root = tmp_path_factory.mktemp("dist")
+    kw = dict(shards=3, text_overrides=dict(num_hidden_layers=8, vocab_size=260))
+    return {"dense": write_checkpoint(root / "dense", **kw),
+            "moe": write_checkpoint(root / "moe", moe=True, seed=1, **kw)}
+
+
+PROMPTS = [[1, 5, 9, 200, 3], [7, 7, 42], list(range(30, 60))]
+
+
+@functools.lru_cache(maxsize=None)
+def one_process(path):
+    """One process's tokens (mlx_lm greedy, seeded sampling, two turns)."""
+    model, _ = mlx_mtp.load(path)
+    ref_model, _ = mlx_mtp.load(path)  # decoded by mlx_lm alone
+    greedy = [reference(ref_model, p, MAX_TOKENS) for p in PROMPTS]
+    sampler = mlx_mtp.make_sampler(1.0, top_p=0.95)
+    sampled = [[int(t) for t, _ in mlx_mtp.generate_step(
+        mx.array(p), model, max_tokens=MAX_TOKENS, draft_tokens=2, sampler=sampler, seed=7)]
+        for p in PROMPTS]
+    cache, turns = model.make_cache(), []
+    for p in PROMPTS[:2]:
+        turns.append([int(t) for t, _ in mlx_mtp.generate_step(
+            mx.array(p), model, max_tokens=MAX_TOKENS, draft_tokens=2, prompt_cache=cache)])
+    return greedy, sampled, turns
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
+    path = checkpoints[kind]
+    greedy, sampled, turns = one_process(path)
+    # drafts right where a prompt's own continuation says (partial acceptance
+    # in every row: the table maps each token to one successor)
+    plan = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "depths": DEPTHS,
+            "head_depths": HEAD_DEPTHS,
+            "continuations": [p[-1:] + g for p, g in zip(PROMPTS, greedy)]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    code, out = launch([str(WORKER), str(path), mode, str(tmp_path / "plan.json"),
+                        str(tmp_path / "out.json")])
+    assert code == 0, out[-3000:]
+    assert out.count("done") == 2, out[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["mlx_lm"] == greedy  # mlx_lm's sharded decoding = one process
+    for depth in DEPTHS:
+        assert got[f"bigram_{depth}"] == greedy, depth
+        if depth in HEAD_DEPTHS:
+            assert got[f"head_{depth}"] == greedy, depth
+    assert got["bigram_3_accepted"] > 0  # the rollback after partial acceptance ran
+    assert got["sampled"] == sampled
+    assert got["turns"] == turns
+
+
+def test_cli_and_a_failing_rank(checkpoints, tmp_path):
+    """`mlx.launch ... -m mlx_mtp.generate --model M` prints rank 0's text once;
+    a rank that cannot load stops the launch with one line, not a hang."""
+    path = checkpoints["dense"]
+    model, tok = mlx_mtp.load(path)
+    want = mlx_mtp.generate(model, tok, "hello", max_tokens=10, draft_tokens=2)
+    for mode in ([], ["--pipeline"]):
+        code, out = launch(["-m", "mlx_mtp.generate", "--model", str(path), "--prompt", "hello",
+                            "--ignore-chat-template", "--max-tokens", "10",
+                            "--draft-tokens", "2", *mode], timeout=180)
+        assert code == 0, out[-3000:]
+        assert out.count(want) == 1, (want, out[-2000:])
+    # 4 layers over 2 pipeline stages: the first stage has no attention layer
+    small = write_checkpoint(tmp_path / "small")
+    code, out = launch(["-m", "mlx_mtp.generate", "--model", str(small), "--pipeline",
+                        "--max-tokens", "4"], timeout=120)
+    # (mlx.launch itself exits 0; it reports each rank's exit code)
+    assert "rank 1 exited with code 1" in out and "Traceback" not in out, out[-2000:]
+    assert "error: rank 1: pipeline rank 1 holds no attention layer" in out, out[-2000:]
