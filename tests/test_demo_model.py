@@ -149,3 +149,14 @@ def test_completes_code_without_chat_template(demo):
     model, tok = demo
     text = mlx_mtp.generate(model, tok, tok.encode("def fibonacci(n):"), max_tokens=40)
     assert_python_looking("def fibonacci(n):" + text)
+
+
+def test_parallel_chain_training_forward_matches_decoding(demo):
+    """train/head.py trains every chained draft step of every position at once
+    (one boolean mask over the concatenated keys of steps 1..k); it must equal
+    the decode-time chain (mlx_mtp.evaluate's sequential head cache)."""
+    head = pytest.importorskip("train.head")
+    model, tok = demo
+    tokens = tok.encode(HELDOUT)[:120]
+    assert head.check_chain(model, tokens, depth=4) < 1e-4
+    assert head.check_chain(model, tokens, depth=3, first=70) < 1e-4
