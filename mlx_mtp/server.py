@@ -790,6 +790,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    if mx.distributed.init().size() > 1:  # each rank would load the whole model and bind the port
+        print("error: mlx_mtp.server does not run under mlx.launch yet; decode a sharded "
+              "model with mlx_mtp.generate or mlx_mtp.sharded_load (docs/distributed.md)",
+              file=sys.stderr)
+        return 2
     for name, what in REFUSED.items():
         if getattr(args, name):
             print(f"error: mlx_mtp.server does not support {what}", file=sys.stderr)

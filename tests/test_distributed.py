@@ -107,7 +107,8 @@ def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
 
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     """`mlx.launch ... -m mlx_mtp.generate --model M` prints rank 0's text once;
-    a rank that cannot load stops the launch with one line, not a hang."""
+    a rank that cannot load stops the launch with one line, not a hang; the
+    server refuses to run sharded with one line."""
     path = checkpoints["dense"]
     model, tok = mlx_mtp.load(path)
     want = mlx_mtp.generate(model, tok, "hello", max_tokens=10, draft_tokens=2)
@@ -124,3 +125,6 @@ def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     # (mlx.launch itself exits 0; it reports each rank's exit code)
     assert "rank 1 exited with code 1" in out and "Traceback" not in out, out[-2000:]
     assert "error: rank 1: pipeline rank 1 holds no attention layer" in out, out[-2000:]
+    # the server does not run sharded yet: it says so instead of binding the port twice
+    code, out = launch(["-m", "mlx_mtp.server", "--model", str(small)], timeout=120)
+    assert out.count("error: mlx_mtp.server does not run under mlx.launch yet") == 2, out[-2000:]
