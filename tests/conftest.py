@@ -12,6 +12,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Ctrl-C tests would then test nothing. Take SIGINT back (children get the default).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# `nohup` does the same with SIGHUP (the converter's hang-up test)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 from mlx_mtp.synthetic import write_checkpoint  # noqa: E402
 
