@@ -64,6 +64,9 @@ HELDOUT = '''
 # trunk's own greedy choice there. The trained head is far above this; an
 # untrained head of the same shape (measured below) is far below it.
 MIN_AGREEMENT = 0.35
+# Chained: two drafts in a row accepted (teacher-forced, mlx_mtp.evaluate);
+# the head trained on its chained drafts (train/head.py) reaches 14% here.
+MIN_CHAINED_2 = 0.08
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +100,10 @@ def test_head_is_trained(demo):
     assert len(tokens) > 150
     trained = head_agreement(model, tokens)
     assert trained > MIN_AGREEMENT, trained
+    from mlx_mtp.evaluate import expected_acceptance
+
+    chained = expected_acceptance(model, tokens, depth=2, max_starts=512)["acceptance"][1]
+    assert chained > MIN_CHAINED_2, chained
 
     # Same trunk, head re-initialized: the threshold must reject it.
     saved = model.mtp.parameters()
@@ -105,9 +112,11 @@ def test_head_is_trained(demo):
         fresh = type(model.mtp)(model.language_model.args, model.mtp_layers)
         model.mtp.update(fresh.parameters())
         untrained = head_agreement(model, tokens)
+        untrained_chained = expected_acceptance(model, tokens, depth=2, max_starts=512)["acceptance"][1]
     finally:
         model.mtp.update(saved)
     assert untrained < MIN_AGREEMENT / 2, untrained
+    assert untrained_chained < MIN_CHAINED_2 / 2, untrained_chained
     assert head_agreement(model, tokens) == trained
 
 

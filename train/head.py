@@ -239,6 +239,8 @@ def cmd_cache(args):
     else:
         train_s, held_s = token_streams(Path(args.demo_dir) / "tokenizer.json")
         np.savez(streams, train=train_s, held=held_s)
+    if not (out / "heldout.txt").exists():  # for `check` and mlx_mtp.evaluate --text-file
+        (out / "heldout.txt").write_text("\n".join(t for _, t in data.split_corpus()[1]))
     log(f"streams: train {len(train_s)} held-out {len(held_s)} tokens", logf)
     rng = np.random.default_rng(args.seed)
     C = args.chunk
