@@ -56,6 +56,17 @@ def agree(value: int, group: Optional[mx.distributed.Group]) -> int:
     return int(share(mx.array(value, dtype=mx.int32), group).item())
 
 
+def stage_layers(num_layers: int, group) -> tuple:
+    """The layers [start, end) this rank runs as a pipeline stage, by mlx_lm's
+    own split (`PipelineMixin.pipeline`), before any model is built."""
+    from mlx_lm.models.pipeline import PipelineMixin
+
+    stage = PipelineMixin()
+    stage.layers = [None] * num_layers
+    stage.pipeline(group)
+    return stage.start_idx, stage.end_idx
+
+
 def _local_files(model_path: Path, start: int, end: int) -> Optional[set]:
     """The safetensors files pipeline stage [start, end) needs: its layers,
     the embeddings / norm / lm_head, and the MTP head (`mtp.*`, which every
@@ -103,7 +114,6 @@ def sharded_load(
                 f"(layers {model.text_model.start_idx}..{model.text_model.end_idx - 1}); "
                 "use fewer ranks")
     model.distributed_group = world()
-    model.runtime.clear()
     mx.eval(model.parameters())
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # every rank loaded
     if return_config:
@@ -127,10 +137,6 @@ def _resolve_for(path_or_hf_repo, pipeline_group) -> Path:
     model_path = Path(snapshot_download(str(path_or_hf_repo), allow_patterns=patterns))
     text = read_config(model_path)
     text = text.get("text_config", text)
-    n, size, rank = text["num_hidden_layers"], pipeline_group.size(), pipeline_group.rank()
-    base, extra = divmod(n, size)  # mlx_lm's PipelineMixin split (the last ranks run the first layers)
-    split = [base + (1 if r < extra else 0) for r in range(size)]
-    start = sum(split[rank + 1:])
-    files = _local_files(model_path, start, start + split[rank])
+    files = _local_files(model_path, *stage_layers(text["num_hidden_layers"], pipeline_group))
     return Path(snapshot_download(str(path_or_hf_repo),
                                   allow_patterns=sorted(files) if files else ["*.safetensors"]))
