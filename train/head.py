@@ -43,16 +43,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import data
 from .gdn_chunked import ChunkedGatedDeltaNet
+from .train import log
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "mlx_mtp" / "demo"
-
-
-def log(msg, f=None):
-    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-    print(line, flush=True)
-    if f is not None:
-        f.write(line + "\n")
-        f.flush()
 
 
 # ---------------------------------------------------------------- model
