@@ -122,8 +122,10 @@ def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     small = write_checkpoint(tmp_path / "small")
     code, out = launch(["-m", "mlx_mtp.generate", "--model", str(small), "--pipeline",
                         "--max-tokens", "4"], timeout=120)
-    # (mlx.launch itself exits 0; it reports each rank's exit code)
-    assert "rank 1 exited with code 1" in out and "Traceback" not in out, out[-2000:]
+    # (mlx.launch itself exits 0 and reports each rank's exit code: the failing
+    # rank 1, or rank 0 losing its peer, exits 1 first and the other is stopped)
+    assert "exited with code 1" in out and "exited with code 0" not in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
     assert "error: rank 1: pipeline rank 1 holds no attention layer" in out, out[-2000:]
     # the server does not run sharded yet: it says so instead of binding the port twice
     code, out = launch(["-m", "mlx_mtp.server", "--model", str(small)], timeout=120)
