@@ -22,15 +22,22 @@ with three subclasses:
 
 At temperature 0 the text equals mlx_lm.server's for the same request
 (tests/test_server.py runs both as processes). See docs/design.md, "Server".
+
+Under `mlx.launch` (a model sharded with `sharded_load`, `--pipeline` as in
+mlx_lm.server) rank 0 serves HTTP and every rank runs the generation loop in
+lockstep; what only rank 0 knows reaches the others through `_tick`
+(docs/distributed.md, "The server over ranks").
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import copy
 import gc
 import io
+import itertools
 import json
 import logging
 import os
@@ -41,6 +48,7 @@ import warnings
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from collections import deque
+from queue import Empty as QueueEmpty, Queue
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -53,7 +61,8 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.utils import _parse_size
 
 from . import anthropic
-from .load import load
+from .distributed import sharded_load
+from .load import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
 from .loop import MTPStats
@@ -169,8 +178,14 @@ class MTPModelProvider(lm_server.ModelProvider):
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         self.reset()
         mx.clear_cache()
-        model, tokenizer = load(model_path, tokenizer_config=self._tokenizer_config,
-                                draft=self.cli_args.draft_model)
+        if self.is_distributed:  # under mlx.launch: this rank's share (mlx_lm's groups)
+            if self.cli_args.draft_model is not None:
+                raise ValueError("--draft-model is not supported on a sharded model")
+            model, tokenizer = sharded_load(model_path, self.pipeline_group, self.tensor_group,
+                                            tokenizer_config=self._tokenizer_config)
+        else:
+            model, tokenizer = load(model_path, tokenizer_config=self._tokenizer_config,
+                                    draft=self.cli_args.draft_model)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
@@ -199,9 +214,11 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
     """mlx_lm's generation thread, decoding requests in MTP batches (`_Lane`)."""
 
     def __init__(self, model_provider, prompt_cache):
-        super().__init__(model_provider, prompt_cache)
         a = model_provider.cli_args
         self._slots = threading.Semaphore(max(1, a.decode_concurrency) + a.max_queued_requests)
+        self._row_ids = itertools.count()  # the same ids on every rank (rows join in lockstep)
+        self._halted = False  # the generation loop ends: rank 0's word (see `_tick`)
+        super().__init__(model_provider, prompt_cache)  # starts the generation thread
 
     @contextlib.contextmanager
     def slot(self):
@@ -247,15 +264,17 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         between cycles); a request with other settings waits until the batch
         drains, one with logits processors decodes alone."""
         self.model_provider.load_default()
+        if self._is_distributed:  # rows without a seed draw the same keys on every rank
+            mx.random.seed(mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item())
         lane: Optional[_Lane] = None
         waiting: deque = deque()
         width = max(1, self.cli_args.decode_concurrency)
-        while not self._stop:
+        while not self._halted:
             busy = lane is not None and bool(lane.rows)
             if waiting and (not busy or lane.accepts(waiting[0][1], width)):
                 request, settings = waiting.popleft()
             else:
-                request = self._next_request(timeout=None if busy else 0.1)
+                request = self._tick(None if busy else 0.1, lane)
                 if request is not None:
                     try:
                         settings = self._settings(request[2])
@@ -282,6 +301,62 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         self.model_provider.reset()
         del self.prompt_cache
         gc.collect()
+
+    def _tick(self, timeout, lane: Optional[_Lane]):
+        """mlx_lm's `_next_request`, with what only rank 0 knows riding along:
+        the rows whose client left (they finish) and a shutdown. Sharded, every
+        rank acts on rank 0's word at the same point of the loop, so rows
+        leave every rank's batch in the same cycle (docs/distributed.md)."""
+        rows = list(lane.rows.values()) if lane is not None else []
+        request, news = None, None
+        if self._rank == 0:
+            try:
+                request = (self.requests.get_nowait() if timeout is None
+                           else self.requests.get(timeout=timeout))
+            except QueueEmpty:
+                pass
+            left = [row.rid for row in rows if row.ctx._should_stop]
+            if request is not None or left or self._stop:
+                news = (None if request is None else request[1:], left, self._stop)
+        news = self._share_object(news)  # (one process: as it is)
+        if news is None:
+            return None
+        shared, left, self._halted = news
+        for row in rows:
+            row.left = row.left or row.rid in left
+        if shared is None:
+            return None
+        return (request[0] if request is not None else Queue(), *shared)
+
+    def _fetch(self, key, tokens: list):
+        """The longest stored prefix of `tokens`: a copy of its cache (or
+        None) and its length. Sharded, each rank keeps its own store (each
+        bounded on its own share), so the ranks settle on a prefix all of
+        them hold, shortening until they agree (0 at worst)."""
+        n = len(tokens)
+        while True:
+            cache, rest = (self.prompt_cache.fetch_nearest_cache(key, tokens[:n]) if n
+                           else (None, []))
+            got = n - len(rest)
+            if not self._is_distributed:
+                return cache, got
+            high, low = mx.distributed.all_max(mx.array([got, -got])).tolist()
+            if high == -low:
+                return cache, got
+            n = -low
+
+    def _run_generate(self):
+        if not self._is_distributed:
+            return super()._run_generate()
+        try:
+            with mx.stream(generation_stream):  # collectives on one stream: one order on all ranks
+                self._generate()
+        except Exception as e:  # a peer left (its own line says why), or this rank failed
+            self._generation_failed = True
+            logging.error("rank %d: generation stopped: %s: %s", self._rank,
+                          type(e).__name__, e)
+            if self._rank == 0:  # a sharded model cannot serve without all its ranks
+                _thread.interrupt_main()
 
     def _settings(self, args) -> tuple:
         """What a batch shares: the sampler's settings, the depth, and whether
@@ -320,6 +395,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
 class _RowState:
     """A request's side of a batch row: its queue, context and text state."""
 
+    rid: int
     rqueue: object
     ctx: MTPGenerationContext
     args: object
@@ -328,6 +404,7 @@ class _RowState:
     matcher: object
     detokenizer: object
     n: int = 0
+    left: bool = False  # its client went away (rank 0's word, `_tick`)
 
 
 class _Lane:
@@ -356,14 +433,14 @@ class _Lane:
         and add it as a row; its first token goes out at once."""
         rqueue, request, args = request
         gen, mp = self.gen, self.gen.model_provider
+        rid = next(gen._row_ids)
         try:
             model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
             prompt, segments, kinds, initial_state, _ = gen._tokenize(tokenizer, request, args)
             stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
             # an exact stored prefix (GDN states cannot be cut back), leaving at
             # least the last prompt token to run
-            cache, rest = gen.prompt_cache.fetch_nearest_cache(key, prompt[:-1])
-            n = len(prompt) - 1 - len(rest)
+            cache, n = gen._fetch(key, prompt[:-1])
             ctx = MTPGenerationContext(
                 has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
                 tool_parser=tokenizer.tool_parser, text_sm=text_sm,
@@ -381,8 +458,8 @@ class _Lane:
                     new, cache, keep, max_tokens, row_key, ctx.stats,
                     gen.cli_args.prefill_step_size,
                     lambda done, total: rqueue.put((n + done, n + total)))
-            state = _RowState(rqueue, ctx, args, cache, prompt[:], stop_sequences.matcher(),
-                              tokenizer.detokenizer)
+            state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
+                              stop_sequences.matcher(), tokenizer.detokenizer)
             self.rows[row] = state
             self._emit(row, state, 0, first, logprobs)
         except Exception as e:
@@ -421,7 +498,7 @@ class _Lane:
             state.detokenizer.last_segment, token, logprobs[token].item(), finish,
             lm_server._format_top_logprobs(logprobs, state.args.top_logprobs, tokenizer)))
         state.key_tokens.append(token)
-        if finish is None and not state.ctx._should_stop:
+        if finish is None and not state.left:
             return False
         row.used = used
         del self.rows[row]
@@ -722,7 +799,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
 # -- CLI ----------------------------------------------------------------------------------------
 REFUSED = {"adapter_path": "--adapter-path (adapters)", "kv_bits": "--kv-bits (a quantized "
-           "KV cache)", "pipeline": "--pipeline (distributed serving)"}
+           "KV cache)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -778,23 +855,29 @@ def build_parser() -> argparse.ArgumentParser:
     # mlx_lm.server flags mlx_mtp refuses
     p.add_argument("--adapter-path", type=str, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-bits", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--pipeline", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the layers over the ranks (pipeline "
+                        "parallel) instead of sharding each layer (tensor parallel)")
     return p
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # mlx_lm's server loop then shuts down and joins its thread
+    """The first SIGINT/SIGTERM shuts down cleanly (mlx_lm's server loop closes
+    HTTP and joins the generation thread, which stops the other ranks); during
+    that, SIGTERMs (mlx.launch sends them) are ignored and a second Ctrl-C
+    exits at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s - %(levelname)s - %(message)s")
-    if mx.distributed.init().size() > 1:  # each rank would load the whole model and bind the port
-        print("error: mlx_mtp.server does not run under mlx.launch yet; decode a sharded "
-              "model with mlx_mtp.generate or mlx_mtp.sharded_load (docs/distributed.md)",
-              file=sys.stderr)
-        return 2
+    group = mx.distributed.init()
+    rank = group.rank() if group.size() > 1 else None  # under mlx.launch
+    where = "" if rank is None else f"rank {rank}: "
+    logging.basicConfig(level=getattr(logging, args.log_level) if not rank else logging.WARNING,
+                        format=f"%(asctime)s - {where}%(levelname)s - %(message)s")
     for name, what in REFUSED.items():
         if getattr(args, name):
             print(f"error: mlx_mtp.server does not support {what}", file=sys.stderr)
@@ -812,27 +895,49 @@ def main(argv=None) -> int:
     provider = MTPModelProvider(args, served_id)
     try:
         provider.load_default()  # here, so a bad model fails now with one line
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
+        print(f"error: {where}{e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # under mlx.launch: another rank stopped (its line says why)
+        if rank is None:
+            raise
+        print(f"error: {where}{e}", file=sys.stderr)
         return 1
     cache = LRUPromptCache(args.prompt_cache_size, args.prompt_cache_bytes or 1 << 62)
     generator = MTPResponseGenerator(provider, cache)
+    if rank:  # the other ranks follow rank 0's generation loop, which tells them to stop
+        # (or fails them with one line when rank 0 is gone): signals go to rank 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        generator.join()
+        return _exit(1 if generator._generation_failed else 0)
     for sig in (signal.SIGINT, signal.SIGTERM):  # (SIGINT is ignored in background jobs)
         signal.signal(sig, _interrupt)
     warnings.filterwarnings("ignore", message="mlx_lm.server is not recommended")
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         logging.warning("serving on %s without --api-key: anyone who can reach the port can "
                         "use the model", args.host)
-    lm_server._run_http_server(args.host, args.port, generator, server_class=_HTTPServer,
-                               handler_class=MTPAPIHandler)
-    # HTTP is closed and the generation thread joined. Skip the interpreter's
-    # teardown: MLX's stream threads abort in it ("terminate called without an
-    # active exception", mlx_lm.server too).
+    try:
+        lm_server._run_http_server(args.host, args.port, generator, server_class=_HTTPServer,
+                                   handler_class=MTPAPIHandler)
+    except OSError as e:  # the port is taken, the address is not this machine's
+        print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}",
+              file=sys.stderr)
+        generator.stop_and_join()
+        return _exit(1)
     logging.info("stopped")
+    return _exit(1 if generator._generation_failed and rank is not None else 0)
+
+
+def _exit(code: int):
+    """HTTP is closed and the generation thread joined. Skip the interpreter's
+    teardown: MLX's stream threads abort in it ("terminate called without an
+    active exception", mlx_lm.server too)."""
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):  # (mlx.launch, stopped by a Ctrl-C, closed them)
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

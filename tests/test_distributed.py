@@ -10,8 +10,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -107,8 +110,8 @@ def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
 
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     """`mlx.launch ... -m mlx_mtp.generate --model M` prints rank 0's text once;
-    a rank that cannot load stops the launch with one line, not a hang; the
-    server refuses to run sharded with one line."""
+    a rank that cannot load stops the launch (generate or server) with one
+    line, not a hang."""
     path = checkpoints["dense"]
     model, tok = mlx_mtp.load(path)
     want = mlx_mtp.generate(model, tok, "hello", max_tokens=10, draft_tokens=2)
@@ -127,6 +130,119 @@ def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     assert "exited with code 1" in out and "exited with code 0" not in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
     assert "error: rank 1: pipeline rank 1 holds no attention layer" in out, out[-2000:]
-    # the server does not run sharded yet: it says so instead of binding the port twice
-    code, out = launch(["-m", "mlx_mtp.server", "--model", str(small)], timeout=120)
-    assert out.count("error: mlx_mtp.server does not run under mlx.launch yet") == 2, out[-2000:]
+    # the server: the same line, and no port left bound
+    code, out = launch(["-m", "mlx_mtp.server", "--model", str(small), "--pipeline"],
+                       timeout=120)
+    assert "exited with code 1" in out and "Traceback" not in out, out[-2000:]
+    assert "error: rank 1: pipeline rank 1 holds no attention layer" in out, out[-2000:]
+
+
+# -- the server over two ranks -------------------------------------------------------------
+SERVER_CHATS = [
+    dict(messages=[{"role": "user", "content": "hello"}], max_tokens=10),
+    dict(messages=[{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "def f(x):"}], max_tokens=8),
+    dict(messages=[{"role": "user", "content": "import os"},
+                   {"role": "assistant", "content": "import sys"},
+                   {"role": "user", "content": "x = 1"}], max_tokens=12),
+    dict(messages=[{"role": "user", "content": "abc"}], max_tokens=6, stop=["\n"]),
+]
+
+
+def _chat(server, req, stream=False, **kw):
+    client = server.openai(timeout=120)
+    if not stream:
+        r = client.chat.completions.create(model="default_model", temperature=0, **req, **kw)
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(model="default_model", temperature=0,
+                                                stream=True, **req, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def _sampled(server, seed):
+    r = server.openai(timeout=120).chat.completions.create(
+        model="default_model", messages=SERVER_CHATS[0]["messages"], max_tokens=8,
+        temperature=1.0, top_p=0.95, seed=seed, extra_body={"num_draft_tokens": 2})
+    return r.choices[0].message.content
+
+
+def _two_turns(server):
+    client = server.openai(timeout=120)
+    messages = [{"role": "user", "content": "def read(path):"}]
+    first = client.chat.completions.create(model="default_model", messages=messages,
+                                           max_tokens=8, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "def write(path):"}]
+    second = client.chat.completions.create(model="default_model", messages=messages,
+                                            max_tokens=8, temperature=0)
+    return (first.choices[0].message.content, second.choices[0].message.content,
+            second.usage.prompt_tokens_details.cached_tokens)
+
+
+@pytest.fixture(scope="module")
+def one_process_servers(checkpoints, tmp_path_factory):
+    """mlx_lm.server and mlx_mtp.server, each one process, on the dense checkpoint."""
+    from serving import Server
+
+    logs, path = tmp_path_factory.mktemp("servers"), str(checkpoints["dense"])
+    started = []
+    try:
+        started.append(Server(["mlx_lm", "server", "--model", path], logs / "mlx_lm.log"))
+        started.append(Server(["mlx_mtp.server", "--model", path], logs / "mtp.log"))
+        lm, one = started
+        yield {"greedy": [_chat(lm, c) for c in SERVER_CHATS],
+               "sampled": _sampled(one, 3), "turns": _two_turns(one)}
+    finally:
+        for s in started:
+            s.close()
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_server_over_two_ranks(checkpoints, one_process_servers, tmp_path, mode):
+    """`mlx.launch ... -m mlx_mtp.server --model M [--pipeline]`: rank 0 serves
+    HTTP, rank 1 follows. Concurrent requests (rows joining and leaving the
+    batch on both ranks together) get mlx_lm.server's text; seeded sampling
+    and a second turn from the prefix cache equal one process; a client that
+    leaves mid-stream stops its row on both ranks; bad input gets a 400; a
+    Ctrl-C (SIGINT to the launch's process group) stops every rank cleanly."""
+    import requests
+    from serving import Server
+
+    want = one_process_servers
+    s = Server(["mlx_mtp.server", "--model", str(checkpoints["dense"]),
+                *(["--pipeline"] if mode == "pipeline" else [])], tmp_path / "server.log",
+               launch=[LAUNCH, "-n", "2", "--backend", "ring"], timeout=180)
+    try:
+        jobs = [lambda c=c, i=i: _chat(s, c, stream=i % 2 == 1)
+                for i, c in enumerate(SERVER_CHATS)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            assert list(pool.map(lambda job: job(), jobs)) == want["greedy"]
+        assert _sampled(s, 3) == want["sampled"]
+        first, second, cached = _two_turns(s)
+        assert (first, second) == want["turns"][:2] and cached == want["turns"][2] > 0
+        # a client leaving: its row (decoding alone: logit_bias, no EOS) stops
+        # on both ranks; a row that went on would hold the next request for minutes
+        body = json.dumps(dict(messages=SERVER_CHATS[0]["messages"], max_tokens=3000,
+                               stream=True, logit_bias={"258": -100}))
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+                          ).encode())
+            seen = b""
+            while seen.count(b"data: ") < 3:
+                seen += sock.recv(4096)
+        t0 = time.time()
+        assert _chat(s, SERVER_CHATS[1]) == want["greedy"][1]
+        assert time.time() - t0 < 90
+        r = requests.post(s.url + "/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+        assert requests.get(s.url + "/health").json() == {"status": "ok"}
+    finally:
+        clean = s.close()
+    log = s.text()
+    assert clean, log[-3000:]
+    assert "exited with code" not in log and "was killed" not in log, log[-3000:]

@@ -4,8 +4,6 @@ process on the same (demo) model: same text at temperature 0, prefix cache
 across turns, concurrency, a client leaving mid-stream, bad input."""
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,51 +18,9 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.load import demo_model_path  # noqa: E402
+from serving import Server  # noqa: E402
 
 DEMO = str(demo_model_path())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server process on a free local port; stopped (SIGINT, then kill) on close."""
-
-    def __init__(self, argv, log):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 120
-        while True:
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.close()
-                raise RuntimeError(f"{argv} did not start: see {log}")
-            time.sleep(0.3)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-    def openai(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"),
-                             max_retries=0, **kw)
 
 
 @pytest.fixture(scope="module")

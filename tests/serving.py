@@ -1,0 +1,84 @@
+"""A server as a real process (or mlx.launch ranks) on a free local port, for
+the server tests (not a test module)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m ARGV --port P` in its own process group (behind `launch`,
+    e.g. mlx.launch's arguments, when given), ready when /health answers.
+    `close` stops it as a Ctrl-C does (SIGINT to the group), then kills the
+    group if it has not exited in 30 s; `code` is its exit status."""
+
+    def __init__(self, argv, log, launch=(), timeout=120):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.code = None
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log_path = log
+        self.log = open(log, "w")
+        cmd = [*launch, *(["--python"] if launch else []), sys.executable, "-m", *argv,
+               "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.close()
+                raise RuntimeError(f"{argv} did not start: see {log}")
+            time.sleep(0.3)
+
+    def _signal_group(self, sig) -> bool:
+        try:
+            os.killpg(self.proc.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def close(self) -> bool:
+        """Stop it; True when every process of the group exited by itself."""
+        clean = True
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                clean = False
+        deadline = time.time() + 30  # the group's other processes (ranks) too
+        while self._signal_group(0) and time.time() < deadline:
+            time.sleep(0.2)
+        if self._signal_group(signal.SIGKILL):
+            clean = False
+        if self.proc.poll() is None:
+            self.proc.wait()
+        self.code = self.proc.returncode
+        self.log.close()
+        return clean
+
+    def text(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"),
+                             max_retries=0, **kw)
