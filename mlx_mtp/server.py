@@ -69,6 +69,9 @@ from .loop import MTPStats
 from .sampling import make_sampler
 
 MAX_BODY = 64 << 20  # bytes
+# sharded, rank 0's news (requests, clients gone) reaches the other ranks every
+# this many cycles: each `_tick` is a round of collectives and a host sync
+SHARDED_TICK_CYCLES = 4
 
 # -- request schemas: the fields mlx_lm.server reads, and OpenAI fields a client
 # may send that do not change the output here; anything else is refused
@@ -273,6 +276,8 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             busy = lane is not None and bool(lane.rows)
             if waiting and (not busy or lane.accepts(waiting[0][1], width)):
                 request, settings = waiting.popleft()
+            elif busy and self._is_distributed and lane.cycles % SHARDED_TICK_CYCLES:
+                request = None
             else:
                 request = self._tick(None if busy else 0.1, lane)
                 if request is not None:
@@ -326,6 +331,11 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             row.left = row.left or row.rid in left
         if shared is None:
             return None
+        if self._halted:  # not started: it would hold up the shutdown by a prefill
+            if request is not None:
+                _Lane._fail(request[0], ApiError(503, "the server is shutting down",
+                                                 kind="server_error"))
+            return None
         return (request[0] if request is not None else Queue(), *shared)
 
     def _fetch(self, key, tokens: list):
@@ -353,10 +363,9 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                 self._generate()
         except Exception as e:  # a peer left (its own line says why), or this rank failed
             self._generation_failed = True
-            logging.error("rank %d: generation stopped: %s: %s", self._rank,
-                          type(e).__name__, e)
-            if self._rank == 0:  # a sharded model cannot serve without all its ranks
-                _thread.interrupt_main()
+            logging.error("generation stopped: %s: %s", type(e).__name__, e)
+            if self._rank == 0 and not self._stop:  # a sharded model cannot serve
+                _thread.interrupt_main()  # without all its ranks
 
     def _settings(self, args) -> tuple:
         """What a batch shares: the sampler's settings, the depth, and whether
@@ -422,6 +431,7 @@ class _Lane:
             sampler=_sampler(args, mp.tokenizer),
             logits_processors=lm_server._make_logits_processors(args))
         self.rows: dict = {}  # Row -> _RowState
+        self.cycles = 0
 
     def accepts(self, settings: tuple, width: int) -> bool:
         """A request with these settings can join now."""
@@ -434,12 +444,14 @@ class _Lane:
         rqueue, request, args = request
         gen, mp = self.gen, self.gen.model_provider
         rid = next(gen._row_ids)
+        collectives = False
         try:
             model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
             prompt, segments, kinds, initial_state, _ = gen._tokenize(tokenizer, request, args)
             stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
             # an exact stored prefix (GDN states cannot be cut back), leaving at
             # least the last prompt token to run
+            collectives = gen._is_distributed
             cache, n = gen._fetch(key, prompt[:-1])
             ctx = MTPGenerationContext(
                 has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
@@ -464,9 +476,12 @@ class _Lane:
             self._emit(row, state, 0, first, logprobs)
         except Exception as e:
             self._fail(rqueue, e)
+            if collectives:  # this rank may have left the others inside a collective
+                raise
 
     def step(self):
         """One cycle for every row; each row's tokens go to its request."""
+        self.cycles += 1
         try:
             with mx.stream(generation_stream):
                 for row, tokens, logprobs, _ in self.batch.step():
@@ -479,6 +494,8 @@ class _Lane:
                 self._fail(state.rqueue, e)
             self.rows.clear()
             self.batch = None  # the generation thread starts a new lane
+            if self.gen._is_distributed:  # (sharded: this rank may be out of step)
+                raise
 
     def _emit(self, row, state: _RowState, used: int, token: int, logprobs) -> bool:
         """Send one token (as mlx_lm.server's responses are built); finish the
@@ -863,12 +880,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _interrupt(signum, frame):
     """The first SIGINT/SIGTERM shuts down cleanly (mlx_lm's server loop closes
-    HTTP and joins the generation thread, which stops the other ranks); during
-    that, SIGTERMs (mlx.launch sends them) are ignored and a second Ctrl-C
-    exits at once."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    HTTP and joins the generation thread, which stops the other ranks); a
+    second one exits at once."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
     raise KeyboardInterrupt
+
+
+def _follow(signum, frame):
+    """Ranks other than 0 stop when rank 0 says so (a Ctrl-C reaches rank 0
+    too); if rank 0 cannot say it within a grace period, they exit anyway."""
+    timer = threading.Timer(RANK_GRACE_S, lambda: os._exit(128 + signum))
+    timer.daemon = True
+    timer.start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+RANK_GRACE_S = 30
 
 
 def main(argv=None) -> int:
@@ -885,6 +914,9 @@ def main(argv=None) -> int:
     if args.max_tokens < 1 or args.max_tokens > args.max_tokens_limit:
         print("error: --max-tokens must be in 1..--max-tokens-limit", file=sys.stderr)
         return 2
+    if args.pipeline and rank is None:
+        logging.warning("--pipeline splits a model over mlx.launch ranks; in one process it "
+                        "has no effect")
     # mlx_lm.server's request handler reads this one
     args.num_draft_tokens = None
     served_id = args.model or "mlx-mtp-demo"
@@ -897,36 +929,40 @@ def main(argv=None) -> int:
         provider.load_default()  # here, so a bad model fails now with one line
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"error: {where}{e}", file=sys.stderr)
-        return 1
+        return _exit(1)
     except RuntimeError as e:  # under mlx.launch: another rank stopped (its line says why)
         if rank is None:
             raise
         print(f"error: {where}{e}", file=sys.stderr)
-        return 1
+        return _exit(1)
     cache = LRUPromptCache(args.prompt_cache_size, args.prompt_cache_bytes or 1 << 62)
+    # (SIGINT is ignored in background jobs: set it, like SIGTERM, before the
+    # generation thread starts, so no signal finds the process unprepared)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _follow if rank else _interrupt)
     generator = MTPResponseGenerator(provider, cache)
     if rank:  # the other ranks follow rank 0's generation loop, which tells them to stop
-        # (or fails them with one line when rank 0 is gone): signals go to rank 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        generator.join()
+        generator.join()  # (or fails them with one line when rank 0 is gone)
         return _exit(1 if generator._generation_failed else 0)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # (SIGINT is ignored in background jobs)
-        signal.signal(sig, _interrupt)
-    warnings.filterwarnings("ignore", message="mlx_lm.server is not recommended")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
-        logging.warning("serving on %s without --api-key: anyone who can reach the port can "
-                        "use the model", args.host)
+    code = 0
     try:
+        warnings.filterwarnings("ignore", message="mlx_lm.server is not recommended")
+        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+            logging.warning("serving on %s without --api-key: anyone who can reach the port "
+                            "can use the model", args.host)
         lm_server._run_http_server(args.host, args.port, generator, server_class=_HTTPServer,
                                    handler_class=MTPAPIHandler)
     except OSError as e:  # the port is taken, the address is not this machine's
         print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}",
               file=sys.stderr)
+        code = 1
         generator.stop_and_join()
-        return _exit(1)
+    except KeyboardInterrupt:  # before serving began
+        generator.stop_and_join()
     logging.info("stopped")
-    return _exit(1 if generator._generation_failed and rank is not None else 0)
+    if rank is not None and generator._generation_failed:  # sharded: a rank was lost
+        code = 1
+    return _exit(code)
 
 
 def _exit(code: int):

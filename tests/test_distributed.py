@@ -207,8 +207,10 @@ def test_server_over_two_ranks(checkpoints, one_process_servers, tmp_path, mode)
     HTTP, rank 1 follows. Concurrent requests (rows joining and leaving the
     batch on both ranks together) get mlx_lm.server's text; seeded sampling
     and a second turn from the prefix cache equal one process; a client that
-    leaves mid-stream stops its row on both ranks; bad input gets a 400; a
-    Ctrl-C (SIGINT to the launch's process group) stops every rank cleanly."""
+    leaves mid-stream stops its row on both ranks; bad input gets a 400.
+    Tensor: a Ctrl-C (SIGINT to the launch's process group) stops every rank
+    cleanly. Pipeline: rank 1 killed mid-service stops rank 0 with one line,
+    no hang."""
     import requests
     from serving import Server
 
@@ -241,8 +243,32 @@ def test_server_over_two_ranks(checkpoints, one_process_servers, tmp_path, mode)
         r = requests.post(s.url + "/v1/chat/completions", json={"messages": []})
         assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
         assert requests.get(s.url + "/health").json() == {"status": "ok"}
+        if mode == "pipeline":
+            os.kill(_rank_pid(s.proc.pid, 1), signal.SIGKILL)
+            s.proc.wait(timeout=60)  # mlx.launch returns once rank 0 has stopped
     finally:
         clean = s.close()
     log = s.text()
     assert clean, log[-3000:]
-    assert "exited with code" not in log and "was killed" not in log, log[-3000:]
+    if mode == "pipeline":
+        assert "rank 1 exited with code -9" in log and "rank 0 exited with code 1" in log, \
+            log[-3000:]
+        assert "rank 0: ERROR - generation stopped: RuntimeError" in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    else:
+        assert "exited with code" not in log and "was killed" not in log, log[-3000:]
+
+
+def _rank_pid(group: int, rank: int) -> int:
+    """The pid of the process in this process group that runs `rank`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.getpgid(int(proc.name)) != group:
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if f"MLX_RANK={rank}".encode() in env and b"mlx_mtp.server" in cmd:
+            return int(proc.name)
+    raise AssertionError(f"no process of rank {rank} in group {group}")
