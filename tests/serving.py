@@ -82,3 +82,19 @@ class Server:
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"),
                              max_retries=0, **kw)
+
+
+def chat_text(server, req, stream=False):
+    """A chat request's text and finish reason at temperature 0 (official
+    OpenAI client; streamed or not)."""
+    client = server.openai(timeout=120)
+    if not stream:
+        r = client.chat.completions.create(model="default_model", temperature=0, **req)
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(model="default_model", temperature=0,
+                                                stream=True, **req):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish

@@ -22,6 +22,7 @@ import pytest
 
 import mlx_mtp
 from mlx_mtp.synthetic import write_checkpoint
+from serving import chat_text
 from util import reference
 
 LAUNCH = shutil.which("mlx.launch")
@@ -149,20 +150,6 @@ SERVER_CHATS = [
 ]
 
 
-def _chat(server, req, stream=False, **kw):
-    client = server.openai(timeout=120)
-    if not stream:
-        r = client.chat.completions.create(model="default_model", temperature=0, **req, **kw)
-        return r.choices[0].message.content or "", r.choices[0].finish_reason
-    text, finish = "", None
-    for chunk in client.chat.completions.create(model="default_model", temperature=0,
-                                                stream=True, **req, **kw):
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-    return text, finish
-
-
 def _sampled(server, seed):
     r = server.openai(timeout=120).chat.completions.create(
         model="default_model", messages=SERVER_CHATS[0]["messages"], max_tokens=8,
@@ -194,7 +181,7 @@ def one_process_servers(checkpoints, tmp_path_factory):
         started.append(Server(["mlx_lm", "server", "--model", path], logs / "mlx_lm.log"))
         started.append(Server(["mlx_mtp.server", "--model", path], logs / "mtp.log"))
         lm, one = started
-        yield {"greedy": [_chat(lm, c) for c in SERVER_CHATS],
+        yield {"greedy": [chat_text(lm, c) for c in SERVER_CHATS],
                "sampled": _sampled(one, 3), "turns": _two_turns(one)}
     finally:
         for s in started:
@@ -219,7 +206,7 @@ def test_server_over_two_ranks(checkpoints, one_process_servers, tmp_path, mode)
                 *(["--pipeline"] if mode == "pipeline" else [])], tmp_path / "server.log",
                launch=[LAUNCH, "-n", "2", "--backend", "ring"], timeout=180)
     try:
-        jobs = [lambda c=c, i=i: _chat(s, c, stream=i % 2 == 1)
+        jobs = [lambda c=c, i=i: chat_text(s, c, stream=i % 2 == 1)
                 for i, c in enumerate(SERVER_CHATS)]
         with ThreadPoolExecutor(len(jobs)) as pool:
             assert list(pool.map(lambda job: job(), jobs)) == want["greedy"]
@@ -238,7 +225,7 @@ def test_server_over_two_ranks(checkpoints, one_process_servers, tmp_path, mode)
             while seen.count(b"data: ") < 3:
                 seen += sock.recv(4096)
         t0 = time.time()
-        assert _chat(s, SERVER_CHATS[1]) == want["greedy"][1]
+        assert chat_text(s, SERVER_CHATS[1]) == want["greedy"][1]
         assert time.time() - t0 < 90
         r = requests.post(s.url + "/v1/chat/completions", json={"messages": []})
         assert r.status_code == 400 and "messages" in r.json()["error"]["message"]

@@ -18,7 +18,7 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.load import demo_model_path  # noqa: E402
-from serving import Server  # noqa: E402
+from serving import Server, chat_text  # noqa: E402
 
 DEMO = str(demo_model_path())
 
@@ -59,27 +59,13 @@ CHATS = [
 ]
 
 
-def _chat_text(server, req, stream=False):
-    client = server.openai()
-    if not stream:
-        r = client.chat.completions.create(model="default_model", temperature=0, **req)
-        return r.choices[0].message.content or "", r.choices[0].finish_reason
-    text, finish = "", None
-    for chunk in client.chat.completions.create(model="default_model", temperature=0,
-                                                stream=True, **req):
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-    return text, finish
-
-
 @pytest.mark.parametrize("i", range(len(CHATS)))
 def test_chat_same_text_as_mlx_lm_server(servers, i):
     mtp, lm = servers
-    want = _chat_text(lm, CHATS[i])
+    want = chat_text(lm, CHATS[i])
     assert want[0] or want[1] == "length"
-    assert _chat_text(mtp, CHATS[i]) == want
-    assert _chat_text(mtp, CHATS[i], stream=True) == want
+    assert chat_text(mtp, CHATS[i]) == want
+    assert chat_text(mtp, CHATS[i], stream=True) == want
 
 
 def test_completions_same_text_as_mlx_lm_server(servers):
@@ -148,8 +134,8 @@ def test_concurrent_clients(mtp):
     decoding alone; seeded sampling beside greedy) get complete answers, each
     equal to its serial one. (Seeded draws repeat at a fixed depth: with auto
     the depth schedule, which follows timing, decides which draws are made.)"""
-    serial = [_chat_text(mtp, r) for r in CHATS] + [_sampled_text(mtp, s) for s in (1, 2)]
-    jobs = [lambda r=r: _chat_text(mtp, r, stream=True) for r in CHATS] + \
+    serial = [chat_text(mtp, r) for r in CHATS] + [_sampled_text(mtp, s) for s in (1, 2)]
+    jobs = [lambda r=r: chat_text(mtp, r, stream=True) for r in CHATS] + \
         [lambda s=s: _sampled_text(mtp, s) for s in (1, 2)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         parallel = list(pool.map(lambda job: job(), jobs))
@@ -160,7 +146,7 @@ def test_concurrent_clients(mtp):
 def test_disconnect_mid_stream(mtp):
     """A client leaving mid-stream: its generation stops (the next request does
     not wait for 3000 tokens), the server keeps serving, the next answer is right."""
-    want = _chat_text(mtp, CHATS[1])
+    want = chat_text(mtp, CHATS[1])
     with socket.create_connection(("127.0.0.1", mtp.port)) as s:
         body = json.dumps(dict(messages=CHATS[0]["messages"], max_tokens=3000, stream=True))
         s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
@@ -169,7 +155,7 @@ def test_disconnect_mid_stream(mtp):
         while seen.count(b"data: ") < 3:
             seen += s.recv(4096)
     t0 = time.time()
-    assert _chat_text(mtp, CHATS[1]) == want
+    assert chat_text(mtp, CHATS[1]) == want
     assert time.time() - t0 < 15
     assert requests.get(mtp.url + "/health").json() == {"status": "ok"}
 
@@ -228,7 +214,7 @@ def test_anthropic_messages(mtp):
     client = anthropic.Anthropic(base_url=mtp.url, api_key="none", max_retries=0)
     msgs = [{"role": "user", "content": "def fibonacci(n):"}]
     r = client.messages.create(model="mlx-mtp-demo", max_tokens=24, messages=msgs)
-    want = _chat_text(mtp, dict(messages=msgs, max_tokens=24))[0]
+    want = chat_text(mtp, dict(messages=msgs, max_tokens=24))[0]
     assert r.content[0].type == "text" and r.content[0].text == want
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 24
     with client.messages.stream(model="mlx-mtp-demo", max_tokens=24, messages=msgs) as stream:
