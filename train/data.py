@@ -154,6 +154,18 @@ def train_tokenizer(docs: List[str], vocab_size: int):
     return tok
 
 
+def encode_stream(tok, texts: List[str]):
+    """The documents' token ids as one int32 stream, each ended by <|endoftext|>."""
+    import numpy as np
+
+    eot = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return np.array(ids, dtype=np.int32)
+
+
 def save_tokenizer(tok, path: Path):
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -171,18 +171,9 @@ def token_streams(tokenizer_file: Path, seed: int = 0, chat_fraction: float = 0.
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_file))
-    eot = tok.token_to_id("<|endoftext|>")
     train_docs, held_docs = data.split_corpus()
     docs, _ = data.build_documents(train_docs, seed, chat_fraction)
-
-    def enc(texts):
-        ids = []
-        for e in tok.encode_batch(texts):
-            ids.extend(e.ids)
-            ids.append(eot)
-        return np.array(ids, dtype=np.int32)
-
-    return enc(docs), enc([t for _, t in held_docs])
+    return data.encode_stream(tok, docs), data.encode_stream(tok, [t for _, t in held_docs])
 
 
 def greedy_continue(model, prompts: np.ndarray, n: int) -> np.ndarray:

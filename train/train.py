@@ -244,20 +244,13 @@ def main(argv=None):
     eot = tok.token_to_id("<|endoftext|>")
     im_end = tok.token_to_id("<|im_end|>")
 
-    def encode_stream(texts):
-        ids = []
-        for enc in tok.encode_batch(texts):
-            ids.extend(enc.ids)
-            ids.append(eot)
-        return np.array(ids, dtype=np.int32)
-
     cache = out / "tokens.npz"
     if cache.exists():
         z = np.load(cache)
         train_stream, held_stream = z["train"], z["held"]
     else:
-        train_stream = encode_stream(docs)
-        held_stream = encode_stream([t for _, t in held_docs])
+        train_stream = data.encode_stream(tok, docs)
+        held_stream = data.encode_stream(tok, [t for _, t in held_docs])
         np.savez(cache, train=train_stream, held=held_stream)
     (out / "heldout.txt").write_text("\n".join(t for _, t in held_docs))
     (out / "heldout_files.txt").write_text("\n".join(r for r, _ in held_docs) + "\n")
