@@ -1,16 +1,18 @@
 """Batched decoding: mlx_mtp.batch_generate against mlx_lm.batch_generate.
 
-For each batch size B, rounds alternate the two on the same B prompts (the
-same machine state for both); each call is timed whole (prompts included,
-the same prompts for both), so aggregate tok/s = generated tokens / wall
-time and per-row tok/s = aggregate / B. The ratio reported is the median of
-the rounds' ratios (adjacent runs), with min-max. Outputs are checked
-identical row by row (greedy). Also prints the depth mlx_mtp's controller
-settled on per B (tokens per cycle, drafted/accepted).
+For each batch size B and each mlx_mtp depth setting (auto and fixed depths),
+every round runs mlx_lm.batch_generate and then mlx_mtp.batch_generate on the
+same B prompts, back to back, so each pair sees the same machine state; each
+call is timed whole (prompts included, the same prompts for both): aggregate
+tok/s = generated tokens / wall time. The ratio reported is the median of the
+rounds' pair ratios, with min-max; `auto` is also given as a fraction of the
+best fixed depth at that B (its ratio over the best fixed depth's ratio).
+Outputs are checked identical row by row (greedy). Also prints the depth
+mlx_mtp's controller settled on (drafts and tokens per cycle).
 
 On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md):
   OPENBLAS_NUM_THREADS=1 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-    python bench/batch_bench.py --sizes 1,2,4,8 --max-tokens 64 --rounds 3
+    python bench/batch_bench.py --sizes 1,2,4,8,16 --depths auto,0,1,2,3 --rounds 5
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ MORE_PROMPTS = DEFAULT_PROMPTS + [
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder / HF repo (default: demo model)")
-    p.add_argument("--sizes", default="1,2,4,8")
+    p.add_argument("--sizes", default="1,2,4,8,16")
+    p.add_argument("--depths", "--draft-tokens", dest="depths", default="auto,0,1,2,3",
+                   help="mlx_mtp depth settings to run, e.g. auto,0,1,2,3")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--draft-tokens", default="auto")
     p.add_argument("--json", default="bench/results/batch_bench.json")
     args = p.parse_args(argv)
 
@@ -53,10 +56,10 @@ def main(argv=None):
     path = str(resolve_model_path(args.model))
     model, tok = mlx_mtp.load(path, quiet=True)
     ref, _ = mlx_lm.load(path)
-    depth = args.draft_tokens if args.draft_tokens == "auto" else int(args.draft_tokens)
+    depths = [d if d == "auto" else int(d) for d in args.depths.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"model {path}; BLAS {blas_in_use()}; max_tokens {args.max_tokens}; "
-          f"depth {depth}; rounds {args.rounds}")
+          f"depths {args.depths}; rounds {args.rounds}", flush=True)
 
     def run_lm(prompts):
         t = time.perf_counter()
@@ -64,7 +67,7 @@ def main(argv=None):
                                     return_token_ids=True)
         return out.token_ids, time.perf_counter() - t
 
-    def run_mtp(prompts, stats):
+    def run_mtp(prompts, depth, stats):
         t = time.perf_counter()
         out = mlx_mtp.batch_generate(model, tok, prompts, max_tokens=args.max_tokens,
                                      draft_tokens=depth, return_token_ids=True, stats=stats)
@@ -74,47 +77,57 @@ def main(argv=None):
     for B in sizes:
         prompts = [tok.encode(MORE_PROMPTS[i % len(MORE_PROMPTS)]) for i in range(B)]
         run_lm(prompts)  # warm both (graph compiles, first-use allocations)
-        run_mtp(prompts, [])
-        ratios, lm_tps, mtp_tps, stats, same = [], [], [], [], True
+        for depth in depths:
+            run_mtp(prompts, depth, [])
+        results = {d: dict(ratios=[], lm=[], mtp=[], stats=[], same=True) for d in depths}
         for _ in range(args.rounds):
-            want, t_lm = run_lm(prompts)
-            round_stats = []
-            got, t_mtp = run_mtp(prompts, round_stats)
-            stats += round_stats
-            n_lm, n_mtp = sum(map(len, want)), sum(map(len, got))
-            same &= got == want
-            lm_tps.append(n_lm / t_lm)
-            mtp_tps.append(n_mtp / t_mtp)
-            ratios.append(mtp_tps[-1] / lm_tps[-1])
-        drafted = sum(s.drafted for s in stats)
-        accepted = sum(s.accepted for s in stats)
-        cycles = sum(s.cycles for s in stats)
-        row = dict(batch=B, mlx_lm_tps=statistics.median(lm_tps),
-                   mlx_mtp_tps=statistics.median(mtp_tps), ratio=statistics.median(ratios),
-                   ratio_min=min(ratios), ratio_max=max(ratios), identical=same,
-                   tokens_per_cycle=sum(s.emitted for s in stats) / max(cycles, 1),
-                   drafts_per_cycle=drafted / max(cycles, 1),
-                   acceptance=accepted / drafted if drafted else 0.0)
-        rows.append(row)
-        print(f"B={B}: mlx_lm {row['mlx_lm_tps']:.1f} tok/s ({row['mlx_lm_tps'] / B:.1f}/row), "
-              f"mlx_mtp {row['mlx_mtp_tps']:.1f} tok/s ({row['mlx_mtp_tps'] / B:.1f}/row), "
-              f"ratio {row['ratio']:.2f}x [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}], "
-              f"drafts/cycle {row['drafts_per_cycle']:.2f}, acceptance "
-              f"{row['acceptance']:.0%}, tokens/cycle {row['tokens_per_cycle']:.2f}, "
-              f"identical {same}", flush=True)
-    print("\n| B | mlx_lm tok/s (per row) | mlx_mtp tok/s (per row) | ratio (median of pairs) "
-          "| drafts/cycle | identical |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        B = r["batch"]
-        print(f"| {B} | {r['mlx_lm_tps']:.1f} ({r['mlx_lm_tps'] / B:.1f}) | "
-              f"{r['mlx_mtp_tps']:.1f} ({r['mlx_mtp_tps'] / B:.1f}) | {r['ratio']:.2f}x "
-              f"[{r['ratio_min']:.2f}-{r['ratio_max']:.2f}] | {r['drafts_per_cycle']:.2f} | "
-              f"{r['identical']} |")
+            for depth in depths:
+                r = results[depth]
+                want, t_lm = run_lm(prompts)
+                got, t_mtp = run_mtp(prompts, depth, r["stats"])
+                r["same"] &= got == want
+                r["lm"].append(sum(map(len, want)) / t_lm)
+                r["mtp"].append(sum(map(len, got)) / t_mtp)
+                r["ratios"].append(r["mtp"][-1] / r["lm"][-1])
+        fixed = {d: statistics.median(results[d]["ratios"]) for d in depths if d != "auto"}
+        best = max(fixed, key=fixed.get) if fixed else None
+        for depth in depths:
+            r, stats = results[depth], results[depth]["stats"]
+            drafted = sum(s.drafted for s in stats)
+            cycles = max(sum(s.cycles for s in stats), 1)
+            ratio = statistics.median(r["ratios"])
+            row = dict(batch=B, depth=depth, mlx_lm_tps=statistics.median(r["lm"]),
+                       mlx_mtp_tps=statistics.median(r["mtp"]), ratio=ratio,
+                       ratio_min=min(r["ratios"]), ratio_max=max(r["ratios"]),
+                       identical=r["same"],
+                       tokens_per_cycle=sum(s.emitted for s in stats) / cycles,
+                       drafts_per_cycle=drafted / cycles,
+                       acceptance=sum(s.accepted for s in stats) / drafted if drafted else 0.0,
+                       of_best=ratio / fixed[best] if depth == "auto" and best is not None
+                       else None, best=best)
+            rows.append(row)
+            of_best = (f", {row['of_best']:.0%} of the best fixed depth ({best})"
+                       if row["of_best"] is not None else "")
+            print(f"B={B:>2} depth {str(depth):>4}: mlx_lm {row['mlx_lm_tps']:6.1f} tok/s, "
+                  f"mlx_mtp {row['mlx_mtp_tps']:6.1f} tok/s, ratio {ratio:.2f}x "
+                  f"[{row['ratio_min']:.2f}-{row['ratio_max']:.2f}], drafts/cycle "
+                  f"{row['drafts_per_cycle']:.2f}, tokens/cycle {row['tokens_per_cycle']:.2f}, "
+                  f"identical {r['same']}{of_best}", flush=True)
+    print("\n| B | " + " | ".join(f"depth {d}" for d in depths) + " | auto / best fixed |")
+    print("|---|" + "---|" * (len(depths) + 1))
+    for B in sizes:
+        cells = {r["depth"]: r for r in rows if r["batch"] == B}
+        auto = cells.get("auto")
+        print(f"| {B} | " + " | ".join(f"{cells[d]['ratio']:.2f}x" for d in depths)
+              + (f" | {auto['of_best']:.0%} (best: {auto['best']}) |"
+                 if auto and auto["of_best"] is not None else " | |"))
+    print("(each cell: mlx_mtp / mlx_lm, median of the rounds' adjacent pairs)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(machine=machine_info(), mlx=mx.__version__,
-                                                   args=vars(args), rows=rows), indent=1))
+                                                   args=vars(args), rows=rows,
+                                                   command=" ".join([sys.executable] + sys.argv)),
+                                              indent=1))
     return 0 if all(r["identical"] for r in rows) else 1
 
 

@@ -1,22 +1,42 @@
-"""Load benchmark: mlx_mtp.server and mlx_lm.server on the same model, one run.
+"""Serving load bench: mlx_mtp.server against mlx_lm.server, workload by workload.
 
-Starts both servers as processes on local ports (one at a time, so they do
-not share the CPU), then N concurrent clients send a fixed list of streaming
-chat requests to each. Prints requests/s, time to first token and per-request
-decode tok/s (p50 / p90), errors (must be 0), the servers' peak resident
-memory, and whether every answer equals mlx_lm.server's (temperature 0).
+Both servers are started by the bench (same model, same environment) and
+stay up; every round runs each workload on one server, then on the other
+(the order flips every round), so the two always meet the machine in the
+same state. Per workload it prints every round's completion tokens per
+second of wall time (all completion tokens of the workload / its wall time),
+the median of the rounds' ratios mlx_mtp / mlx_lm (the paired ratio), time
+to first token p50 / p95 (streamed workloads; `agent` is not streamed, so
+its column is the whole request's latency), errors, and whether every
+greedy answer was the same text on both servers.
 
-    python bench/serve_bench.py --clients 4 --requests 16 --max-tokens 64
-    python bench/serve_bench.py --turns 5     # a conversation: TTFT per turn, with and
-                                              # without the prefix cache
+Workloads (every round uses new prompts, so no round is served from the
+previous round's prefix cache; within a round both servers get the same ones):
+  single   1 client, 4 greedy chats one after another, 96 tokens each
+  same4    4 concurrent clients, greedy, 3 chats each, 64 tokens
+  mixed4   4 concurrent clients with different settings, 3 chats each, 64
+           tokens: greedy; temperature 0.7 + top_p 0.9 + seed; temperature
+           1.0 + seed; greedy + logit_bias
+  same8    8 concurrent clients, greedy, 2 chats each, 64 tokens
+  agent    1 client, a 4-turn conversation (system prompt + ~400 tokens of
+           code per turn, the history growing), 64 tokens a turn, not streamed
+
+On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md); the
+servers inherit the environment:
+
+    OPENBLAS_NUM_THREADS=1 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+      python bench/serve_bench.py --rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -25,9 +45,25 @@ from pathlib import Path
 
 import requests
 
-PROMPTS = ["def fibonacci(n):", "class LRUCache:\n    def __init__(self, capacity):",
-           "import os\n\ndef walk_files(root):", "def parse_args(argv=None):",
-           "def merge_sorted(a, b):", "class Matrix:\n    def __mul__(self, other):"]
+sys.path.insert(0, str(Path(__file__).parent))
+
+TASKS = [
+    "def fibonacci(n):", "class LRUCache:\n    def __init__(self, capacity):",
+    "import os\n\ndef walk_files(root):", "def parse_args(argv=None):",
+    "def merge_sorted(a, b):", "class Matrix:\n    def __mul__(self, other):",
+    "def read_json(path):", "class Stack:\n    def __init__(self):",
+    "import re\n\ndef slugify(text):", "def quicksort(items):",
+    "def flatten(nested):", "class Timer:\n    def __enter__(self):",
+]
+SYSTEM = ("You are a coding agent working in a Python repository. Read the code the user "
+          "shows you, then answer with code only, in the style of the repository.")
+ASKS = ["Write a helper for the code above.", "Now a test for it.", "Add a docstring.",
+        "Make it faster."]
+# mixed4's four clients: (name, request fields)
+MIXED = [("greedy", {"temperature": 0}),
+         ("t0.7 top_p0.9 seed", {"temperature": 0.7, "top_p": 0.9, "seed": 1}),
+         ("t1.0 seed", {"temperature": 1.0, "seed": 2}),
+         ("greedy logit_bias", {"temperature": 0, "logit_bias": {"10": -5.0, "11": 2.0}})]
 
 
 def free_port() -> int:
@@ -36,176 +72,238 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(argv, log):
+def start(argv, log: Path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", str(port)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
+        if proc.poll() is not None:
+            break
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
         except requests.ConnectionError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"{argv} did not start (log: {log})")
+    raise RuntimeError(f"{' '.join(argv)} did not start (log: {log})")
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return float("nan")
 
 
-def one_request(url, prompt, max_tokens):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+# -- one request ---------------------------------------------------------------------------------
+def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
+    """One chat completion: its text, completion tokens, TTFT (streamed) or
+    latency, or the error."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            **(fields or {})}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
-    first = None
-    text, n = "", 0
+    first, text, usage = None, "", {}
     try:
-        with requests.post(url + "/v1/chat/completions", json=body, stream=True,
+        with requests.post(url + "/v1/chat/completions", json=body, stream=stream,
                            timeout=600) as r:
             if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}"}
-            for line in r.iter_lines(decode_unicode=True):
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-                if delta:
-                    if first is None:
-                        first = time.perf_counter()
-                    text += delta
-                    n += 1
+                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            if not stream:
+                out = r.json()
+                text = out["choices"][0]["message"].get("content") or ""
+                usage = out.get("usage") or {}
+            else:
+                for line in r.iter_lines(decode_unicode=True):
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    if chunk.get("choices"):
+                        delta = chunk["choices"][0].get("delta", {}).get("content")
+                        if delta:
+                            first = first or time.perf_counter()
+                            text += delta
     except requests.RequestException as e:
         return {"error": type(e).__name__}
     end = time.perf_counter()
-    return {"text": text, "ttft": (first or end) - t0,
-            "tps": (n - 1) / (end - first) if first and n > 1 else float("nan")}
+    return {"text": text, "tokens": usage.get("completion_tokens", 0),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "ttft": (first or end) - t0 if stream else end - t0}
 
 
-def run_load(url, args):
-    reqs = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-    one_request(url, "warm up", 8)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(args.clients) as pool:
-        results = list(pool.map(lambda p: one_request(url, p, args.max_tokens), reqs))
-    return results, time.perf_counter() - t0
+# -- workloads: each returns the list of request results -------------------------------------------
+def _task(rnd: int, i: int) -> str:
+    # a new first line per round and request: no round reuses another's prefix
+    return f"# task {rnd}.{i}\n{TASKS[(rnd * 5 + i) % len(TASKS)]}"
 
 
-def conversation(url, turns, max_tokens, context):
-    """One chat growing turn by turn (a long first message); per turn: prompt
-    tokens, cached tokens, time to first token, the answer."""
-    messages, out = [], []
-    asks = ["Write a helper for the code above.", "Now a test for it.", "Add a docstring.",
-            "Make it faster.", "Explain the change."]
-    for i in range(turns):
-        content = (context + "\n\n" if i == 0 else "") + asks[i % len(asks)]
-        messages.append({"role": "user", "content": content})
-        t0 = time.perf_counter()
-        r = requests.post(url + "/v1/chat/completions", timeout=600, json={
-            "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}})
-        first, text, usage = None, "", {}
-        for line in r.iter_lines(decode_unicode=True):
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = first or time.perf_counter()
-                text += chunk["choices"][0]["delta"]["content"]
-        out.append({"prompt_tokens": usage.get("prompt_tokens"),
-                    "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-                    "ttft": (first or time.perf_counter()) - t0, "text": text})
-        messages.append({"role": "assistant", "content": text})
+def clients(url, n_clients: int, per_client: int, max_tokens: int, rnd: int, fields=None):
+    def client(c):
+        out = []
+        for j in range(per_client):
+            f = fields[c] if fields else {}
+            r = chat(url, [{"role": "user", "content": _task(rnd, c * per_client + j)}],
+                     max_tokens, f)
+            r["greedy"] = not f.get("temperature")
+            out.append(r)
+        return out
+
+    with ThreadPoolExecutor(n_clients) as pool:
+        return [r for rs in pool.map(client, range(n_clients)) for r in rs]
+
+
+def code_chunks(rnd: int, n: int, chars: int = 1150) -> list:
+    """n pieces of real Python (~400 demo tokens each), different every round."""
+    files = sorted(Path(inspect.getfile(json)).parent.parent.glob("*.py"))
+    out, k = [], rnd * n
+    while len(out) < n:
+        text = files[k % len(files)].read_text(errors="replace")
+        start = (k * 977) % max(1, len(text) - chars)
+        out.append(text[start:start + chars])
+        k += 1
     return out
 
 
+def agent(url, max_tokens: int, rnd: int, turns: int = 4):
+    messages = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for i, chunk in enumerate(code_chunks(rnd, turns)):
+        messages.append({"role": "user", "content": f"```python\n{chunk}\n```\n{ASKS[i]}"})
+        r = chat(url, messages, max_tokens, stream=False)
+        r["greedy"] = True
+        out.append(r)
+        messages.append({"role": "assistant", "content": r.get("text", "")})
+    return out
+
+
+WORKLOADS = {
+    "single": lambda url, rnd: clients(url, 1, 4, 96, rnd),
+    "same4": lambda url, rnd: clients(url, 4, 3, 64, rnd),
+    "mixed4": lambda url, rnd: clients(url, 4, 3, 64, rnd, fields=[f for _, f in MIXED]),
+    "same8": lambda url, rnd: clients(url, 8, 2, 64, rnd),
+    "agent": lambda url, rnd: agent(url, 64, rnd),
+}
+
+
+def run(workload: str, url: str, rnd: int) -> dict:
+    t0 = time.perf_counter()
+    results = WORKLOADS[workload](url, rnd)
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"tps": tokens / wall, "wall": wall, "tokens": tokens,
+            "errors": [r["error"] for r in results if "error" in r],
+            "ttft": [r["ttft"] for r in ok],
+            "greedy_texts": [r.get("text") if r["greedy"] else None for r in results]}
+
+
 def pct(xs, q):
-    xs = sorted(x for x in xs if x == x)
+    xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded demo model")
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--turns", type=int, default=0,
-                   help="instead: one conversation of this many turns (TTFT per turn)")
-    p.add_argument("--json", default="bench/results/serve.json")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--mtp-args", default="", help="extra flags for mlx_mtp.server")
+    p.add_argument("--json", default="bench/results/serve_bench.json")
     args = p.parse_args(argv)
+    workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
+    from bench import blas_in_use, machine_info
     from mlx_mtp.load import resolve_model_path
 
     model = str(resolve_model_path(args.model))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    if args.turns:
-        return turns_main(args, model)
-    rows = {}
-    for name, argv in [("mlx_lm.server", ["mlx_lm", "server", "--model", model]),
-                       ("mlx_mtp.server", ["mlx_mtp.server", "--model", model])]:
-        proc, url = start(argv, Path(args.json).with_suffix(f".{name}.log"))
-        try:
-            results, wall = run_load(url, args)
-            rss = peak_rss_mb(proc.pid)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
-        ok = [r for r in results if "error" not in r]
-        rows[name] = {
-            "requests_per_s": len(ok) / wall, "errors": len(results) - len(ok),
-            "ttft_p50": pct([r["ttft"] for r in ok], 0.5), "ttft_p90": pct([r["ttft"] for r in ok], 0.9),
-            "tps_p50": pct([r["tps"] for r in ok], 0.5), "tps_p90": pct([r["tps"] for r in ok], 0.9),
-            "peak_rss_mb": rss, "texts": [r.get("text") for r in results], "wall_s": wall}
-    same = rows["mlx_mtp.server"]["texts"] == rows["mlx_lm.server"]["texts"]
-    print(f"model {model}; {args.clients} concurrent clients, {args.requests} streaming chat "
-          f"requests of {args.max_tokens} tokens each, temperature 0")
-    print(f"{'server':>15} {'req/s':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s p50':>9} "
-          f"{'tok/s p90':>9} {'errors':>6} {'peak RSS':>9}")
-    for name, r in rows.items():
-        print(f"{name:>15} {r['requests_per_s']:>6.2f} {r['ttft_p50']:>8.2f}s {r['ttft_p90']:>8.2f}s "
-              f"{r['tps_p50']:>9.1f} {r['tps_p90']:>9.1f} {r['errors']:>6} {r['peak_rss_mb']:>7.0f}MB")
-    print(f"answers identical to mlx_lm.server: {'yes' if same else 'NO'}")
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "identical": same,
-                                           "command": " ".join([sys.executable] + sys.argv)},
-                                          indent=1))
-    return 0 if same and all(r["errors"] == 0 for r in rows.values()) else 1
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    servers = {"mlx_lm": ["mlx_lm", "server", "--model", model],
+               "mlx_mtp": ["mlx_mtp.server", "--model", model, *args.mtp_args.split()]}
+    print(f"model {model}; BLAS {blas_in_use()}; {args.rounds} rounds; workloads "
+          f"{', '.join(workloads)}", flush=True)
+    procs, urls = {}, {}
+    rounds = {w: [] for w in workloads}  # per round: {server: run()}
+    try:
+        for name, argv in servers.items():
+            procs[name], urls[name] = start(argv, out.with_suffix(f".{name}.log"))
+        for w in workloads:  # warm up: graphs traced, first allocations
+            for name in servers:
+                run(w, urls[name], -1)
+        for rnd in range(args.rounds):
+            order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
+            for w in workloads:
+                pair = {name: run(w, urls[name], rnd) for name in order}
+                rounds[w].append(pair)
+                lm, mtp = pair["mlx_lm"], pair["mlx_mtp"]
+                print(f"round {rnd + 1} {w:>6}: mlx_lm {lm['tps']:6.1f} tok/s, mlx_mtp "
+                      f"{mtp['tps']:6.1f} tok/s, ratio {mtp['tps'] / lm['tps']:.2f}x"
+                      + (f", errors {lm['errors'] + mtp['errors']}"
+                         if lm["errors"] or mtp["errors"] else ""), flush=True)
+        rss = {name: peak_rss_mb(proc.pid) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            stop(proc)
 
-
-def turns_main(args, model) -> int:
-    context = Path(json.__file__).with_name("decoder.py").read_text()[:6000]
-    runs = {}
-    for name, argv in [("mlx_lm.server", ["mlx_lm", "server", "--model", model]),
-                       ("mlx_mtp.server", ["mlx_mtp.server", "--model", model]),
-                       ("mlx_mtp.server, no cache", ["mlx_mtp.server", "--model", model,
-                                                    "--prompt-cache-size", "0"])]:
-        proc, url = start(argv, Path(args.json).with_suffix(".turns.log"))
-        try:
-            one_request(url, "warm up", 8)
-            runs[name] = conversation(url, args.turns, args.max_tokens, context)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
-    names = list(runs)
-    print(f"model {model}; one conversation of {args.turns} turns (first message: "
-          f"{len(context)} characters of code), {args.max_tokens} tokens per answer, "
-          "temperature 0; time to first token per turn (cached prompt tokens)")
-    print(f"{'turn':>4} {'prompt':>6} " + " ".join(f"{n:>26}" for n in names))
-    for i in range(args.turns):
-        cells = " ".join(f"{runs[n][i]['ttft']:>17.2f}s ({runs[n][i]['cached'] or 0:>5})"
-                         for n in names)
-        print(f"{i + 1:>4} {runs[names[0]][i]['prompt_tokens'] or 0:>6} {cells}")
-    same = all([t["text"] for t in runs[n]] == [t["text"] for t in runs[names[0]]] for n in names)
-    print(f"answers identical across the three: {'yes' if same else 'NO'}")
-    Path(args.json).write_text(json.dumps({"args": vars(args), "turns": runs, "identical": same,
-                                           "command": " ".join([sys.executable] + sys.argv)},
-                                          indent=1))
-    return 0 if same else 1
+    summary = {}
+    for w in workloads:
+        rs = rounds[w]
+        ratios = [r["mlx_mtp"]["tps"] / r["mlx_lm"]["tps"] for r in rs]
+        row = {"ratio": statistics.median(ratios), "ratios": ratios,
+               "equal": all(r["mlx_mtp"]["greedy_texts"] == r["mlx_lm"]["greedy_texts"]
+                            for r in rs)}
+        for name in servers:
+            ttft = [t for r in rs for t in r[name]["ttft"]]
+            row[name] = {"tps": [r[name]["tps"] for r in rs],
+                         "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
+                         "errors": sum(len(r[name]["errors"]) for r in rs)}
+        summary[w] = row
+    print(f"\n{args.rounds} rounds, servers alternated; tok/s = completion tokens / wall time "
+          "of the workload; ratio = median over rounds of mlx_mtp / mlx_lm")
+    print("| workload | mlx_lm tok/s (median) | mlx_mtp tok/s (median) | mlx_mtp / mlx_lm "
+          "(median of pairs) [min-max] | TTFT p50 / p95, mlx_lm | TTFT p50 / p95, mlx_mtp "
+          "| errors | greedy answers equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for w, row in summary.items():
+        lm, mtp = row["mlx_lm"], row["mlx_mtp"]
+        note = " (latency)" if w == "agent" else ""
+        print(f"| {w} | {statistics.median(lm['tps']):.1f} | {statistics.median(mtp['tps']):.1f} "
+              f"| {row['ratio']:.2f}x [{min(row['ratios']):.2f}-{max(row['ratios']):.2f}] "
+              f"| {lm['ttft_p50']:.2f} / {lm['ttft_p95']:.2f} s{note} "
+              f"| {mtp['ttft_p50']:.2f} / {mtp['ttft_p95']:.2f} s{note} "
+              f"| {lm['errors'] + mtp['errors']} | {'yes' if row['equal'] else 'NO'} |")
+    print(f"peak RSS: " + ", ".join(f"{n} {v:.0f} MB" for n, v in rss.items()))
+    out.write_text(json.dumps({"machine": machine_info(), "args": vars(args),
+                               "command": " ".join([sys.executable] + sys.argv),
+                               "summary": summary, "peak_rss_mb": rss,
+                               "rounds": {w: [{n: {k: v for k, v in r[n].items()
+                                                   if k != "greedy_texts"} for n in r}
+                                              for r in rs] for w, rs in rounds.items()}},
+                              indent=1))
+    ok = all(r["equal"] and not r["mlx_lm"]["errors"] and not r["mlx_mtp"]["errors"]
+             for r in summary.values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -240,6 +240,11 @@ class MTPCache:
         return MTPCache([grow(c, trunk_capacity) for c in self.trunk],
                         [grow(c, head_capacity) for c in self.head])
 
+    def trimmed_head(self, n: int) -> "MTPCache":
+        """The head's caches without their last n entries."""
+        return MTPCache(self.trunk, [PaddedKVCache(c.keys, c.values, c.lengths - n)
+                                     for c in self.head])
+
     def with_buffers_of(self, newer: "MTPCache") -> "MTPCache":
         """This cache's lengths and GDN states over `newer`'s KV buffers.
 
@@ -361,6 +366,41 @@ def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: i
             raise ValueError("prompt_cache's head entries are not KVCache ... ArraysCache(2); "
                              "build it with make_prompt_cache(model)")
     return prompt_cache
+
+
+def fill_empty(prompt_cache: list, model, n_layers: int):
+    """Give the first n_layers entries of a prompt cache that never saw a token
+    empty arrays of the shapes and dtypes mlx_lm's layers give them (KV with
+    no entries, zero GDN states: what mlx_lm starts from), so the decoding
+    form can take them. The shapes come from one token fed through a fresh
+    cache, once per model."""
+    if all(not c.empty() for c in prompt_cache[:n_layers]):
+        return
+    template = getattr(model.runtime, "cache_template", None)
+    if template is None:
+        probe = model.make_cache()
+        n_trunk = len(probe)
+        heads = model.mtp.make_cache() if model.has_mtp else []
+        h = model.trunk_hidden(mx.array([[0]], dtype=mx.int32), probe)
+        if heads:
+            model.mtp(h, model.embed(mx.array([[0]], dtype=mx.int32)), heads)
+        template = []
+        for c in probe + heads:
+            if isinstance(c, KVCache):
+                template.append(("kv", c.keys.shape, c.keys.dtype, c.values.shape[-1]))
+            else:
+                template.append(("arrays", [(x.shape, x.dtype) for x in c.cache]))
+        model.runtime.cache_template = template
+    for c, t in zip(prompt_cache[:n_layers], template):
+        if not c.empty():
+            continue
+        if t[0] == "kv":
+            _, shape, dtype, dv = t
+            c.keys = mx.zeros((1, shape[1], 0, shape[3]), dtype)
+            c.values = mx.zeros((1, shape[1], 0, dv), dtype)
+            c.offset = 0
+        else:
+            c.cache = [mx.zeros(shape, dtype) for shape, dtype in t[1]]
 
 
 def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:

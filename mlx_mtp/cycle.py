@@ -1,31 +1,36 @@
 """One decode cycle: pure functions over an explicit state.
 
 `DecodeState` holds every device array a cycle reads or writes (the caches,
-the last token, the head's hidden, the random key, ...). Each step is a
-function state -> (state, output) with nothing kept elsewhere:
+the last token, the head's hidden, each row's sampler settings and key, ...).
+Each step is a function state -> (state, output) with nothing kept elsewhere:
 
-  drafted_cycle(k)  1. draft: the head drafts d1..dk by chaining itself (its
+  drafted_cycle(k)  0. catch up (after plain steps): the head takes the
+                       pairs the plain steps left in the ring, in one forward;
+                    1. draft: the head drafts d1..dk by chaining itself (its
                        post-norm hidden + the token it drafted);
                     2. verify: the trunk runs [y, d1..dk] in ONE forward, its
                        GDN layers capturing the state after every position;
-                    3. accept, in-graph: greedy / any sampler by match (keep
-                       drafts while they equal the sampler's choice), an
-                       MTPSampler with temp > 0 by Leviathan–Chen;
+                    3. accept, in-graph, per row: greedy rows keep drafts while
+                       they equal the arg-max, sampled rows by Leviathan–Chen,
+                       an opaque sampler by match;
                     4. commit: GDN states by index, attention lengths cut to
                        the accepted prefix, the head's cache rewritten from the
                        trunk's verified hiddens (which gives the next draft's hidden).
                     Emits a+1 tokens: the a accepted drafts, then the trunk's.
-  plain_step        one token, no drafting (depth 0); with adaptive depth the
-                    (hidden, token) pair is kept in a small ring the head
-                    catches up on (`flush_ring`) before it drafts again.
-  prefill / feed    the prompt, and the tokens a finished generation leaves
-                    in the cache, on mlx_lm's own caches exactly as mlx_lm
-                    feeds them.
+  plain_step        one token, no drafting (depth 0), no head forward: the
+                    pair (trunk hidden, token) goes into a ring of the last
+                    RING pairs, which the head catches up on when it drafts
+                    again (after a longer run of plain steps it drafts from a
+                    history with a gap: acceptance may dip, exactness cannot).
+  prefill / feed    the prompt (several prompts at once) and the tokens a
+                    finished generation leaves in the cache, on mlx_lm's own
+                    caches exactly as mlx_lm feeds them.
 
 Invariant at the start of a cycle (P = tokens in the trunk's cache): `y` is
 the last emitted token, not yet fed; the head's cache holds the pairs
-(h_p, tok_{p+1}) for p < P, the last one (h_{P-1}, y), unless pairs wait in
-the ring; `g` is the head's hidden of that last pair (it drafts d1).
+(h_p, tok_{p+1}) for p < P, the last one (h_{P-1}, y), but those waiting in
+the ring (`ring_n` of them, the last RING kept); when none wait, `g` is the
+head's hidden of that last pair (it drafts d1).
 
 `Graphs.step` runs a step through a graph compiled once per depth and mode
 with the state as its input (`DecodeState.tree()` lists every field, so a
@@ -40,29 +45,36 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import greedy_sampler
+import numpy as np
 
 from . import metal as kernels
-from .cache import (CaptureCache, MTPCache, PaddedKVCache, head_caches, last_hidden,
-                    set_last_hidden)
+from .cache import CaptureCache, MTPCache, PaddedKVCache, head_caches, last_hidden
+from .cache import set_last_hidden
 from .distributed import share
-from .sampling import MTPSampler, is_greedy, speculative_sample
+from .sampling import Filters, accept_rows, draft_rows, is_greedy, sample_rows, split_rows
 
-RING = 8  # plain steps the head can fall behind before it catches up
+# the per-row sampler arrays of a DecodeState (sampling.row_arrays)
+ROW_ARRAYS = ("inv_temp", "top_p", "min_p_log", "inv_draft_temp", "bias")
+RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
 
 
 @dataclass
 class DecodeState:
-    """Everything a cycle reads and writes, as device arrays."""
+    """Everything a cycle reads and writes, as device arrays (batch axis first)."""
 
     cache: MTPCache
     y: mx.array  # [B] int32: last emitted token, not yet fed to the trunk
     emitted: mx.array  # [B] int32: tokens emitted so far (drafters index by it)
     g: Optional[mx.array] = None  # [B, 1, H]: head hidden that drafts the next d1
-    key: Optional[mx.array] = None  # [B, 2]: each row's random key (sampling)
     ring_h: Optional[mx.array] = None  # [B, RING, H]: plain steps' hiddens ...
     ring_tok: Optional[mx.array] = None  # [B, RING]: ... paired with their tokens
-    ring_n: Optional[mx.array] = None  # []: pairs waiting in the ring
+    ring_n: Optional[mx.array] = None  # []: pairs written since the head caught up
+    key: Optional[mx.array] = None  # [B, 2]: each row's random key (sampled rows)
+    inv_temp: Optional[mx.array] = None  # [B]: per-row sampler settings (sampling.py)
+    top_p: Optional[mx.array] = None
+    min_p_log: Optional[mx.array] = None
+    inv_draft_temp: Optional[mx.array] = None
+    bias: Optional[mx.array] = None  # [B, V]: logit bias
 
     def tree(self) -> dict:
         """Every field (caches as their `state`): a compiled step's inputs."""
@@ -80,39 +92,52 @@ class DecodeState:
     def without_buffers(self) -> "DecodeState":
         return self.replace(cache=self.cache.without_buffers())
 
+    def _rows(self) -> List[str]:
+        """The fields with a batch axis (the ring's count is the batch's)."""
+        return [f.name for f in dataclasses.fields(self) if f.name not in ("cache", "ring_n")]
+
     def take_rows(self, rows) -> "DecodeState":
-        """These batch rows only (the ring's count is shared by all rows)."""
+        """These batch rows only."""
         rows = mx.array(rows, dtype=mx.int32)
-        pick = lambda x: None if x is None else x[rows]
-        return DecodeState(self.cache.take_rows(rows), pick(self.y), pick(self.emitted),
-                           pick(self.g), pick(self.key), pick(self.ring_h), pick(self.ring_tok),
-                           self.ring_n)
+        picked = {n: None if getattr(self, n) is None else getattr(self, n)[rows]
+                  for n in self._rows()}
+        return DecodeState(self.cache.take_rows(rows), ring_n=self.ring_n, **picked)
 
     @staticmethod
     def concat(a: "DecodeState", b: "DecodeState") -> "DecodeState":
-        """a's rows, then b's; both with empty rings (flushed before)."""
-        cat = lambda x, y: None if x is None else mx.concatenate([x, y])
-        return DecodeState(MTPCache.concat(a.cache, b.cache), cat(a.y, b.y),
-                           cat(a.emitted, b.emitted), cat(a.g, b.g), cat(a.key, b.key),
-                           cat(a.ring_h, b.ring_h), cat(a.ring_tok, b.ring_tok), a.ring_n)
+        """a's rows, then b's; both rings empty (caught up before). A field
+        only one side has is dropped: the batch's settings decide which
+        fields exist (`Batch._settings`)."""
+        joined = {n: None if getattr(a, n) is None or getattr(b, n) is None
+                  else mx.concatenate([getattr(a, n), getattr(b, n)]) for n in a._rows()}
+        return DecodeState(MTPCache.concat(a.cache, b.cache), ring_n=a.ring_n, **joined)
 
 
 @dataclass
 class StepOutput:
-    packed: mx.array  # [B, 1 + k + 1] int32: accepted count, then candidate tokens
+    # [B, 1 + 2 (k + 1)] int32: accepted count, the k+1 candidate tokens, then
+    # their log-probs as float32 bits (one host transfer reads a cycle)
+    packed: mx.array
     logprobs: mx.array  # [B, k + 1, V]: the (processed) log-probs of every candidate
+
+
+def unpack(values: np.ndarray, k: int):
+    """A read cycle's packed rows: (accepted [B], tokens [B, k+1], their log-probs)."""
+    return (values[:, 0], values[:, 1:k + 2],
+            values[:, k + 2:].copy().view(np.float32))
 
 
 @dataclass
 class Spec:
-    """What stays fixed through a generation: the model and how to draft,
-    sample and accept. Graphs are compiled per `graph_key()`."""
+    """What a batch's graphs depend on: the model, how it drafts, samples and
+    accepts. Graphs are compiled per `graph_key()`; a batch builds a new
+    spec when rows with other needs join (`Batch._settings`)."""
 
     model: Any
-    sampler: Callable = greedy_sampler
+    sampler: Optional[Callable] = None  # an opaque sampler every row shares (match)
+    filters: Filters = field(default_factory=Filters)  # per-row sampling (sampler None)
     use_head: bool = True
-    ring: bool = False  # adaptive depth: plain steps keep pairs for the head
-    processors: tuple = ()
+    processors: bool = False  # some row has logits processors (host history)
     draft_vocab: Optional[mx.array] = None  # greedy/sampled drafts over these ids only
     drafter: Any = None  # tests and benchmarks (drafters.py)
     draft_rows: Optional[dict] = field(default=None, repr=False)
@@ -136,43 +161,43 @@ class Spec:
         return share(mx.depends(drafts, h), self.group, self.first_stage)
 
     def __post_init__(self):
-        self.sampler = self.sampler or greedy_sampler
-        self.speculative = isinstance(self.sampler, MTPSampler) and self.sampler.speculative
+        if self.sampler is not None and is_greedy(self.sampler):
+            self.sampler = None  # greedy rows are per-row settings too
         if self.draft_vocab is not None and self.draft_rows is None and self.speculative:
             self.draft_rows = _gather_rows(self.model, self.draft_vocab)  # sampled drafts project them
 
     @property
+    def speculative(self) -> bool:
+        """Some row samples with Leviathan–Chen acceptance (keys, q)."""
+        return self.sampler is None and self.filters.sampled
+
+    @property
     def trusted_sampler(self) -> bool:
-        """Its tokens are in the vocabulary by construction (greedy, MTPSampler)."""
-        return is_greedy(self.sampler) or isinstance(self.sampler, MTPSampler)
+        """Its tokens are in the vocabulary by construction (not an opaque sampler)."""
+        return self.sampler is None
 
     def safe_ids(self, ids: mx.array) -> mx.array:
-        """Ids fit to gather with: another sampler's ids are clamped into the
+        """Ids fit to gather with: an opaque sampler's ids are clamped into the
         vocabulary (the host checks the raw ones and stops before using any)."""
         return ids if self.trusted_sampler else mx.clip(ids, 0, self.model.vocab_size - 1)
 
     @property
     def host_history(self) -> bool:
-        """Its steps need the row's tokens on the host (processors, host-side
-        drafters): one row at a time, each cycle read before the next."""
-        return bool(self.processors) or (self.drafter is not None and self.drafter.host_side)
+        """Its steps need the rows' tokens on the host (processors, host-side
+        drafters): each cycle read before the next."""
+        return self.processors or (self.drafter is not None and self.drafter.host_side)
 
     @property
     def compilable(self) -> bool:
         """Processors need the host's token history, opaque samplers mx.random's
         global state, host drafters the host: those steps run eagerly."""
-        return (not self.processors
-                and (is_greedy(self.sampler) or self.speculative)
-                and (self.drafter is None or not self.drafter.host_side)
+        return (not self.host_history and self.sampler is None
                 and not kernels.backend().startswith("emu"))
 
     def graph_key(self) -> tuple:
-        s = self.sampler
-        sampler = ("mtp", s.temp, s.top_p, s.min_p, s.min_tokens_to_keep, s.top_k,
-                   s.draft_temp) if isinstance(s, MTPSampler) and not s.greedy else "greedy"
         vocab = None if self.draft_vocab is None else self.draft_vocab.size
         drafter = None if self.drafter is None else self.drafter.graph_key()
-        return (sampler, self.use_head, self.ring, vocab, drafter, kernels.backend(),
+        return (self.filters, self.use_head, vocab, drafter, kernels.backend(),
                 kernels.fused_default())
 
     def static(self) -> "Spec":
@@ -196,30 +221,42 @@ def _gather_rows(model, ids: mx.array) -> dict:
 
 
 # -- shared pieces ---------------------------------------------------------------------
-def _logprobs(logits: mx.array, processors, history: Optional[mx.array],
-              tokens: mx.array) -> mx.array:
-    """Log-probs [B, T, V] of logits [B, T, V], processed as plain decoding
-    would at each position: row i sees history + tokens[: i+1] (B = 1)."""
-    if processors:
+def _arrays(state: DecodeState) -> dict:
+    return {n: getattr(state, n) for n in ROW_ARRAYS}
+
+
+def _logprobs(logits: mx.array, state: DecodeState, history: Optional[list],
+              tokens: mx.array, offset: int = 0) -> mx.array:
+    """Log-probs [B, T, V] of logits [B, T, V], with each row's logit bias and
+    processed as plain decoding would at each position: row b's processors
+    see its history + tokens[b, : offset + i + 1] at position i (history: per
+    row, (processors, token history) or None; rows without processors untouched)."""
+    if state.bias is not None:
+        logits = logits + state.bias[:, None].astype(logits.dtype)
+    if history is not None:
         rows = []
-        for i in range(logits.shape[1]):
-            seen = tokens[0, : i + 1]
-            seen = seen if history is None else mx.concatenate([history, seen])
-            row = logits[:, i]
-            for proc in processors:
-                row = proc(seen, row)
+        for b, entry in enumerate(history):
+            row = logits[b:b + 1]
+            if entry is not None:
+                procs, seen = entry
+                cols = []
+                for i in range(row.shape[1]):
+                    context = mx.concatenate([seen, tokens[b, : offset + i + 1]])
+                    col = row[:, i]
+                    for proc in procs:
+                        col = proc(context, col)
+                    cols.append(col)
+                row = mx.stack(cols, axis=1)
             rows.append(row)
-        logits = mx.stack(rows, axis=1)
+        logits = mx.concatenate(rows)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _sample_rows(sampler, logprobs: mx.array) -> mx.array:
-    """The sampler's token for every row of [B, T, V]. A random sampler is
-    called once per row, as plain decoding calls it once per token (XTC, for
-    one, draws one coin per call for all its rows)."""
+def _sample_opaque(sampler, logprobs: mx.array) -> mx.array:
+    """An opaque sampler's token for every row of [B, T, V]: called once per
+    position, as plain decoding calls it once per token (XTC, for one, draws
+    one coin per call for all its rows)."""
     B, T, V = logprobs.shape
-    if is_greedy(sampler):
-        return sampler(logprobs.reshape(B * T, V)).astype(mx.int32).reshape(B, T)
     rows = []
     for t in range(T):
         out = sampler(logprobs[:, t])
@@ -236,7 +273,8 @@ def _head(model, hidden: mx.array, tokens: mx.array, cache: list) -> mx.array:
     return model.mtp(hidden, model.embed(tokens), cache)
 
 
-def _draft_logprobs(spec: Spec, aux: dict, g: mx.array, history, drafts: list) -> mx.array:
+def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, history,
+                    drafts: list) -> mx.array:
     """The head's processed log-probs [B, V] at hidden g [B, 1, H]. With a
     trimmed draft vocabulary only its rows are projected (the rest get -inf:
     q = 0 there, still exact since Leviathan–Chen's residual covers them)."""
@@ -253,14 +291,12 @@ def _draft_logprobs(spec: Spec, aux: dict, g: mx.array, history, drafts: list) -
             sub = h @ r["weight"].T
         logits = mx.full((h.shape[0], model.vocab_size), -float("inf"), dtype=sub.dtype)
         logits[:, aux["vocab"]] = sub
-    if spec.processors:
-        seen = mx.concatenate([history] + drafts) if drafts else history
-        for proc in spec.processors:
-            logits = proc(seen, logits)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    seen = mx.stack(drafts, axis=1) if drafts else mx.zeros((g.shape[0], 0), mx.int32)
+    tokens = mx.concatenate([state.y[:, None], seen], axis=1)
+    return _logprobs(logits[:, None], state, history, tokens, len(drafts))[:, 0]
 
 
-def draft(spec: Spec, aux: dict, state: DecodeState, head_cache: list, k: int,
+def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: list, k: int,
           keys: Optional[mx.array], history) -> Tuple[mx.array, Optional[mx.array], int]:
     """Drafts [B, k], their distributions q [B, k, V] (sampling; None when
     greedy) and how many entries the chain added to the head's cache."""
@@ -268,15 +304,17 @@ def draft(spec: Spec, aux: dict, state: DecodeState, head_cache: list, k: int,
     if drafter is not None and drafter.replaces_head:
         drafts, q = drafter.propose(aux["drafter"], state, k, None, None)
         return drafts, q, 0
-    g, drafts, qs = state.g, [], []
+    drafts, qs = [], []
+    full = spec.speculative or state.bias is not None or history is not None
     for j in range(k):
         if j > 0:
             g = _head(model, g, drafts[-1][:, None], head_cache)
         if spec.speculative:  # each row with its own key
-            lp = _draft_logprobs(spec, aux, g, history, drafts)
-            rows = [spec.sampler.draft(lp[b:b + 1], keys[b][j]) for b in range(lp.shape[0])]
-            d = mx.concatenate([r[0] for r in rows])
-            qs.append(mx.concatenate([r[1] for r in rows]))
+            lp = _draft_logprobs(spec, aux, state, g, history, drafts)
+            d, q = draft_rows(lp, _arrays(state), spec.filters, keys[:, j])
+            qs.append(q)
+        elif full:  # greedy drafts from processed logits
+            d = mx.argmax(_draft_logprobs(spec, aux, state, g, history, drafts), axis=-1)
         else:
             d = model.draft_tokens_from_hidden(g[:, -1], aux["vocab"])
         drafts.append(d.astype(mx.int32))
@@ -307,20 +345,28 @@ def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
         c.captured_states = c.captured_conv_input = None
 
 
+def _pack(accepted: mx.array, out: mx.array, logprobs: mx.array) -> mx.array:
+    chosen = mx.take_along_axis(logprobs, out[..., None], axis=-1)[..., 0]
+    return mx.concatenate([accepted[:, None].astype(mx.int32), out.astype(mx.int32),
+                           chosen.astype(mx.float32).view(mx.int32)], axis=1)
+
+
 # -- the steps ----------------------------------------------------------------------------
-def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
-                  history: Optional[mx.array] = None) -> Tuple[DecodeState, StepOutput]:
-    """Draft k tokens, verify them in one trunk forward, accept, commit."""
+def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
+                  history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
+    """(Catch up,) draft k tokens, verify them in one trunk forward, accept, commit."""
     model = spec.model
     cache = state.cache.copy()
     key, keys = state.key, None
     if spec.speculative:  # per row: k draft keys and one for the acceptance
-        splits = [mx.random.split(row_key, k + 2) for row_key in state.key]
-        key, keys = mx.stack([s[0] for s in splits]), [s[1:] for s in splits]
+        split = split_rows(state.key, k + 2)
+        key, keys = split[:, 0], split[:, 1:]
+
+    # 0. the head takes the pairs it missed while the batch decoded plainly
+    g = catch_up_ring(model, state, cache.head) if catch_up else state.g
 
     # 1. draft
-    seen = None if history is None else mx.concatenate([history, state.y])
-    drafts, q, chained = draft(spec, aux, state, cache.head, k, keys, seen)
+    drafts, q, chained = draft(spec, aux, state, g, cache.head, k, keys, history)
     drafts = spec.verified_drafts(drafts)
 
     # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
@@ -330,20 +376,17 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
             c.capturing = True
     h = model.trunk_hidden(tokens, cache.trunk)  # [B, k+1, H]
     drafts = spec.verified_drafts(drafts, h)
-    logprobs = _logprobs(model.logits_from_hidden(h), spec.processors, history, tokens)
+    logprobs = _logprobs(model.logits_from_hidden(h), state, history, tokens)
 
     # 3. accept: `accepted` drafts, then out[accepted] after them
-    if spec.speculative:  # Leviathan–Chen: residual or bonus sample, per row
-        target = spec.sampler.target_logits(logprobs)
-        rows = [speculative_sample(target[b:b + 1], q[b:b + 1], drafts[b:b + 1], keys[b][k])
-                for b in range(target.shape[0])]
-        accepted = mx.concatenate([r[0] for r in rows])
-        out = mx.concatenate([r[1] for r in rows])
-    else:  # match: keep drafts while they equal the sampler's choice
-        out = _sample_rows(spec.sampler, logprobs)  # [B, k+1]
+    if spec.sampler is not None:  # opaque: keep drafts while they equal its choice
+        out = _sample_opaque(spec.sampler, logprobs)  # [B, k+1]
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
+    else:
+        accepted, out = accept_rows(logprobs, q, drafts, _arrays(state), spec.filters,
+                                    None if keys is None else keys[:, k])
     packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
-    accepted, out = packed[:, 0].astype(accepted.dtype), packed[:, 1:].astype(out.dtype)
+    accepted, out = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
     out = spec.safe_ids(out)
 
     # 4. commit: the trunk keeps [y, d1..da]; the head drops its drafting
@@ -358,35 +401,37 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int,
     G = _head(model, h, out, cache.head)  # [B, k+1, H]
     for c in cache.head:
         c.trim(k - accepted)
-    g = mx.take_along_axis(G, accepted[:, None, None], axis=1)
-    y = mx.take_along_axis(out, accepted[:, None], axis=1)[:, 0]
-    new = state.replace(cache=cache, y=y, emitted=state.emitted + accepted + 1, g=g, key=key)
-    return new, StepOutput(packed, logprobs)
+    new = state.replace(cache=cache, y=mx.take_along_axis(out, accepted[:, None], axis=1)[:, 0],
+                        emitted=state.emitted + accepted + 1,
+                        g=mx.take_along_axis(G, accepted[:, None, None], axis=1), key=key)
+    if catch_up:
+        new = new.replace(ring_n=mx.zeros_like(state.ring_n))
+    return new, StepOutput(_pack(accepted, out, logprobs), logprobs)
 
 
 def plain_step(spec: Spec, aux: dict, state: DecodeState,
-               history: Optional[mx.array] = None) -> Tuple[DecodeState, StepOutput]:
-    """One token without drafting. With the ring, the pair (hidden, token)
-    waits there for the head."""
+               history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
+    """One token without drafting; the head does not run (it catches up on
+    the last pair before it drafts again)."""
     model = spec.model
     cache = state.cache.copy()
     h = model.trunk_hidden(state.y[:, None], cache.trunk)  # [B, 1, H]
-    logprobs = _logprobs(model.logits_from_hidden(h), spec.processors, history,
-                         state.y[:, None])
+    logprobs = _logprobs(model.logits_from_hidden(h), state, history, state.y[:, None])
     key = state.key
-    if spec.speculative:  # per row, its own key
-        splits = [mx.random.split(row_key) for row_key in key]
-        key = mx.stack([s[0] for s in splits])
-        y = mx.concatenate([spec.sampler.sample(logprobs[b:b + 1, 0], s[1])
-                            for b, s in enumerate(splits)])
+    if spec.sampler is not None:
+        y = _sample_opaque(spec.sampler, logprobs)[:, 0]
     else:
-        y = _sample_rows(spec.sampler, logprobs)[:, 0]
+        keys = None
+        if spec.speculative:
+            split = split_rows(key, 2)
+            key, keys = split[:, 0], split[:, 1]
+        y = sample_rows(logprobs[:, 0], _arrays(state), spec.filters, keys)
     y = spec.shared(y)
-    packed = mx.concatenate([mx.zeros_like(y)[:, None], y[:, None]], axis=1)
+    packed = _pack(mx.zeros_like(y), y[:, None], logprobs)
     y = spec.safe_ids(y)
     new = state.replace(cache=cache, y=y, emitted=state.emitted + 1, key=key)
-    if spec.ring:
-        at = state.ring_n.reshape(1)
+    if spec.use_head:  # the pair waits in the ring (the oldest is overwritten)
+        at = (state.ring_n % RING).reshape(1)
         new = new.replace(
             ring_h=mx.slice_update(state.ring_h, h.astype(state.ring_h.dtype), at, axes=(1,)),
             ring_tok=mx.slice_update(state.ring_tok, y[:, None], at, axes=(1,)),
@@ -394,18 +439,37 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
     return new, StepOutput(packed, logprobs)
 
 
+def ring_order(ring_n):
+    """The ring's slots holding its last min(ring_n, RING) pairs, oldest first
+    (ring_n: a count on the host, or the state's device count: then all RING
+    slots, the written ones first, and their number)."""
+    if isinstance(ring_n, int):
+        m = min(ring_n, RING)
+        return [(ring_n - m + j) % RING for j in range(m)]
+    m = mx.minimum(ring_n, RING)
+    return (ring_n - m + mx.arange(RING)) % RING, m
+
+
+def catch_up_ring(model, state: DecodeState, head_cache: list) -> mx.array:
+    """The head takes the ring's pairs in one forward over all RING slots (the
+    causal mask keeps the unwritten ones, last, from the written ones, and
+    they are trimmed after); returns its hidden of the last pair."""
+    order, m = ring_order(state.ring_n)
+    G = _head(model, state.ring_h[:, order], state.ring_tok[:, order], head_cache)
+    for c in head_cache:
+        c.trim(RING - m)
+    return mx.take(G, (m - 1).reshape(1), axis=1)
+
+
 def flush_ring(spec: Spec, aux: dict, state: DecodeState) -> DecodeState:
-    """The head catches up on the ring's pairs (one forward over all RING
-    slots; the causal mask keeps the unused ones from the used ones)."""
+    """Catch the head up without drafting (before rows join: every row's ring
+    must be empty)."""
     cache = state.cache.copy()
-    G = _head(spec.model, state.ring_h, state.ring_tok, cache.head)
-    for c in cache.head:
-        c.trim(RING - state.ring_n)
-    g = mx.take(G, (state.ring_n - 1).reshape(1), axis=1)
+    g = catch_up_ring(spec.model, state, cache.head)
     return state.replace(cache=cache, g=g, ring_n=mx.zeros_like(state.ring_n))
 
 
-def init_ring(spec: Spec, state: DecodeState) -> DecodeState:
+def init_ring(state: DecodeState) -> DecodeState:
     B, _, H = state.g.shape
     return state.replace(ring_h=mx.zeros((B, RING, H), state.g.dtype),
                          ring_tok=mx.zeros((B, RING), mx.int32),
@@ -420,108 +484,235 @@ class Graphs:
     spec cannot be compiled."""
 
     def __init__(self, spec: Spec, compiled: bool = True):
+        self.compiled, self.runtime = compiled, spec.model.runtime
+        self.use(spec)
+
+    def use(self, spec: Spec):
+        """The batch's spec changed (rows with other needs joined or left)."""
         self.spec, self.aux = spec, spec.aux()
-        self.runtime = spec.model.runtime
-        self.compiled = compiled and spec.compilable
 
     @property
     def traces(self) -> int:
         return sum(self.runtime.traces.values())
 
-    def _fn(self, name: str, k: int, layout: tuple):
-        key = (name, k, layout) + self.spec.graph_key()
+    def _fn(self, k: int, catch_up: bool, layout: tuple):
+        name = "flush" if k < 0 else "cycle" if k else "plain"
+        key = (name, max(k, 0), catch_up, layout) + self.spec.graph_key()
         # the graph keeps only what its key describes (no arrays of this call)
         spec, runtime = self.spec.static(), self.runtime
-        step = {"cycle": drafted_cycle, "plain": plain_step}.get(name)
 
         def run(tree, aux):
             runtime.traces[key] = runtime.traces.get(key, 0) + 1
             state = DecodeState.from_tree(tree, layout)
-            if name == "flush":
+            if k < 0:
                 return flush_ring(spec, aux, state).tree()
-            new, out = step(spec, aux, state, k) if name == "cycle" else step(spec, aux, state)
+            if k:
+                new, out = drafted_cycle(spec, aux, state, k, catch_up)
+            else:
+                new, out = plain_step(spec, aux, state)
             return new.tree(), out.packed, out.logprobs
 
         # the weights are inputs, read at every call: a graph never runs with
         # weights the model no longer has (and keeps none alive)
         return runtime.graph(key, lambda: mx.compile(run, inputs=spec.model.state))
 
-    def step(self, state: DecodeState, k: int, history=None) -> Tuple[DecodeState, StepOutput]:
-        """A drafted cycle of depth k, or a plain step (k == 0)."""
-        if not self.compiled:
+    def step(self, state: DecodeState, k: int, catch_up: bool = False,
+             history=None) -> Tuple[DecodeState, StepOutput]:
+        """A drafted cycle of depth k (catching the head up first), or a plain
+        step (k == 0)."""
+        if not (self.compiled and self.spec.compilable):
             if k == 0:
                 return plain_step(self.spec, self.aux, state, history)
-            return drafted_cycle(self.spec, self.aux, state, k, history)
+            return drafted_cycle(self.spec, self.aux, state, k, catch_up, history)
         layout = state.cache.layout
-        tree, packed, logprobs = self._fn("cycle" if k else "plain", k, layout)(
-            state.tree(), self.aux)
+        tree, packed, logprobs = self._fn(k, catch_up, layout)(state.tree(), self.aux)
         return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
 
     def flush(self, state: DecodeState) -> DecodeState:
-        if not self.compiled:
+        if not (self.compiled and self.spec.compilable):
             return flush_ring(self.spec, self.aux, state)
         layout = state.cache.layout
-        return DecodeState.from_tree(self._fn("flush", 0, layout)(state.tree(), self.aux), layout)
+        return DecodeState.from_tree(self._fn(-1, True, layout)(state.tree(), self.aux), layout)
 
 
 # -- feeding tokens on mlx_lm's caches -------------------------------------------------------
-def prefill(spec: Spec, prompt_cache: list, prompt: mx.array, prefill_step_size: int,
-            progress: Callable, key: Optional[mx.array]):
-    """Process the prompt exactly as mlx_lm.generate_step does (same chunks, the
-    last token alone) on the prompt cache's own objects, the head's cache
-    following shifted by one. Returns (first token [B], its log-probs [B, 1, V],
-    the head's hidden g, the key, the trunk's hidden at the last prompt
-    token); nothing is evaluated but the chunks."""
+@dataclass
+class Prefilled:
+    """One prompt after `prefill`: its trunk hidden at the last fed position
+    (None when nothing was fed before the last prompt token and the cache
+    kept no hidden) and the head's hidden of the pair (that hidden, the last
+    prompt token), or None."""
+
+    h: Optional[mx.array]
+    g: Optional[mx.array]
+
+
+def _pieces(n: int, step: int, stops) -> List[int]:
+    """Piece lengths covering n tokens: at most `step` each, ending at every stop."""
+    bounds = sorted({s for s in stops if 0 < s < n} | {n})
+    out, pos = [], 0
+    for b in bounds:
+        while pos < b:
+            out.append(min(step, b - pos))
+            pos += out[-1]
+    return out
+
+
+def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_step_size: int,
+            progress: Callable = lambda i, done, total: None, stops=None,
+            snapshot: Callable = lambda i, n: None) -> List[Prefilled]:
+    """Feed each prompt but its last token to its prompt cache (mlx_lm's
+    objects, updated in place), as mlx_lm feeds a prompt: pieces of at most
+    `prefill_step_size` tokens. Several prompts go through the trunk together
+    (mlx_lm's batched prompt processing: the caches merged, each round's
+    pieces right-padded, then split back); one prompt runs on its own cache.
+    The head follows one position behind: pairs (h_p, tok_{p+1}) once
+    tok_{p+1} is fed, the trunk's hidden at the last fed position kept for
+    the next pair (the prompt cache's invariant, cache.py); the last pair,
+    with the prompt's last token, gives the hidden the head drafts from.
+
+    stops[i]: token counts of prompt i after which `snapshot(i, n)` is called
+    while its prompt cache holds exactly its first n tokens (the server's
+    prefix cache). progress(i, done, total) per piece."""
     model = spec.model
     n_trunk = len(model.is_linear)
-    trunk = prompt_cache[:n_trunk]
-    head = head_caches(prompt_cache, n_trunk) if spec.use_head else None
-    pending = last_hidden(prompt_cache, model.is_linear) if spec.use_head else None
-    total, processed = prompt.size, 0
-    progress(0, total)
-    while total - processed > 1:
-        n = min(prefill_step_size, total - processed - 1)
-        h = model.trunk_hidden(prompt[None, processed : processed + n], trunk)
-        if head is not None:  # pairs (h_p, tok_{p+1}); the next token is known
-            start = processed if pending is not None else processed + 1
-            hh = h if pending is None else mx.concatenate([pending, h], axis=1)
-            _head(model, hh, prompt[None, start : processed + n + 1], head)
-            pending = None
-            mx.eval([c.state for c in head])
-        mx.eval([c.state for c in trunk])
-        processed += n
-        progress(processed, total)
+    n_rows = len(prompts)
+    stops = stops or [()] * n_rows
+    # the trunk's hidden at each row's last fed position, once it is known
+    last: List[Optional[mx.array]] = [
+        last_hidden(c, model.is_linear) if spec.use_head else None for c in caches]
+    pieces = [_pieces(len(p) - 1, prefill_step_size, s) for p, s in zip(prompts, stops)]
+    done = [0] * n_rows
+    g: List[Optional[mx.array]] = [None] * n_rows
+    for i in range(n_rows):
+        progress(i, 0, len(prompts[i]))
+    batched = n_rows > 1
+    trunk = _merged([c[:n_trunk] for c in caches]) if batched else caches[0][:n_trunk]
+    head = None
+    if spec.use_head:
+        head = (_merged([head_caches(c, n_trunk) for c in caches]) if batched
+                else head_caches(caches[0], n_trunk))
+
+    def head_pass(hiddens, counts):
+        """Row i's next `counts[i]` tokens (from done[i] on), each paired with
+        the hidden before it: `last`, then this round's (a row with no last
+        hidden skips its first)."""
+        pairs = []
+        for i in range(n_rows):
+            d, v = done[i], counts[i]
+            toks = prompts[i][d + (0 if last[i] is not None else 1):d + v]
+            hs = ([last[i]] if last[i] is not None else []) + (
+                [hiddens[i:i + 1, :v - 1]] if v > 1 else [])
+            pairs.append((mx.concatenate(hs, axis=1) if toks else None, toks))
+        G = _head_pairs(model, head, pairs, batched)
+        for i, (_, toks) in enumerate(pairs):
+            if toks:
+                g[i] = G[i:i + 1, len(toks) - 1:len(toks)]
+
+    for r in range(max([len(p) for p in pieces] + [0])):
+        v = [p[r] if r < len(p) else 0 for p in pieces]
+        h = _forward(lambda x: model.trunk_hidden(x, trunk), trunk,
+                     [prompts[i][done[i]:done[i] + v[i]] for i in range(n_rows)], batched)
+        if head is not None:
+            head_pass(h, v)
+        for i in range(n_rows):
+            if v[i]:
+                last[i] = h[i:i + 1, v[i] - 1:v[i]]
+                done[i] += v[i]
+        mx.eval([c.state for c in trunk], [c.state for c in head or []],
+                [x for x in last if x is not None])
+        for i in range(n_rows):
+            if v[i]:
+                progress(i, done[i], len(prompts[i]))
+                if done[i] in stops[i]:
+                    _split_back(spec, caches, trunk, head, batched, [i], last)
+                    snapshot(i, done[i])
         mx.clear_cache()
-    last = prompt[None, processed:]
-    h = model.trunk_hidden(last, trunk)
-    history = prompt[:-1] if spec.processors else None
-    logprobs = _logprobs(model.logits_from_hidden(h), spec.processors, history, last)
-    if spec.speculative:  # key: [1, 2], this row's
-        key, sub = mx.random.split(key[0])
-        key = key[None]
-        y = spec.sampler.sample(logprobs[:, 0], sub)
-    else:  # one dtype for every cycle's y
-        y = _sample_rows(spec.sampler, logprobs)[:, 0]
-    y = spec.shared(y)
-    safe = spec.safe_ids(y)
-    g = None
-    if head is not None:
-        hh = h if pending is None else mx.concatenate([pending, h], axis=1)
-        toks = safe[:, None] if pending is None else mx.concatenate([last, safe[:, None]], axis=1)
-        g = _head(model, hh, toks, head)[:, -1:]
-    return y, safe, logprobs, g, key, h
+    if head is not None:  # the last pair: (h at the last fed position, the last token)
+        head_pass(None, [1] * n_rows)
+        mx.eval([c.state for c in head], [x for x in g if x is not None])
+    _split_back(spec, caches, trunk, head, batched, list(range(n_rows)), last)
+    return [Prefilled(last[i], g[i]) for i in range(n_rows)]
 
 
-def feed(spec: Spec, prompt_cache: list, tokens: List[int], ring: Optional[Tuple]):
+def _merged(per_row: List[list]) -> list:
+    """mlx_lm's batch caches over the rows' own (BatchKVCache, ArraysCache)."""
+    return [layer[0].merge(list(layer)) for layer in zip(*per_row)]
+
+
+def _forward(fn, caches: list, block: List[List[int]], batched: bool):
+    """fn over a block of token rows, right-padded when they differ in length
+    (mlx_lm's `prepare`/`finalize` keep the padding out of every state)."""
+    lengths = [len(b) for b in block]
+    width = max(lengths)
+    if width == 0:
+        return None
+    if not batched:
+        return fn(mx.array(block, dtype=mx.int32))
+    padding = [width - n for n in lengths]
+    tokens = mx.array([b + [0] * p for b, p in zip(block, padding)], dtype=mx.int32)
+    if max(padding):
+        for c in caches:
+            c.prepare(lengths=lengths, right_padding=padding)
+    out = fn(tokens)
+    if max(padding):
+        for c in caches:
+            c.finalize()
+    return out
+
+
+def _head_pairs(model, head: list, pairs: list, batched: bool) -> Optional[mx.array]:
+    """The head over each row's pairs (hiddens [1, n, H], n next tokens),
+    rows right-padded; returns its hiddens [B, max n, H]."""
+    W = max(len(t) for _, t in pairs)
+    if W == 0:
+        return None
+    like = next(x for x, t in pairs if t)
+    pad = lambda n: mx.zeros((1, n, like.shape[-1]), like.dtype)
+    hs = mx.concatenate([pad(W) if not t else x if len(t) == W
+                         else mx.concatenate([x, pad(W - len(t))], axis=1) for x, t in pairs])
+    if not batched:
+        return _head(model, hs, mx.array([pairs[0][1]], dtype=mx.int32), head)
+    return _forward(lambda x: _head(model, hs, x, head), head, [list(t) for _, t in pairs],
+                    True)
+
+
+def _split_back(spec: Spec, caches: List[list], trunk: list, head: Optional[list],
+                batched: bool, rows: List[int], hidden: list):
+    """Rows' merged caches written back into their own prompt caches (mlx_lm
+    objects), with the trunk's last hidden for the head's next pair."""
+    model = spec.model
+    n_trunk = len(model.is_linear)
+    for i in rows:
+        if batched:
+            for dst, src in zip(caches[i][:n_trunk], trunk):
+                _take(dst, src.extract(i))
+            if head is not None:
+                for dst, src in zip(head_caches(caches[i], n_trunk), head):
+                    _take(dst, src.extract(i))
+        if head is not None or len(caches[i]) > n_trunk:
+            set_last_hidden(caches[i], hidden[i] if head is not None else None, model.is_linear)
+
+
+def _take(dst, src):
+    """dst (one row's mlx_lm cache object) takes src's contents."""
+    if hasattr(dst, "offset"):
+        dst.keys, dst.values, dst.offset = src.keys, src.values, src.offset
+    else:
+        dst.cache = list(src.cache)
+
+
+def feed(spec: Spec, prompt_cache: list, tokens: List[int], ring=None):
     """Feed tokens that were emitted but not fed (the end of a generation) to
     the prompt cache's trunk, after the head caught up on the ring's pairs
-    (ring: (hiddens, tokens, n) or None); the head follows shifted by one,
-    and the trunk's last hidden is kept for the next call's first pair."""
+    (ring: the row's (hiddens, tokens) oldest first, or None); the head
+    follows shifted by one, and the trunk's last hidden is kept for the next
+    call's first pair."""
     model = spec.model
     n_trunk = len(model.is_linear)
     head = head_caches(prompt_cache, n_trunk) if spec.use_head else None
-    if head is not None and ring is not None and ring[2] > 0:
-        _head(model, ring[0][:, : ring[2]], ring[1][:, : ring[2]], head)
+    if head is not None and ring is not None:
+        _head(model, ring[0], ring[1], head)
     toks = mx.array(tokens, dtype=mx.int32)[None]
     h = model.trunk_hidden(toks, prompt_cache[:n_trunk])
     if head is not None:

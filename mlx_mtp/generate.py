@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import checks
 from .loop import MTPStats, Request, decode_rows, generate_tokens, make_batch
+from .sampling import RowSampling
 
 # mlx_lm options that would change what is computed, refused with one line
 UNSUPPORTED = {
@@ -219,6 +220,7 @@ def batch_generate(
     draft_tokens: Union[int, str] = "auto",
     max_draft_tokens: int = 4,
     sampler=None,
+    logits_processors=None,
     seeds: Optional[List[Optional[int]]] = None,
     completion_batch_size: int = 32,
     prefill_step_size: int = 2048,
@@ -230,20 +232,31 @@ def batch_generate(
     finishes. Every row's tokens are those it gets decoded alone; the stop
     token is left out of the text, as in mlx_lm. prompt_caches are read, not
     updated (as in mlx_lm); return_prompt_caches gives each row's cache after
-    it. seeds: one per prompt for sampling (None: drawn from mx.random).
-    stats: a list that gets one MTPStats per prompt."""
+    it. sampler: one for every prompt or a list, one per prompt (greedy and
+    `mlx_mtp.make_sampler` samplers with different settings decode in one
+    batch; an opaque sampler must be shared); logits_processors: one list for
+    every prompt or a list of lists; seeds: one per prompt for sampling
+    (None: drawn from mx.random). stats: a list that gets one MTPStats per prompt."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     n = len(prompts)
     max_tokens = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     seeds = [None] * n if seeds is None else list(seeds)
+    samplers = list(sampler) if isinstance(sampler, (list, tuple)) else [sampler] * n
+    processors = (list(logits_processors) if logits_processors and isinstance(
+        logits_processors[0], (list, tuple)) else [logits_processors] * n)
     for name, values in (("prompt_caches", prompt_caches), ("max_tokens", max_tokens),
-                         ("seeds", seeds)):
+                         ("seeds", seeds), ("sampler", samplers),
+                         ("logits_processors", processors)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
     checks.integer("completion_batch_size", completion_batch_size, lo=1)
+    opaque = [s for s in samplers if s is not None and RowSampling.of(s) is None]
+    if opaque and any(s is not opaque[0] for s in samplers):
+        raise ValueError("a sampler other than greedy or mlx_mtp.make_sampler's is shared by "
+                         "the whole batch: pass one sampler for every prompt")
     batch = make_batch(model, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens,
-                       sampler=sampler)
+                       sampler=opaque[0] if opaque else None)
     requests = []
     for i, prompt in enumerate(prompts):
         cache = None
@@ -251,13 +264,14 @@ def batch_generate(
             cache = copy.deepcopy(prompt_caches[i])
         elif return_prompt_caches:
             cache = model.make_cache()
-        prompt, cache, keep, mt, key = batch.prepare(prompt, cache, max_tokens[i], seeds[i],
-                                                     prefill_step_size)
-        if mt == 0:
+        request = batch.prepare(prompt, cache, max_tokens[i], seeds[i], prefill_step_size,
+                                sampler=None if opaque else samplers[i],
+                                logits_processors=processors[i])
+        if request.max_tokens == 0:
             raise ValueError("max_tokens must be at least 1 for each prompt")
-        requests.append(Request(prompt, cache, keep, mt, key))
+        requests.append(request)
     results: List[List[int]] = [[] for _ in range(n)]
-    counters = BatchStats(prompt_tokens=sum(r.prompt.size for r in requests))
+    counters = BatchStats(prompt_tokens=sum(len(r.prompt) for r in requests))
     tic = time.perf_counter()
     done = 0
     with wired_limit(model, [generation_stream]):

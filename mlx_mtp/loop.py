@@ -4,8 +4,13 @@ With lookahead 1 (the default) cycle n+1 is built and queued
 (`mx.async_eval`) before cycle n is read, so the device never waits for
 Python; with 0 (logits processors, host-side drafters, `pipeline=False`)
 each cycle is read before the next is built. Either way a cycle is read
-with one host transfer, and a cycle launched past EOS or `max_tokens` is
-never read.
+with one host transfer (its tokens and their log-probs), and a cycle
+launched past EOS or `max_tokens` is never read.
+
+Rows join between cycles, several at once: their prompts are prefilled
+together (cycle.prefill), but the last token of each, which the row's first
+cycle feeds, so a new row's first token comes out of the batch's next cycle
+like any other. Rows sample each with its own settings (sampling.RowSampling).
 
 The prompt cache (mlx_lm's objects, cache.py) is turned into the decoding
 form after the prompt and written back when the generator finishes, however
@@ -19,24 +24,27 @@ emitted up to there are fed on top.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Generator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 from . import checks
-from .cache import MTPCache, cache_length, check_prompt_cache, head_caches, set_last_hidden
-from .cycle import RING, DecodeState, Graphs, Spec, feed, init_ring, prefill
+from .cache import (MTPCache, cache_length, check_prompt_cache, fill_empty, head_caches,
+                    set_last_hidden)
+from .cycle import RING, DecodeState, Graphs, Spec, feed, init_ring, prefill, ring_order, unpack
 from .depth import DepthController
 from .distributed import agree, first_stage
-from .sampling import MTPSampler, is_greedy
+from .sampling import Filters, MTPSampler, RowSampling, is_greedy, row_arrays
 
 
 def mtp_disabled_by_env() -> bool:
@@ -92,19 +100,20 @@ def mix_seed(seed: int) -> int:
 
 @dataclass
 class Lengths:
-    """Host copies of the state's cache lengths (exact, or upper bounds)."""
+    """Host copies of a row's cache lengths (exact, or upper bounds) and of
+    the pairs written to its ring since the head caught up."""
 
     trunk: int
     head: int
     ring: int = 0
 
     def flushed(self) -> "Lengths":
-        return Lengths(self.trunk, self.head + self.ring, 0)
+        return Lengths(self.trunk, self.head + min(self.ring, RING), 0)
 
-    def after(self, k: int, accepted: int, ring: bool) -> "Lengths":
+    def after(self, k: int, accepted: int) -> "Lengths":
         if k == 0:
-            return Lengths(self.trunk + 1, self.head, self.ring + int(ring))
-        return Lengths(self.trunk + accepted + 1, self.head + accepted + 1, self.ring)
+            return Lengths(self.trunk + 1, self.head, self.ring + 1)
+        return Lengths(self.trunk + accepted + 1, self.flushed().head + accepted + 1, 0)
 
 
 @dataclass
@@ -112,11 +121,10 @@ class Launched:
     k: int
     out: object  # StepOutput
     before: Optional[DecodeState]  # the state it started from, without KV buffers
-    flushed: bool  # the ring was flushed right before it
     traced: bool  # its launch traced a graph (slow: not a cost sample)
     rows: list  # the batch's rows, in order, when it was launched
     stamps: dict  # perf_counter times of its launch
-    flush_after: bool = False  # the ring was flushed right after it (a row joined)
+    flush_after: bool = False  # the head caught up right after it (rows joined)
 
 
 def generate_tokens(
@@ -146,17 +154,16 @@ def generate_tokens(
     cycle read, the perf_counter stamps of the loop's host work)."""
     batch = make_batch(model, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens,
                        sampler=sampler, logits_processors=logits_processors,
-                       pipeline=pipeline, compiled=compiled, draft_vocab=draft_vocab,
-                       drafter=drafter, controller=controller, timeline=timeline)
-    prompt, prompt_cache, keep_cache, max_tokens, key = batch.prepare(
-        prompt, prompt_cache, max_tokens, seed, prefill_step_size)
-    request = Request(prompt, prompt_cache, keep_cache, max_tokens, key,
-                      stats if stats is not None else MTPStats())
+                       pipeline=pipeline, compiled=compiled,
+                       draft_vocab=draft_vocab, drafter=drafter, controller=controller,
+                       timeline=timeline)
+    request = batch.prepare(prompt, prompt_cache, max_tokens, seed, prefill_step_size,
+                            stats=stats if stats is not None else MTPStats(),
+                            progress=prompt_progress_callback)
     owner = object()
-    gen = _generate(batch, request, prefill_step_size,
-                    prompt_progress_callback or (lambda *_: None), owner)
-    if keep_cache:
-        _OWNERS[id(prompt_cache)] = (owner, weakref.ref(gen))
+    gen = _generate(batch, request, prefill_step_size, owner)
+    if request.keep_cache:
+        _OWNERS[id(request.prompt_cache)] = (owner, weakref.ref(gen))
     return gen
 
 
@@ -166,8 +173,11 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
                draft_vocab: Optional[mx.array] = None, drafter=None,
                controller: Optional[DepthController] = None,
                timeline: Optional[list] = None) -> "Batch":
-    """An empty batch with these decoding settings (shared by all its rows);
-    the arguments are checked here, once."""
+    """An empty batch with these decoding settings; the arguments are checked
+    here, once. `sampler`: an opaque sampler (any callable that is not greedy
+    or an MTPSampler) is shared by every row; otherwise each row brings its
+    own sampler (`Batch.prepare`), this one being the default; likewise
+    `logits_processors` (mlx_lm's, run on the host with the row's history)."""
     if not hasattr(model, "make_cache") or not hasattr(model, "has_mtp"):
         raise TypeError("model must come from mlx_mtp.load")
     depth = checks.depth(draft_tokens)
@@ -180,7 +190,8 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
         depth, controller = 0, None
     elif not auto:
         controller = None
-    if use_head and not is_greedy(sampler) and not isinstance(sampler, MTPSampler):
+    opaque = None if RowSampling.of(sampler) is not None else sampler
+    if use_head and opaque is not None and not isinstance(opaque, MTPSampler):
         import warnings
 
         warnings.warn("mlx_mtp: this sampler cannot be introspected, so drafts are verified by "
@@ -189,19 +200,16 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
     if draft_vocab is not None and model.lm_head_group is not None:
         raise ValueError("a draft vocabulary needs the whole lm_head on each rank; this "
                          "model's is sharded over the vocabulary (tensor parallel)")
-    spec = Spec(model, sampler, use_head=use_head, ring=auto and use_head,
-                processors=tuple(logits_processors or ()),
+    if drafter is not None and drafter.host_side and not (
+            isinstance(sampler, MTPSampler) and sampler.speculative):
+        raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
+    spec = Spec(model, opaque, use_head=use_head,
                 draft_vocab=draft_vocab if use_head else None,
                 drafter=drafter if use_head else None, group=model.distributed_group,
                 first_stage=first_stage(model))
-    if drafter is not None and drafter.host_side and not spec.speculative:
-        raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
-    # a sampler of our own or greedy cannot leave the vocabulary; any other's
-    # tokens are checked on the host before the next cycle reads them
-    trusted = is_greedy(sampler) or isinstance(sampler, MTPSampler)
-    lookahead = 1 if pipeline and not spec.host_history and trusted else 0
-    return Batch(spec, Graphs(spec, compiled), lookahead, depth, max_draft_tokens, controller,
-                 timeline=timeline, vocab=None if trusted else model.vocab_size)
+    return Batch(spec, Graphs(spec, compiled), pipeline, depth, max_draft_tokens, controller,
+                 timeline=timeline, default_sampler=sampler,
+                 default_processors=tuple(logits_processors or ()))
 
 
 # id(prompt cache) -> (token, the generator using it): the cache's objects are
@@ -209,23 +217,23 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
 _OWNERS: dict = {}
 
 
-def row_key(spec: Spec, seed: Optional[int]) -> Optional[mx.array]:
-    """A row's sampling key [1, 2] (None when greedy): from the seed, else
+def row_key(sampling: Optional[RowSampling], seed: Optional[int]) -> Optional[mx.array]:
+    """A sampled row's key [1, 2] (None when greedy): from the seed, else
     drawn from mx.random (so mx.random.seed makes runs repeatable too)."""
-    if not spec.speculative:
+    if sampling is None or sampling.greedy:
         return None
     key = (mx.random.key(mix_seed(seed)) if seed is not None
            else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
     return key[None]
 
 
-def _generate(batch: "Batch", request: "Request", prefill_step_size, progress, owner):
+def _generate(batch: "Batch", request: "Request", prefill_step_size, owner):
     """One row: yield (token, log-probs, from_draft) as its cycles are read;
     when the caller stops (max_tokens, EOS, close) the row's prompt cache is
     written back (by `decode_rows`)."""
     try:
         for _, t, logprobs, _, from_draft in decode_rows(batch, [request], (), 1,
-                                                          prefill_step_size, progress):
+                                                          prefill_step_size):
             if t is None:  # max_tokens 0
                 return
             yield t, logprobs, from_draft
@@ -236,20 +244,26 @@ def _generate(batch: "Batch", request: "Request", prefill_step_size, progress, o
 
 @dataclass
 class Request:
-    """One sequence for `decode_rows` (the fields `Batch.prepare` returns)."""
+    """One sequence for `Batch.add` / `decode_rows` (made by `Batch.prepare`)."""
 
-    prompt: mx.array
+    prompt: List[int]  # the tokens after what the prompt cache holds
     prompt_cache: list
-    keep_cache: bool
+    keep_cache: bool  # the caller holds the cache: write it back when the row finishes
     max_tokens: int
-    key: Optional[mx.array]
+    key: Optional[mx.array]  # [1, 2]: a sampled row's key
     stats: MTPStats = field(default_factory=MTPStats)
+    sampling: Optional[RowSampling] = field(default_factory=RowSampling)  # None: opaque
+    processors: tuple = ()  # mlx_lm logits processors (this row only)
+    progress: Optional[Callable[[int, int], None]] = None  # prompt tokens done, total
+    stops: tuple = ()  # prompt token counts after which `snapshot(n)` is called
+    snapshot: Optional[Callable[[int], None]] = None
 
 
 def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int = 32,
-                prefill_step_size: int = 2048, progress=lambda *_: None):
+                prefill_step_size: int = 2048):
     """Continuous batching: up to `width` requests decode together, the next
-    joining as one finishes. Yields (request index, token, log-probs, finish
+    joining as one finishes (those waiting join together, their prompts
+    prefilled in one batch). Yields (request index, token, log-probs, finish
     reason or None, from_draft); a stop token comes with "stop", the
     max_tokens-th with "length". A request with max_tokens 0 yields (index,
     None, None, "length", False). A row still decoding when the caller stops
@@ -271,17 +285,17 @@ def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int
     with mx.stream(generation_stream):
         try:
             while pending or active:
-                while pending and len(active) < width:
-                    i, r = pending.popleft()
-                    row, first, logprobs = batch.add(r.prompt, r.prompt_cache, r.keep_cache,
-                                                     r.max_tokens, r.key, r.stats,
-                                                     prefill_step_size, progress)
-                    if row is None:
-                        yield i, None, None, "length", False
-                        continue
-                    active[row] = [i, 0]
-                    yield emit(row, i, 0, first, logprobs, False)
-                for row, tokens, logprobs, accepted in batch.step():
+                joining = []
+                while pending and len(active) + len(joining) < width:
+                    joining.append(pending.popleft())
+                if joining:
+                    rows = batch.add([r for _, r in joining], prefill_step_size)
+                    for (i, _), row in zip(joining, rows):
+                        if row is None:
+                            yield i, None, None, "length", False
+                        else:
+                            active[row] = [i, 0]
+                for row, tokens, logprobs, _, accepted in batch.step():
                     for j, t in enumerate(tokens):
                         if row not in active:
                             break
@@ -300,44 +314,74 @@ class Row:
     max_tokens: int  # -1: no limit
     stats: MTPStats
     lens: Lengths  # exact, after the cycles read so far
-    landed: int = 1  # tokens read so far (the prefill's included)
+    sampling: Optional[RowSampling]
+    processors: tuple = ()
+    landed: int = 0  # tokens read so far
     # finishing point: the state before the row's last read cycle (without KV
     # buffers), the row's index in it, its lengths then, its y then, and that
     # cycle's tokens, of which the caller used `used`
     last: tuple = None
     used: int = 0
-    history: Optional[mx.array] = None  # logits processors (one row)
+    history: Optional[mx.array] = None  # the row's tokens (logits processors)
     generated: Optional[List[int]] = None  # host-side drafters (one row)
+    bias: Optional[mx.array] = None  # [V]: its logit bias, built once
     done: bool = False
+
+
+# prompts of at most this many new tokens join in one batched prefill
+# (mlx_lm.server's --prompt-concurrency default); longer ones alone
+PREFILL_BATCH = 8
 
 
 class Batch:
     """Rows decoding together: one trunk forward per cycle for all of them,
-    each row accepting its own number of drafts (per-row device lengths).
-    Rows join (`add`: prefilled alone, then merged) and leave (`finish`)
-    between cycles. With lookahead 1 the next cycle is queued before one is
-    read (see the module docstring)."""
+    each row accepting its own number of drafts (per-row device lengths) and
+    sampling with its own settings. Rows join (`add`: their prompts prefilled
+    together, then merged) and leave (`finish`) between cycles. With
+    lookahead 1 the next cycle is queued before one is read (see the module
+    docstring)."""
 
-    def __init__(self, spec: Spec, graphs: Graphs, lookahead: int, depth, max_draft_tokens=4,
-                 controller=None, timeline: Optional[list] = None, vocab: Optional[int] = None):
-        self.spec, self.graphs, self.lookahead = spec, graphs, lookahead
+    def __init__(self, spec: Spec, graphs: Graphs, pipeline: bool, depth, max_draft_tokens=4,
+                 controller=None, timeline: Optional[list] = None, default_sampler=None,
+                 default_processors: tuple = ()):
+        self.spec, self.graphs, self.pipeline = spec, graphs, pipeline
         self.depth, self.max_depth, self.controller = depth, max_draft_tokens, controller
-        self.timeline, self.vocab = timeline, vocab
+        self.timeline, self.default_sampler = timeline, default_sampler
+        self.default_processors = default_processors
+        self.prefill_batch = PREFILL_BATCH
         self.state: Optional[DecodeState] = None
         self.rows: List[Row] = []
         self.inflight: deque = deque()
         self.ring = 0  # plain steps' pairs waiting for the head (the same for every row)
         self.cycles = 0
         self._tic = time.perf_counter()
+        self._settings()
+
+    @property
+    def vocab(self) -> Optional[int]:
+        """Set when sampled tokens must be checked on the host (an opaque sampler)."""
+        return None if self.spec.trusted_sampler else self.spec.model.vocab_size
 
     # -- rows join and leave ---------------------------------------------------------------
+    def accepts(self, sampling: Optional[RowSampling]) -> bool:
+        """A row with these settings can decode in this batch (the sampled
+        rows share top_k and min_tokens_to_keep; an opaque sampler is the
+        batch's own)."""
+        if self.spec.sampler is not None or sampling is None:
+            return self.spec.sampler is not None and sampling is None
+        shared = {r.sampling.shared for r in self.rows if not r.sampling.greedy}
+        return sampling.greedy or not shared or shared == {sampling.shared}
+
     def prepare(self, prompt, prompt_cache: Optional[list], max_tokens: int,
-                seed: Optional[int], prefill_step_size: int = 2048):
-        """Check one row's arguments against this batch's model: returns (prompt,
-        prompt cache, whether the caller keeps it, max_tokens, sampling key)."""
+                seed: Optional[int] = None, prefill_step_size: int = 2048, *,
+                sampler=None, logit_bias: Optional[Dict[int, float]] = None,
+                logits_processors=None, stats: Optional[MTPStats] = None,
+                progress=None) -> Request:
+        """Check one row's arguments against this batch's model: a Request.
+        sampler: the row's own (default: the batch's; a RowSampling too);
+        logit_bias is added in-graph (mlx_lm's logit-bias processor),
+        logits_processors run on the host with the row's history."""
         model = self.spec.model
-        if self.rows and self.spec.host_history:
-            raise ValueError("logits processors and host-side drafters decode one row at a time")
         ids = checks.token_ids("prompt", prompt, model.vocab_size)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -345,6 +389,13 @@ class Batch:
         checks.integer("prefill_step_size", prefill_step_size, lo=1)
         if seed is not None:
             checks.integer("seed", seed)
+        sampler = self.default_sampler if sampler is None else sampler
+        sampling = (None if self.spec.sampler is not None else sampler
+                    if isinstance(sampler, RowSampling) else RowSampling.of(sampler, logit_bias))
+        if sampling is None and self.spec.sampler is None:
+            raise ValueError("an opaque sampler is shared by a whole batch: make_batch(sampler=)")
+        if logit_bias:
+            checks.logit_bias(logit_bias, model.vocab_size)
         keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
         if prompt_cache is None:
             prompt_cache = model.make_cache()
@@ -357,56 +408,119 @@ class Batch:
         context = getattr(model.text_args, "max_position_embeddings", None)
         checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
                              id(model))
-        return (mx.array(ids, dtype=mx.int32), prompt_cache, keep_cache, max_tokens,
-                row_key(self.spec, seed))
+        return Request(ids, prompt_cache, keep_cache, max_tokens, row_key(sampling, seed),
+                       stats if stats is not None else MTPStats(), sampling,
+                       tuple(self.default_processors if logits_processors is None
+                             else logits_processors), progress)
 
-    def add(self, prompt: mx.array, prompt_cache: list, keep_cache: bool, max_tokens: int,
-            key, stats: MTPStats, prefill_step_size: int = 2048, progress=lambda *_: None):
-        """Prefill a new row on its own prompt cache and merge it into the batch.
-        Returns (row, first token, its log-probs); row None when max_tokens == 0."""
+    def add(self, requests: List[Request], prefill_step_size: int = 2048) -> List[Optional[Row]]:
+        """Prefill new rows (short prompts together, long ones alone) and merge
+        them into the batch; their first tokens come out of the next cycle.
+        A row with max_tokens 0 only caches its prompt (None in its place)."""
+        shared = {r.sampling.shared for r in self.rows if r.sampling is not None}
+        for r in requests:
+            if r.sampling is not None:
+                shared.add(r.sampling.shared)
+            if not self.accepts(r.sampling) or len(shared - {None}) > 1:
+                raise ValueError("this row's sampler cannot share the batch (top_k and "
+                                 "min_tokens_to_keep differ from its sampled rows)")
+        drafter = self.spec.drafter
+        if drafter is not None and drafter.host_side and (self.rows or len(requests) > 1):
+            raise ValueError("a host-side drafter decodes one row at a time")
+        short = [r for r in requests if len(r.prompt) - 1 <= prefill_step_size]
+        groups = [short[i:i + self.prefill_batch]
+                  for i in range(0, len(short), self.prefill_batch)]
+        groups += [[r] for r in requests if r not in short]
+        made = {}
+        for group in groups:
+            for r, row in zip(group, self._join(group, prefill_step_size)):
+                made[id(r)] = row
+        return [made[id(r)] for r in requests]
+
+    def _join(self, requests: List[Request], prefill_step_size: int) -> List[Optional[Row]]:
         spec, model = self.spec, self.spec.model
         n_trunk = len(model.is_linear)
-        y, y_safe, logprobs, g, key, h_last = prefill(spec, prompt_cache, prompt,
-                                                      prefill_step_size, progress, key)
-        mx.eval(y, logprobs)
-        progress(prompt.size, prompt.size)
-        first = y.item()
-        if self.vocab is not None:
-            _check_sampled([first], self.vocab)
-        if max_tokens == 0:  # mlx_lm then leaves the prompt alone in the cache
-            if keep_cache:
-                _leave_prompt_only(spec, prompt_cache, h_last)
-            return None, first, logprobs[0, -1]
-        lens = Lengths(_trunk_length(prompt_cache, model),
-                       head_caches(prompt_cache, n_trunk)[0].offset if spec.use_head else 0)
-        # the decoding form; the prompt cache's objects let go of the buffers,
-        # so the cycles update them in place
-        state = DecodeState(MTPCache.from_prompt_cache(prompt_cache, n_trunk, spec.use_head),
-                            y_safe.astype(mx.int32), mx.ones((1,), mx.int32), g, key)
-        _detach(prompt_cache, n_trunk, spec.use_head)
-        if spec.ring:
-            state = init_ring(spec, state)
-        row = Row(prompt_cache, keep_cache, max_tokens, stats, lens)
-        row.last = (state.without_buffers() if keep_cache else None, 0, lens, first, [])
-        if spec.processors:
-            row.history = mx.concatenate([prompt, y_safe])
-        if spec.drafter is not None and spec.drafter.host_side:
-            row.generated = [first]
+        use_head = spec.use_head
+
+        def progress(i, done, total):
+            if requests[i].progress is not None:
+                requests[i].progress(done, total)
+
+        def snapshot(i, n):
+            if requests[i].snapshot is not None:
+                requests[i].snapshot(n)
+
+        with mx.stream(generation_stream):
+            prefilled = prefill(spec, [r.prompt_cache for r in requests],
+                                [r.prompt for r in requests], prefill_step_size, progress,
+                                [r.stops for r in requests], snapshot)
+        rows, states = [], []
+        for r, pf in zip(requests, prefilled):
+            y = r.prompt[-1]
+            if r.max_tokens == 0:  # mlx_lm then leaves the whole prompt in the cache
+                if r.keep_cache:
+                    feed(spec, r.prompt_cache, [y])
+                    mx.eval([c.state for c in r.prompt_cache])
+                rows.append(None)
+                continue
+            lens = Lengths(_trunk_length(r.prompt_cache, model),
+                           head_caches(r.prompt_cache, n_trunk)[0].offset if use_head else 0)
+            # the decoding form; the prompt cache's objects let go of the buffers,
+            # so the cycles update them in place
+            fill_empty(r.prompt_cache, model, n_trunk + (len(model.mtp.layers) if use_head else 0))
+            cache = MTPCache.from_prompt_cache(r.prompt_cache, n_trunk, use_head)
+            _detach(r.prompt_cache, n_trunk, use_head)
+            state = DecodeState(cache, mx.array([y], dtype=mx.int32), mx.zeros((1,), mx.int32),
+                                key=r.key)
+            if use_head:
+                # a one-token prompt on an empty cache has no trunk hidden yet: its
+                # first drafts come from zeros (rejected; its first cycle fixes that)
+                g = pf.g if pf.g is not None else mx.zeros(
+                    (1, 1, model.text_args.hidden_size), mx.float32)
+                state = init_ring(state.replace(g=g))
+            row = Row(r.prompt_cache, r.keep_cache, r.max_tokens, r.stats, lens, r.sampling,
+                      r.processors)
+            row.last = (state.without_buffers() if r.keep_cache else None, len(states), lens,
+                        y, [])
+            if r.processors:
+                row.history = mx.array(r.prompt, dtype=mx.int32)
+            if spec.drafter is not None and spec.drafter.host_side:
+                row.generated = []
+            if r.sampling is not None and r.sampling.logit_bias:
+                bias = [0.0] * model.vocab_size
+                for t, v in r.sampling.logit_bias:
+                    bias[t] += v
+                row.bias = mx.array(bias, dtype=mx.float32)
+            rows.append(row)
+            states.append(state)
+        if not states:
+            return rows
+        new = states[0]
+        for s in states[1:]:
+            new = _concat(new, s)
         if self.state is None:
-            self.state = state
+            self.state = new
         else:
             if self.ring:  # every row's ring empty, so they stay in step
-                self._flush()
+                self.state = self.graphs.flush(self.state)
+                self.ring = 0
                 # the rows' lengths count the flush once the cycles before it land
                 if self.inflight:
                     self.inflight[-1].flush_after = True
                 else:
                     for r in self.rows:
                         r.lens = r.lens.flushed()
-            self.state = DecodeState.concat(self.state, state)
-        self.rows.append(row)
+            self.state = _concat(self.state, new)
+        base = len(self.rows)
+        for row in rows:
+            if row is not None:
+                before, i, lens, y, toks = row.last
+                row.last = (None if before is None else self.state.without_buffers(),
+                            base + i, lens, y, toks)
+                self.rows.append(row)
+        self._settings()
         self._tic = time.perf_counter()  # the next cost sample starts here, not in the prefill
-        return row, first, logprobs[0, -1]
+        return rows
 
     def finish(self, row: Row):
         """The row leaves: its prompt cache gets the state at its finishing
@@ -427,12 +541,35 @@ class Batch:
         if not self.rows:
             self.inflight.clear()
             self.ring = 0
+        self._settings()
+
+    def _settings(self):
+        """The spec and per-row sampler arrays the present rows need: a batch
+        whose last sampled row left runs the greedy graph again."""
+        spec = self.spec
+        filters = spec.filters if spec.sampler is not None else Filters.of(
+            r.sampling for r in self.rows)
+        processors = any(r.processors for r in self.rows)
+        if (filters, processors) != (spec.filters, spec.processors):
+            self.spec = spec = dataclasses.replace(spec, filters=filters, processors=processors)
+            self.graphs.use(spec)
+        self.lookahead = 1 if (self.pipeline and not spec.host_history
+                               and spec.trusted_sampler) else 0
+        if self.state is None or spec.sampler is not None:
+            return
+        f = spec.filters
+        arrays = row_arrays([r.sampling for r in self.rows], dataclasses.replace(f, bias=False),
+                            spec.model.vocab_size)
+        if f.bias:
+            zero = mx.zeros((spec.model.vocab_size,), mx.float32)
+            arrays["bias"] = mx.stack([r.bias if r.bias is not None else zero
+                                       for r in self.rows])
+        key = self.state.key
+        if f.sampled and key is None:
+            key = mx.zeros((len(self.rows), 2), mx.uint32)
+        self.state = self.state.replace(key=key if f.sampled else None, **arrays)
 
     # -- cycles ------------------------------------------------------------------------------
-    def _flush(self):
-        self.state = self.graphs.flush(self.state)
-        self.ring = 0
-
     def _controller(self):
         if self.depth != "auto":
             return None
@@ -450,34 +587,37 @@ class Batch:
     def _launch(self):
         spec, ctl = self.spec, self._controller()
         k = ctl.next_depth() if ctl is not None else self.depth
-        # the head catches up before it drafts, or when the ring is full
-        flushed = self.ring > 0 and (k > 0 or self.ring == RING)
-        if flushed:
-            self._flush()
-        bounds = [_upper_bound(r.lens, self._in_flight(r), spec.ring) for r in self.rows]
+        # no drafts past what the rows asked for (not while rows sample: a seeded
+        # row's draws at a fixed depth must not depend on the rows beside it)
+        if not spec.speculative and all(r.max_tokens >= 0 for r in self.rows):
+            k = min(k, max(max(r.max_tokens - r.landed - len(self._in_flight(r))
+                               for r in self.rows) - 1, 0))
+        catch_up = k > 0 and self.ring > 0
+        bounds = [_upper_bound(r.lens, self._in_flight(r)) for r in self.rows]
         self.state = self.state.replace(cache=self.state.cache.grown(
             max(b.trunk for b in bounds) + k + 1,
-            max(b.head for b in bounds) + max(k + 1, RING if spec.ring else 0)))
+            max(b.flushed().head for b in bounds) + k + 1))
         history = None
-        if spec.processors:  # one row (its tokens are on the host)
-            history = self.rows[0].history[:-1]
+        if spec.processors:  # rows' tokens are on the host (lookahead 0)
+            history = [(r.processors, r.history[:-1]) if r.processors else None
+                       for r in self.rows]
         if spec.drafter is not None and spec.drafter.host_side:
             spec.drafter.generated = self.rows[0].generated
         keep = any(r.keep_cache for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
-        self.state, out = self.graphs.step(self.state, k, history)
+        self.state, out = self.graphs.step(self.state, k, catch_up, history)
         built = time.perf_counter()
         mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
         t1 = time.perf_counter()
-        self.inflight.append(Launched(k, out, before, flushed, self.graphs.traces > traces,
+        self.inflight.append(Launched(k, out, before, self.graphs.traces > traces,
                                       list(self.rows), dict(build0=t0, build1=built, queued=t1)))
-        if k == 0 and spec.ring:
-            self.ring += 1
+        self.ring = 0 if k else self.ring + int(spec.use_head)
 
-    def step(self) -> List[Tuple[Row, List[int], mx.array, int]]:
+    def step(self) -> List[Tuple[Row, List[int], mx.array, np.ndarray, int]]:
         """Queue cycles up to the lookahead, read the oldest one: per row still
-        in the batch, (row, its tokens, their log-prob rows, drafts accepted)."""
+        in the batch, (row, its tokens, their log-prob rows, the tokens'
+        log-probs, drafts accepted)."""
         while self.rows and len(self.inflight) <= self.lookahead and any(
                 self._needs_more(r) for r in self.rows):
             self._launch()
@@ -485,19 +625,20 @@ class Batch:
             return []
         cycle = self.inflight.popleft()
         wait0 = time.perf_counter()
-        values = cycle.out.packed.tolist()
+        accepted_all, tokens_all, lps_all = unpack(np.array(cycle.out.packed),
+                                                   cycle.k)
         toc = time.perf_counter()
-        k, out, spec, accepted = cycle.k, [], self.spec, []
+        k, out, accepted = cycle.k, [], []
         ctl = self._controller()
         for i, row in enumerate(cycle.rows):
             if row.done:
                 continue
-            a = values[i][0]
-            tokens = values[i][1 : a + 2]
+            a = int(accepted_all[i])
+            tokens = tokens_all[i, : a + 1].tolist()
             if self.vocab is not None:
                 _check_sampled(tokens, self.vocab)
-            before_lens = row.lens.flushed() if cycle.flushed else row.lens
-            row.lens = before_lens.after(k, a, spec.ring)
+            before_lens = row.lens
+            row.lens = before_lens.after(k, a)
             if cycle.flush_after:
                 row.lens = row.lens.flushed()
             y = (row.last[4] or [row.last[3]])[-1]
@@ -509,7 +650,7 @@ class Batch:
                 row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])
             if row.generated is not None:
                 row.generated.extend(tokens)
-            out.append((row, tokens, cycle.out.logprobs[i], a))
+            out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
         if ctl is not None and accepted:
             ctl.update_acceptance(k, accepted)
             # the cost sample goes to the cycle the host waited on: on MLX's CPU
@@ -518,7 +659,7 @@ class Batch:
             launched = self.inflight[-1] if self.inflight else cycle
             t0, t1 = launched.stamps["build0"], launched.stamps["queued"]
             waited_on = launched if self.lookahead and t1 - t0 > toc - t1 else cycle
-            if spec.group is not None:  # which depth gets the sample must not differ by rank
+            if self.spec.group is not None:  # which depth gets the sample must not differ by rank
                 waited_on = cycle
             if not (cycle.traced or launched.traced):
                 ctl.update_cost(waited_on.k, toc - self._tic)
@@ -527,7 +668,7 @@ class Batch:
             stamps = (self.inflight[-1] if self.inflight else cycle).stamps
             self.timeline.append(dict(stamps, wait0=wait0, wait1=toc,
                                       land1=time.perf_counter(), k=k,
-                                      accepted=values[0][0] if values else 0))
+                                      accepted=int(accepted_all[0]) if len(accepted_all) else 0))
         self.cycles += 1
         if self.cycles % 128 == 0:
             mx.clear_cache()
@@ -550,6 +691,16 @@ def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthControll
     return ctl
 
 
+def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
+    """Rows of two states; a key only one side has is given zeros on the other
+    (greedy rows carry an unused key in a batch that samples)."""
+    if (a.key is None) != (b.key is None):
+        fill = lambda s, other: s if s.key is not None else s.replace(
+            key=mx.zeros((s.y.shape[0], 2), other.key.dtype))
+        a, b = fill(a, b), fill(b, a)
+    return DecodeState.concat(a, b)
+
+
 def _arrays(state: DecodeState) -> list:
     return [x for _, x in tree_flatten(state.tree()) if x is not None]
 
@@ -566,10 +717,10 @@ def _check_sampled(tokens: List[int], vocab: int):
                              f"(0..{vocab - 1})")
 
 
-def _upper_bound(lens: Lengths, inflight, ring: bool) -> Lengths:
+def _upper_bound(lens: Lengths, inflight) -> Lengths:
     """Lengths after the launched cycles if each accepted every draft."""
     for c in inflight:
-        lens = (lens.flushed() if c.flushed else lens).after(c.k, c.k, ring)
+        lens = lens.after(c.k, c.k)
         if c.flush_after:
             lens = lens.flushed()
     return lens
@@ -586,23 +737,14 @@ def _detach(prompt_cache: list, n_trunk: int, use_head: bool):
             c.cache = [None] * len(c.cache)
 
 
-def _leave_prompt_only(spec: Spec, prompt_cache: list, h_last: mx.array):
-    """max_tokens=0: the head drops the pair with the unused first token."""
-    n_trunk = len(spec.model.is_linear)
-    if spec.use_head:
-        for c in head_caches(prompt_cache, n_trunk):
-            c.trim(1)
-        set_last_hidden(prompt_cache, h_last, spec.model.is_linear)
-    elif len(prompt_cache) > n_trunk:
-        set_last_hidden(prompt_cache, None, spec.model.is_linear)  # the head did not follow
-    mx.eval([c.state for c in prompt_cache])
-
-
 def _finish(spec: Spec, prompt_cache: list, state: DecodeState, lens: Lengths, tail: List[int]):
     """Write a row's state at its finishing point back into its prompt cache,
     and feed the tokens it had emitted up to there (the last one used included)."""
     n_trunk = len(spec.model.is_linear)
     state.cache.write_back(prompt_cache, n_trunk, lens.trunk, lens.head)
-    ring = (state.ring_h, state.ring_tok, lens.ring) if spec.ring else None
+    ring = None
+    if spec.use_head and lens.ring:
+        order = ring_order(lens.ring)
+        ring = (state.ring_h[:, order], state.ring_tok[:, order])
     feed(spec, prompt_cache, tail, ring)
     mx.eval([c.state for c in prompt_cache])

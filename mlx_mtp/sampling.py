@@ -25,13 +25,15 @@ while equal to them), which is exact for any sampler but accepts less.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
-__all__ = ["MTPSampler", "make_sampler", "speculative_sample", "is_greedy"]
+__all__ = ["MTPSampler", "make_sampler", "speculative_sample", "is_greedy", "RowSampling"]
 
 
 class MTPSampler:
@@ -164,7 +166,7 @@ def speculative_sample(
     key: mx.array,
 ) -> Tuple[mx.array, mx.array]:
     """Leviathan–Chen verification of k drafts, in-graph, batched over any
-    leading dimensions.
+    leading dimensions, with one random key.
 
     target_logits [..., k+1, V]: logits of p at each verify position (row i
         is the distribution of the token after drafts d_1..d_i; -inf allowed);
@@ -174,12 +176,27 @@ def speculative_sample(
     are the accepted drafts, tokens[a] is the correction (a < k) or the bonus
     token (a == k); entries after a are meaningless.
     """
+    k_u, k_s = mx.random.split(key)
+    u = mx.random.uniform(shape=drafts.shape, key=k_u)
+    return _leviathan_chen(target_logits, q, drafts, u,
+                           lambda logits: mx.random.categorical(logits, key=k_s))
+
+
+def speculative_sample_rows(target_logits: mx.array, q: mx.array, drafts: mx.array,
+                            keys: mx.array) -> Tuple[mx.array, mx.array]:
+    """`speculative_sample` with a key per row (keys [B, 2], inputs [B, ...]):
+    row b draws exactly what it draws in a batch of its own with keys[b]."""
+    split = _rows(lambda key: mx.random.split(key))(keys)  # [B, 2, 2]
+    u = _rows(lambda key: mx.random.uniform(shape=drafts.shape[1:], key=key))(split[:, 0])
+    return _leviathan_chen(target_logits, q, drafts, u,
+                           lambda logits: categorical_rows(logits, split[:, 1]))
+
+
+def _leviathan_chen(target_logits, q, drafts, u, categorical):
     k = drafts.shape[-1]
     drafts = drafts.astype(mx.int32)
     logits = target_logits.astype(mx.float32)
     q = q.astype(mx.float32)
-    k_u, k_s = mx.random.split(key)
-    u = mx.random.uniform(shape=drafts.shape, key=k_u)
     lse = mx.logsumexp(logits, axis=-1)  # [..., k+1]
     ld = mx.take_along_axis(logits[..., :k, :], drafts[..., None], axis=-1)[..., 0]
     pd = mx.exp(ld - lse[..., :k])
@@ -195,8 +212,194 @@ def speculative_sample(
     # p == q (up to rounding) rejects with probability ~0; keep the row valid
     use_resid = (accepted < k) & (resid.sum(axis=-1) > 0)
     row = mx.where(use_resid[..., None], resid, p_a)
-    sample = mx.random.categorical(mx.log(row), key=k_s).astype(mx.int32)  # [...]
+    sample = categorical(mx.log(row)).astype(mx.int32)  # [...]
     pad = mx.zeros(drafts.shape[:-1] + (1,), mx.int32)
     tokens = mx.where(mx.arange(k + 1) == accepted[..., None], sample[..., None],
                       mx.concatenate([drafts, pad], axis=-1))
     return accepted.astype(mx.int32), tokens
+
+
+# -- one batch, a sampler per row ------------------------------------------------------------
+# Rows of a batch may sample with different settings: greedy rows and rows
+# sampling with their own temperature, top-p, min-p, draft temperature, key
+# and logit bias decode together; the settings are arrays of the decode state
+# (one entry per row), so a compiled cycle serves any mix. Only what decides
+# the graph's shape is shared (`Filters`). See docs/design.md, "Sampling".
+
+
+def _rows(fn):
+    """fn over each row's key (MLX's random ops take one key)."""
+    return mx.vmap(fn)
+
+
+def categorical_rows(logits: mx.array, keys: mx.array) -> mx.array:
+    """mx.random.categorical of each row [B, ..., V] with its own key [B, 2]."""
+    return _rows(lambda lg, key: mx.random.categorical(lg, key=key))(logits, keys)
+
+
+def split_rows(keys: mx.array, num: int) -> mx.array:
+    """Each row's key split in `num`: [B, num, 2]."""
+    return _rows(lambda key: mx.random.split(key, num))(keys)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One row's sampler, as arrays a compiled cycle reads: greedy (temp 0),
+    or sampled exactly by Leviathan–Chen from mlx_lm's target distribution
+    (top-p, min-p, top-k in mlx_lm's order, then temperature). The head
+    drafts at `draft_temp` (None: temp; 0: greedy drafts). `logit_bias` is
+    added to the logits of every position (mlx_lm's logit-bias processor,
+    in-graph). top_k and min_tokens_to_keep decide the graph's shape: the
+    sampled rows of a batch share them (`shared`)."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+    min_tokens_to_keep: int = 1
+    draft_temp: Optional[float] = None
+    logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None
+
+    @classmethod
+    def of(cls, sampler, logit_bias: Optional[Dict[int, float]] = None) -> Optional["RowSampling"]:
+        """The row settings of a sampler: None (greedy), mlx_lm's greedy
+        sampler or an MTPSampler that can be introspected; None for any
+        other callable (it is called as it is: `Spec.sampler`)."""
+        bias = tuple(sorted(logit_bias.items())) if logit_bias else None
+        if is_greedy(sampler):
+            return cls(logit_bias=bias)
+        if isinstance(sampler, MTPSampler) and sampler.speculative:
+            return cls(sampler.temp, sampler.top_p, sampler.min_p, sampler.top_k,
+                       sampler.min_tokens_to_keep, sampler.draft_temp, bias)
+        return None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    @property
+    def shared(self) -> Optional[tuple]:
+        """What the sampled rows of one batch must have in common (None: greedy)."""
+        return None if self.greedy else (self.top_k, self.min_tokens_to_keep)
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which of the per-row steps a batch's graph contains (its rows decide)."""
+
+    sampled: bool = False  # some row samples: keys, Leviathan–Chen
+    top_p: bool = False
+    min_p: bool = False
+    top_k: int = 0
+    min_keep: int = 1
+    bias: bool = False
+
+    @classmethod
+    def of(cls, rows: Iterable[RowSampling]) -> "Filters":
+        rows = list(rows)
+        sampled = [r for r in rows if not r.greedy]
+        shared = {r.shared for r in sampled}
+        if len(shared) > 1:
+            raise ValueError("the sampled rows of a batch must share top_k and "
+                             "min_tokens_to_keep")
+        top_k, min_keep = shared.pop() if shared else (0, 1)
+        return cls(bool(sampled), any(0 < r.top_p < 1 for r in sampled),
+                   any(r.min_p != 0 for r in sampled), top_k, min_keep,
+                   any(r.logit_bias for r in rows))
+
+
+def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> dict:
+    """The per-row arrays of a batch's decode state (None where unused):
+    inverse temperatures, top-p, log(min-p), inverse draft temperatures
+    (0: greedy), logit bias [B, V]. Host arithmetic in double, as mlx_lm's
+    scalar settings are, so a row samples what mlx_lm's sampler would."""
+    out = dict(inv_temp=None, top_p=None, min_p_log=None, inv_draft_temp=None, bias=None)
+    if filters.sampled:
+        def inv(t):
+            return 0.0 if t == 0 else 1.0 / t
+
+        out["inv_temp"] = mx.array([inv(r.temp) for r in rows], dtype=mx.float32)
+        out["top_p"] = mx.array([r.top_p for r in rows], dtype=mx.float32)
+        out["min_p_log"] = mx.array([math.log(r.min_p) if r.min_p > 0 else -math.inf
+                                     for r in rows], dtype=mx.float32)
+        out["inv_draft_temp"] = mx.array(
+            [0.0 if r.greedy else inv(r.temp if r.draft_temp is None else r.draft_temp)
+             for r in rows], dtype=mx.float32)
+    if filters.bias:
+        bias = [[0.0] * vocab_size for _ in rows]
+        for b, r in zip(bias, rows):
+            for t, v in r.logit_bias or ():
+                b[t] += v
+        out["bias"] = mx.array(bias, dtype=mx.float32)
+    return out
+
+
+def _per_row(x: mx.array, like: mx.array) -> mx.array:
+    """A per-row value [B] broadcast against [B, ..., V]."""
+    return x.reshape(x.shape + (1,) * (like.ndim - 1))
+
+
+def filter_rows(logprobs: mx.array, arrays: dict, f: Filters) -> mx.array:
+    """Each sampled row's top-p, min-p and the shared top-k, in mlx_lm's
+    order, over [B, ..., V]; removed tokens get -inf (a row whose setting
+    is off keeps its log-probs unchanged)."""
+    if f.top_p:
+        p = _per_row(arrays["top_p"], logprobs)
+        logprobs = mx.where((p > 0) & (p < 1), apply_top_p(logprobs, p), logprobs)
+    if f.min_p:  # mlx_lm's apply_min_p with a threshold per row
+        top = mx.max(logprobs, axis=-1, keepdims=True)
+        remove = logprobs < top + _per_row(arrays["min_p_log"], logprobs)
+        if f.min_keep > 1:
+            keep = mx.argpartition(logprobs, kth=-f.min_keep, axis=-1)[..., -f.min_keep:]
+            remove = mx.put_along_axis(remove, keep, mx.array(False), axis=-1)
+        logprobs = mx.where(remove, -float("inf"), logprobs)
+    if f.top_k > 0:
+        logprobs = apply_top_k(logprobs, f.top_k)
+    return logprobs
+
+
+def _scaled(logits: mx.array, inv_t: mx.array) -> mx.array:
+    """logits * (1 / t) per row; rows with inv_t 0 (greedy) get finite garbage."""
+    inv_t = _per_row(inv_t, logits)
+    return logits * mx.where(inv_t > 0, inv_t, 1.0)
+
+
+def sample_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> mx.array:
+    """One token per row of [B, V]: greedy rows arg-max, sampled rows a draw
+    from their target distribution with their key."""
+    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    if not f.sampled:
+        return greedy
+    target = _scaled(filter_rows(logprobs, arrays, f), arrays["inv_temp"])
+    drawn = categorical_rows(target, keys).astype(mx.int32)
+    return mx.where(arrays["inv_temp"] > 0, drawn, greedy)
+
+
+def draft_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> Tuple[mx.array, mx.array]:
+    """Each row's draft from the head's log-probs [B, V] and the distribution
+    q [B, V] it was drawn from (one-hot for greedy drafts)."""
+    filtered = filter_rows(logprobs, arrays, f)
+    greedy = mx.argmax(filtered, axis=-1).astype(mx.int32)
+    logits = _scaled(filtered.astype(mx.float32), arrays["inv_draft_temp"])
+    drawn = categorical_rows(logits, keys).astype(mx.int32)
+    sampled = arrays["inv_draft_temp"] > 0
+    tok = mx.where(sampled, drawn, greedy)
+    one_hot = (mx.arange(logprobs.shape[-1]) == greedy[:, None]).astype(mx.float32)
+    return tok, mx.where(sampled[:, None], mx.softmax(logits, axis=-1), one_hot)
+
+
+def accept_rows(logprobs: mx.array, q: Optional[mx.array], drafts: mx.array, arrays: dict,
+                f: Filters, keys) -> Tuple[mx.array, mx.array]:
+    """Per row: greedy rows keep drafts while they equal the arg-max; sampled
+    rows by Leviathan–Chen. logprobs [B, k+1, V] (processed); returns
+    (accepted [B], tokens [B, k+1])."""
+    k = drafts.shape[1]
+    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    accepted = mx.cumprod((drafts == greedy[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
+    if not f.sampled:
+        return accepted, greedy
+    target = _scaled(filter_rows(logprobs, arrays, f), arrays["inv_temp"])
+    acc_s, out_s = speculative_sample_rows(target, q, drafts, keys)
+    sampled = arrays["inv_temp"] > 0
+    return (mx.where(sampled, acc_s, accepted.astype(mx.int32)),
+            mx.where(sampled[:, None], out_s, greedy))

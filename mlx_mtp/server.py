@@ -58,6 +58,7 @@ import mlx.core as mx
 from mlx_lm import server as lm_server
 from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import _parse_size
 
 from . import anthropic
@@ -66,7 +67,7 @@ from .load import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
 from .loop import MTPStats
-from .sampling import make_sampler
+from .sampling import RowSampling, make_sampler
 
 MAX_BODY = 64 << 20  # bytes
 # sharded, rank 0's news (requests, clients gone) reaches the other ranks every
@@ -210,7 +211,7 @@ def _sampler(args, tokenizer):
     s = args.sampling
     return make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k,
                         xtc_probability=s.xtc_probability, xtc_threshold=s.xtc_threshold,
-                        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+                        xtc_special_tokens=_xtc_special(tokenizer))
 
 
 class MTPResponseGenerator(lm_server.ResponseGenerator):
@@ -262,43 +263,48 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
 
     # -- the generation thread ------------------------------------------------------------
     def _generate(self):
-        """mlx_lm's generation thread, batching with MTP: requests with the same
-        sampler settings decode together in one `Batch` (rows join and leave
-        between cycles); a request with other settings waits until the batch
-        drains, one with logits processors decodes alone."""
+        """mlx_lm's generation thread, batching with MTP: every request joins one
+        `Batch` (rows sample each with its own settings; those with logits
+        processors run them on the host); requests arriving together are
+        prefilled together. Only a request that cannot share the batch (another
+        draft depth, an XTC sampler, sampled rows' top_k) waits until it drains."""
         self.model_provider.load_default()
         if self._is_distributed:  # rows without a seed draw the same keys on every rank
             mx.random.seed(mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item())
         lane: Optional[_Lane] = None
-        waiting: deque = deque()
+        waiting: deque = deque()  # (request, row settings), in arrival order
         width = max(1, self.cli_args.decode_concurrency)
+        prompts = max(1, self.cli_args.prompt_concurrency)
         while not self._halted:
             busy = lane is not None and bool(lane.rows)
-            if waiting and (not busy or lane.accepts(waiting[0][1], width)):
-                request, settings = waiting.popleft()
-            elif busy and self._is_distributed and lane.cycles % SHARDED_TICK_CYCLES:
-                request = None
-            else:
-                request = self._tick(None if busy else 0.1, lane)
-                if request is not None:
+            if not (busy and self._is_distributed and lane.cycles % SHARDED_TICK_CYCLES):
+                while True:  # take every request that is waiting before the next cycle
+                    request = self._tick(None if busy or waiting else 0.1, lane)
+                    if request is None:
+                        break
                     try:
-                        settings = self._settings(request[2])
+                        waiting.append((request, _Settings.of(self, request[2])))
                     except Exception as e:
-                        request[0].put(e)
-                        continue
-                    if waiting or (busy and not lane.accepts(settings, width)):
-                        waiting.append((request, settings))  # in order, once there is room
-                        request = None
-            if request is not None:
-                if not busy and (lane is None or not lane.accepts(settings, width)):
+                        _Lane._fail(request[0], e)
+                    if self._is_distributed:  # one request per tick on every rank
+                        break
+            joining = []
+            while waiting and len(joining) < prompts:
+                request, settings = waiting[0]
+                if not busy and not joining and (lane is None or not lane.accepts(
+                        settings, len(joining), width)):
                     try:
-                        lane = _Lane(self, settings, request[2])
+                        lane = _Lane(self, settings)
                     except Exception as e:  # e.g. settings the sampler refuses
-                        lane = None
+                        waiting.popleft()
                         _Lane._fail(request[0], e)
                         continue
-                lane.join(request)
-                continue  # take every request that is waiting before the next cycle
+                if lane is None or not lane.accepts(settings, len(joining), width):
+                    break  # in order: it waits for the batch to drain (or for room)
+                joining.append(waiting.popleft())
+            if joining:
+                lane.join(joining)
+                continue
             if busy:
                 lane.step()
                 if lane.batch is None:
@@ -367,37 +373,30 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             if self._rank == 0 and not self._stop:  # a sharded model cannot serve
                 _thread.interrupt_main()  # without all its ranks
 
-    def _settings(self, args) -> tuple:
-        """What a batch shares: the sampler's settings, the depth, and whether
-        logits processors make the request decode alone."""
-        s = args.sampling
-        processors = bool(lm_server._make_logits_processors(args))
-        return (s.temperature, s.top_p, s.min_p, s.top_k, s.xtc_probability, s.xtc_threshold,
-                self._depth(args), processors)
 
-    def _snapshots(self, key, model, prompt, segments, kinds, n, cache) -> int:
-        """Prefill up to the end of each segment (system prompt, last user
-        message) and to the prompt's last token, storing a copy of the cache
-        at each, so a later request that shares that prefix (the next turn, a
-        regenerated answer) starts from it exactly. Returns the tokens cached."""
-        if self.cli_args.prompt_snapshots != "segments":
-            return n
-        ends, end = [], 0
-        for segment, kind in zip(segments, kinds):
-            end += len(segment)
-            ends.append((min(end, len(prompt) - 1), kind))
-        for end, kind in ends:
-            if end <= n:
-                continue
-            with contextlib.closing(_generate_step(
-                    mx.array(prompt[n:end]), model, max_tokens=0, prompt_cache=cache,
-                    prefill_step_size=self.cli_args.prefill_step_size)) as gen:
-                for _ in gen:
-                    pass
-            n = end
-            self.prompt_cache.insert_cache(key, prompt[:end], copy.deepcopy(cache),
-                                           cache_type=kind)
-        return n
+@dataclass(frozen=True)
+class _Settings:
+    """How a request decodes: what its batch must share (the depth, an XTC
+    sampler, which every row then shares), and its own row settings."""
+
+    depth: object
+    opaque: Optional[tuple]  # XTC sampler settings (match verification), else None
+    sampling: Optional[RowSampling]  # in-graph row settings, else None (opaque)
+    processors: tuple  # penalties: mlx_lm's processors, on the host
+
+    @classmethod
+    def of(cls, gen: "MTPResponseGenerator", args) -> "_Settings":
+        s, lg = args.sampling, args.logits
+        depth = gen._depth(args)
+        sampler = _sampler(args, gen.model_provider.tokenizer)
+        sampling = RowSampling.of(sampler, lg.logit_bias)
+        opaque = None if sampling is not None else (
+            s.temperature, s.top_p, s.min_p, s.top_k, s.xtc_probability, s.xtc_threshold)
+        processors = tuple(make_logits_processors(
+            None if sampling is not None else lg.logit_bias, lg.repetition_penalty,
+            lg.repetition_context_size, lg.presence_penalty, lg.presence_context_size,
+            lg.frequency_penalty, lg.frequency_context_size))
+        return cls(depth, opaque, sampling, processors)
 
 
 @dataclass
@@ -417,77 +416,107 @@ class _RowState:
 
 
 class _Lane:
-    """One batch of rows that share sampler settings (see `_generate`)."""
+    """The batch requests decode in (see `_generate`); a new one starts when a
+    request cannot share the present one and it has drained."""
 
-    def __init__(self, gen: MTPResponseGenerator, settings: tuple, args):
+    def __init__(self, gen: MTPResponseGenerator, settings: _Settings):
         from .loop import make_batch
 
-        self.gen, self.settings = gen, settings
+        self.gen, self.depth, self.opaque = gen, settings.depth, settings.opaque
         mp = gen.model_provider
-        self.exclusive = settings[-1]
-        self.batch = make_batch(
-            mp.model, draft_tokens=gen._depth(args),
-            max_draft_tokens=gen.cli_args.max_draft_tokens,
-            sampler=_sampler(args, mp.tokenizer),
-            logits_processors=lm_server._make_logits_processors(args))
+        sampler = None
+        if settings.opaque is not None:
+            t, top_p, min_p, top_k, xtc_p, xtc_t = settings.opaque
+            sampler = make_sampler(t, top_p=top_p, min_p=min_p, top_k=top_k,
+                                   xtc_probability=xtc_p, xtc_threshold=xtc_t,
+                                   xtc_special_tokens=_xtc_special(mp.tokenizer))
+        self.batch = make_batch(mp.model, draft_tokens=settings.depth,
+                                max_draft_tokens=gen.cli_args.max_draft_tokens, sampler=sampler)
+        self.batch.prefill_batch = max(1, gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
 
-    def accepts(self, settings: tuple, width: int) -> bool:
-        """A request with these settings can join now."""
-        return (settings == self.settings and not self.exclusive and self.batch is not None
-                and len(self.rows) < width)
+    def accepts(self, settings: _Settings, joining: int, width: int) -> bool:
+        """A request with these settings can join now (`joining` already will)."""
+        return (self.batch is not None and settings.depth == self.depth
+                and settings.opaque == self.opaque and self.batch.accepts(settings.sampling)
+                and len(self.rows) + joining < width)
 
-    def join(self, request):
-        """Prefill the request's new tokens (from the nearest stored prefix)
-        and add it as a row; its first token goes out at once."""
-        rqueue, request, args = request
+    def join(self, requests: list):
+        """Prefill the requests' new tokens together (each from its nearest
+        stored prefix, snapshots stored at its message boundaries) and add them
+        as rows; their first tokens come with the next cycle."""
         gen, mp = self.gen, self.gen.model_provider
-        rid = next(gen._row_ids)
-        collectives = False
+        model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
+        collectives = gen._is_distributed
+        joined = []
+        for (rqueue, request, args), settings in requests:
+            rid = next(gen._row_ids)
+            try:
+                joined.append(self._prepare(rid, rqueue, request, args, settings))
+            except Exception as e:
+                self._fail(rqueue, e)
+                if collectives:  # this rank may have left the others inside a collective
+                    raise
+        if not joined:
+            return
         try:
-            model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
-            prompt, segments, kinds, initial_state, _ = gen._tokenize(tokenizer, request, args)
-            stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
-            # an exact stored prefix (GDN states cannot be cut back), leaving at
-            # least the last prompt token to run
-            collectives = gen._is_distributed
-            cache, n = gen._fetch(key, prompt[:-1])
-            ctx = MTPGenerationContext(
-                has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
-                tool_parser=tokenizer.tool_parser, text_sm=text_sm,
-                initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
-            ctx.stats = MTPStats()
-            rqueue.put(ctx)
-            if cache is None:
-                cache = model.make_cache()
-            n = gen._snapshots(key, model, prompt, segments, kinds, n, cache)
-            batch = self.batch
-            new, cache, keep, max_tokens, row_key = batch.prepare(
-                prompt[n:], cache, args.max_tokens, args.seed, gen.cli_args.prefill_step_size)
             with mx.stream(generation_stream):
-                row, first, logprobs = batch.add(
-                    new, cache, keep, max_tokens, row_key, ctx.stats,
-                    gen.cli_args.prefill_step_size,
-                    lambda done, total: rqueue.put((n + done, n + total)))
-            state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
-                              stop_sequences.matcher(), tokenizer.detokenizer)
-            self.rows[row] = state
-            self._emit(row, state, 0, first, logprobs)
+                rows = self.batch.add([r for r, _ in joined], gen.cli_args.prefill_step_size)
         except Exception as e:
-            self._fail(rqueue, e)
-            if collectives:  # this rank may have left the others inside a collective
+            for _, state in joined:
+                self._fail(state.rqueue, e)
+            if collectives:
                 raise
+            return
+        for row, (_, state) in zip(rows, joined):
+            if row is None:  # (max_tokens is at least 1 here)
+                continue
+            self.rows[row] = state
+
+    def _prepare(self, rid, rqueue, request, args, settings: _Settings):
+        """One request's Request (for Batch.add) and its row state."""
+        gen, mp = self.gen, self.gen.model_provider
+        model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
+        prompt, segments, kinds, initial_state, _ = gen._tokenize(tokenizer, request, args)
+        stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
+        # an exact stored prefix (GDN states cannot be cut back), leaving at
+        # least the last prompt token to run
+        cache, n = gen._fetch(key, prompt[:-1])
+        ctx = MTPGenerationContext(
+            has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+            tool_parser=tokenizer.tool_parser, text_sm=text_sm,
+            initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
+        ctx.stats = MTPStats()
+        rqueue.put(ctx)
+        if cache is None:
+            cache = model.make_cache()
+        stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
+                                           gen.cli_args.prompt_snapshots)
+
+        def snapshot(done):
+            gen.prompt_cache.insert_cache(key, prompt[:n + done], copy.deepcopy(cache),
+                                          cache_type=kinds_at[done])
+
+        r = self.batch.prepare(
+            prompt[n:], cache, args.max_tokens, args.seed, gen.cli_args.prefill_step_size,
+            sampler=settings.sampling, logits_processors=settings.processors, stats=ctx.stats,
+            progress=lambda done, total: rqueue.put((n + done, n + total)))
+        r.stops, r.snapshot = stops, snapshot
+        state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
+                          stop_sequences.matcher(), tokenizer.detokenizer)
+        return r, state
 
     def step(self):
         """One cycle for every row; each row's tokens go to its request."""
         self.cycles += 1
         try:
             with mx.stream(generation_stream):
-                for row, tokens, logprobs, _ in self.batch.step():
+                for row, tokens, logprobs, token_lps, _ in self.batch.step():
                     for j, t in enumerate(tokens):
                         state = self.rows.get(row)
-                        if state is None or self._emit(row, state, j + 1, t, logprobs[j]):
+                        if state is None or self._emit(row, state, j + 1, t, logprobs[j],
+                                                       float(token_lps[j])):
                             break
         except Exception as e:  # every row of the batch is lost: tell each request
             for state in self.rows.values():
@@ -497,7 +526,8 @@ class _Lane:
             if self.gen._is_distributed:  # (sharded: this rank may be out of step)
                 raise
 
-    def _emit(self, row, state: _RowState, used: int, token: int, logprobs) -> bool:
+    def _emit(self, row, state: _RowState, used: int, token: int, logprobs,
+              logprob: float) -> bool:
         """Send one token (as mlx_lm.server's responses are built); finish the
         row on EOS, a stop sequence, max_tokens or a client that left.
         Returns True when the row finished."""
@@ -511,9 +541,10 @@ class _Lane:
             finish = "stop"
         if finish is not None:
             state.detokenizer.finalize()
+        top = state.args.top_logprobs
         state.rqueue.put(lm_server.Response(
-            state.detokenizer.last_segment, token, logprobs[token].item(), finish,
-            lm_server._format_top_logprobs(logprobs, state.args.top_logprobs, tokenizer)))
+            state.detokenizer.last_segment, token, logprob, finish,
+            lm_server._format_top_logprobs(logprobs, top, tokenizer) if top > 0 else ()))
         state.key_tokens.append(token)
         if finish is None and not state.left:
             return False
@@ -533,10 +564,25 @@ class _Lane:
         rqueue.put(e)
 
 
-def _generate_step(*args, **kwargs):
-    from .generate import generate_step
+def _snapshot_points(prompt: list, segments: list, kinds: list, cached: int, mode: str):
+    """Where the prefill stores copies of the cache (counts of the new tokens,
+    after the `cached` ones), and each one's kind: the end of every segment
+    (system prompt, last user message) and of the prompt but its last token,
+    so a later request sharing that prefix (the next turn, a regenerated
+    answer) starts from it exactly. mode "end": none (only the answers)."""
+    if mode != "segments":
+        return (), {}
+    points, end = {}, 0
+    for segment, kind in zip(segments, kinds):
+        end += len(segment)
+        at = min(end, len(prompt) - 1) - cached
+        if at > 0:
+            points[at] = kind
+    return tuple(sorted(points)), points
 
-    return generate_step(*args, **kwargs)
+
+def _xtc_special(tokenizer) -> list:
+    return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
 
 
 # -- HTTP --------------------------------------------------------------------------------------
@@ -865,8 +911,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decodes; more get 503")
     p.add_argument("--decode-concurrency", type=int, default=32,
                    help="requests decoded together at most (one batch)")
-    # mlx_lm.server flags without effect here (prompts are prefilled one at a time)
-    p.add_argument("--prompt-concurrency", type=int, default=8, help=argparse.SUPPRESS)
+    p.add_argument("--prompt-concurrency", type=int, default=8,
+                   help="prompts prefilled together at most (requests arriving at once)")
+    # mlx_lm.server flags without effect here
     p.add_argument("--kv-group-size", type=int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--quantized-kv-start", type=int, default=0, help=argparse.SUPPRESS)
     # mlx_lm.server flags mlx_mtp refuses

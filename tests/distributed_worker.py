@@ -25,7 +25,7 @@ from mlx_mtp.loop import Request, decode_rows, make_batch
 
 def batch_tokens(model, prompts, n, depth, drafter):
     batch = make_batch(model, draft_tokens=depth, drafter=drafter)
-    requests = [Request(*batch.prepare(p, None, n, None)) for p in prompts]
+    requests = [batch.prepare(p, None, n, None) for p in prompts]
     got, accepted = [[] for _ in prompts], 0
     for i, t, _, _, from_draft in decode_rows(batch, requests, (), len(prompts)):
         got[i].append(t)

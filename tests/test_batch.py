@@ -29,7 +29,7 @@ def run_batch(model, ids, max_tokens, width, k, drafter=None, sampler=None, seed
     requests = []
     for i, p in enumerate(ids):
         seed = None if seeds is None else seeds[i]
-        requests.append(Request(*batch.prepare(p, None, max_tokens[i], seed)))
+        requests.append(batch.prepare(p, None, max_tokens[i], seed))
     got, reasons = [[] for _ in ids], [None] * len(ids)
     for i, t, _, reason, _ in decode_rows(batch, requests, stop, width):
         got[i].append(t)
@@ -127,18 +127,72 @@ def test_batch_generate_api(loaded):
         mlx_mtp.batch_generate(model, tok, ids, seeds=[1])
 
 
-def test_one_row_only_with_processors(loaded):
-    model, _, tok = loaded("dense")
+def test_processors_inside_a_batch(loaded):
+    """Rows with logits processors (mlx_lm's, on the host with the row's own
+    history) decode in one batch with rows without them: every row equals
+    mlx_lm decoding it alone with its own processors (greedy)."""
     from mlx_lm.sample_utils import make_logits_processors
-    batch = make_batch(model, draft_tokens=2,
-                       logits_processors=make_logits_processors(repetition_penalty=1.2))
-    ids = tok.encode(SHORT)
-    req = Request(*batch.prepare(ids, None, 4, None))
-    gen = decode_rows(batch, [req], [], 1)
-    next(gen)
-    with pytest.raises(ValueError, match="one row at a time"):
-        batch.prepare(ids, None, 4, None)
-    gen.close()
+
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    V = model.vocab_size
+
+    def count_up(tokens, logits):  # needs the exact history at every position
+        return logits.at[:, (tokens[-1] + 1) % V].add(30.0)
+
+    procs = [[count_up], None,
+             make_logits_processors(logit_bias={5: 12.0}, frequency_penalty=4.0), None]
+    want = [reference(ref_model, i, 14, processors=p) for i, p in zip(ids, procs)]
+    for r in (0, 2):  # the processors change the text
+        assert want[r] != reference(ref_model, ids[r], 14), r
+    for k in (0, 2, "auto"):
+        batch = make_batch(model, draft_tokens=k)
+        requests = [batch.prepare(i, None, 14, None, logits_processors=p)
+                    for i, p in zip(ids, procs)]
+        got = [[] for _ in ids]
+        for i, t, _, _, _ in decode_rows(batch, requests, (), 4):
+            got[i].append(t)
+        assert got == want, f"depth {k}"
+
+
+def test_mixed_samplers_in_one_batch(loaded):
+    """Greedy rows, rows sampling with different temperatures / top-p / min-p /
+    seeds and a row with a logit bias decode in ONE batch (one trunk forward
+    per cycle): greedy rows equal mlx_lm alone, sampled rows equal themselves
+    decoded alone with the same seed at the same fixed depth."""
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:6]]
+    samplers = [None, mlx_mtp.make_sampler(temp=0.7, top_p=0.9), None,
+                mlx_mtp.make_sampler(temp=1.0), mlx_mtp.make_sampler(temp=0.9, min_p=0.05),
+                None]
+    biases = [None, None, {5: 3.0, 7: -1.5}, None, None, None]
+    seeds = [None, 11, None, 12, 13, None]
+    from mlx_lm.sample_utils import make_logits_processors
+
+    for k in (1, 3):
+        alone = []
+        for i, s, b, seed in zip(ids, samplers, biases, seeds):
+            batch = make_batch(model, draft_tokens=k)
+            req = batch.prepare(i, None, 16, seed, sampler=s, logit_bias=b)
+            alone.append([t for _, t, _, _, _ in decode_rows(batch, [req], (), 1)])
+        batch = make_batch(model, draft_tokens=k)
+        requests = [batch.prepare(i, None, 16, seed, sampler=s, logit_bias=b)
+                    for i, s, b, seed in zip(ids, samplers, biases, seeds)]
+        got = [[] for _ in ids]
+        cycles = 0
+        for i, t, _, _, _ in decode_rows(batch, requests, (), 6):
+            got[i].append(t)
+        assert got == alone, f"depth {k}"
+        for r in (0, 5):  # greedy rows: mlx_lm's tokens
+            assert got[r] == reference(ref_model, ids[r], 16)
+        bias = make_logits_processors(logit_bias=biases[2])
+        assert got[2] == reference(ref_model, ids[2], 16, processors=bias)
+        assert len({tuple(got[r]) for r in (1, 3, 4)}) == 3
+    with pytest.raises(ValueError, match="share the batch"):
+        batch = make_batch(model, draft_tokens=1)
+        reqs = [batch.prepare(ids[0], None, 4, 1, sampler=mlx_mtp.make_sampler(1.0, top_k=5)),
+                batch.prepare(ids[1], None, 4, 2, sampler=mlx_mtp.make_sampler(1.0, top_k=9))]
+        list(decode_rows(batch, reqs, (), 2))
 
 
 def test_depth_learned_per_batch_size(loaded):

@@ -7,6 +7,7 @@ hiddens; nothing drafted or rejected), whatever ended the call: max_tokens in
 the middle of a cycle, EOS, a cycle queued past the stop.
 """
 
+import copy
 import sys
 
 import mlx.core as mx
@@ -30,18 +31,29 @@ def mlx_lm_turns(ref_model, turns, max_tokens=MAX_TOKENS, cache=None):
     return [reference(ref_model, t, m, prompt_cache=cache) for t, m in zip(turns, max_tokens)], cache
 
 
+def turns_ahead(ref_model, turns, max_tokens=MAX_TOKENS, extra=8):
+    """Each turn's continuation a few tokens past its max_tokens (an oracle
+    drafter's table: a cycle near the end may draft past max_tokens)."""
+    cache, out = make_prompt_cache(ref_model), []
+    for t, m in zip(turns, max_tokens):
+        out.append(reference(ref_model, t, m + extra, prompt_cache=copy.deepcopy(cache)))
+        reference(ref_model, t, m, prompt_cache=cache)
+    return out
+
+
 @pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe", "q4"])
 def test_multi_turn_greedy(loaded, name):
     model, ref_model, tok = loaded(name)
     turns = [tok.encode(t) for t in TURNS]
     want, _ = mlx_lm_turns(ref_model, turns)
+    ahead = turns_ahead(ref_model, turns)
     runs = [(k, 0.7) for k in (1, 2, 3, "auto")] + [(2, None), (3, 1.0)]
     for k, rate in runs:
         cache = model.make_cache()
         ref_cache = make_prompt_cache(ref_model)
         context = []
         for i, (t, m) in enumerate(zip(turns, MAX_TOKENS)):
-            drafter = OracleDrafter(want[i], rate, model.vocab_size, seed=i) if rate else None
+            drafter = OracleDrafter(ahead[i], rate, model.vocab_size, seed=i) if rate else None
             stats = MTPStats()
             got = mtp(model, t, k, m, prompt_cache=cache, drafter=drafter, stats=stats)
             assert got == want[i], f"{name} depth {k} oracle {rate}, turn {i}"
