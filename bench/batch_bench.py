@@ -45,6 +45,9 @@ def main(argv=None):
                    help="mlx_mtp depth settings to run, e.g. auto,0,1,2,3")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3,
+                   help="calls of each setting before the rounds (graphs traced; auto's "
+                        "controllers, kept on the model across calls, measure their depths)")
     p.add_argument("--json", default="bench/results/batch_bench.json")
     args = p.parse_args(argv)
 
@@ -59,7 +62,8 @@ def main(argv=None):
     depths = [d if d == "auto" else int(d) for d in args.depths.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"model {path}; BLAS {blas_in_use()}; max_tokens {args.max_tokens}; "
-          f"depths {args.depths}; rounds {args.rounds}", flush=True)
+          f"depths {args.depths}; {args.warmup} warm-up calls of each, then {args.rounds} "
+          "rounds", flush=True)
 
     def run_lm(prompts):
         t = time.perf_counter()
@@ -76,9 +80,10 @@ def main(argv=None):
     rows = []
     for B in sizes:
         prompts = [tok.encode(MORE_PROMPTS[i % len(MORE_PROMPTS)]) for i in range(B)]
-        run_lm(prompts)  # warm both (graph compiles, first-use allocations)
-        for depth in depths:
-            run_mtp(prompts, depth, [])
+        for _ in range(args.warmup):  # graph compiles, first-use allocations, auto's learning
+            run_lm(prompts)
+            for depth in depths:
+                run_mtp(prompts, depth, [])
         results = {d: dict(ratios=[], lm=[], mtp=[], stats=[], same=True) for d in depths}
         for _ in range(args.rounds):
             for depth in depths:

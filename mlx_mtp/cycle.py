@@ -702,6 +702,18 @@ def _take(dst, src):
         dst.cache = list(src.cache)
 
 
+def catch_up(spec: Spec, prompt_cache: list, ring=None):
+    """A prompt cache's head takes a ring's pairs (hiddens, tokens), oldest
+    first; the last hidden is then the ring's last (None without a ring: the
+    next call's first pair is skipped)."""
+    model = spec.model
+    n_trunk = len(model.is_linear)
+    if spec.use_head and ring is not None:
+        _head(model, ring[0], ring[1], head_caches(prompt_cache, n_trunk))
+    if len(prompt_cache) > n_trunk:
+        set_last_hidden(prompt_cache, None if ring is None else ring[0][:, -1:], model.is_linear)
+
+
 def feed(spec: Spec, prompt_cache: list, tokens: List[int], ring=None):
     """Feed tokens that were emitted but not fed (the end of a generation) to
     the prompt cache's trunk, after the head caught up on the ring's pairs

@@ -6,11 +6,15 @@ where a_j is the measured acceptance of draft j given drafts 1..j-1 were
 accepted, and cost(k) the measured seconds of a depth-k cycle (moving
 averages of both). k = 0 (plain decoding, head idle) is a candidate, so the
 controller never settles on drafting that does not pay. A neighbouring depth
-is probed now and then, and the controller switches only right after a probe,
-comparing the probe's own cycles with the current depth's cycles just before
-it: both fresh, so a machine whose speed drifts over minutes cannot make a
-stale measurement look cheap. A switch needs a clear predicted gain
-(hysteresis); probes that change nothing come ever more rarely.
+is probed now and then — and depth 0 too, every third probe, since the step
+from drafting to none is not a smooth one (no head runs at 0): a search of
+neighbours alone can settle on a depth that only beats its neighbours. The
+controller switches only right after a probe, comparing the probe's own
+cycles with the current depth's cycles just before it: both fresh, so a
+machine whose speed drifts over minutes cannot make a stale measurement look
+cheap. A switch needs a clear predicted gain (hysteresis); probes that change
+nothing come ever more rarely, and never more often than their measured cost
+allows (PROBE_BUDGET of the run's time).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Dict, List, Optional, Union
 
 class DepthController:
     PROBE_SAMPLES = 3  # cycles a probe measures (after its first), compared by their median
+    PROBE_BUDGET = 0.015  # probes that change nothing cost at most this share of the time
 
     def __init__(
         self,
@@ -54,10 +59,13 @@ class DepthController:
         self.since_probe = max(0, probe_every - 4)
         self._probing = self.k
         self._probe_left = 0
-        self._probe_side = -1
+        self._probe_side = 1  # the first probe looks shallower (plain decoding is cheap to try)
         self._keep_side = False
         self._probe_seen = False
         self._probe_costs: List[float] = []
+        self._probe_first = 0.0  # the cost of a probe's first cycle (the switch's)
+        self._probe_samples = self.PROBE_SAMPLES  # plain decoding, cheap, gets a longer look
+        self._probes = 0
 
     # -- model -----------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -107,6 +115,7 @@ class DepthController:
         if self._probe_left > 0 and k == self._probing:
             if not self._probe_seen:  # the switch's own cycle (e.g. the head catching
                 self._probe_seen = True  # up on plain steps) is no sample of the depth
+                self._probe_first = seconds
                 return
             self._probe_costs.append(seconds)
         n = self.cost_n.get(k, 0) + 1
@@ -125,34 +134,42 @@ class DepthController:
             # has min_samples new cost samples (they may arrive a cycle late, or be
             # skipped, e.g. a cycle that compiled its graph), a bounded number of times
             self._probe_left -= 1
-            if len(self._probe_costs) < self.PROBE_SAMPLES and self._probe_left > 0:
+            if len(self._probe_costs) < self._probe_samples and self._probe_left > 0:
                 return self._probing
             self._probe_left = 0
             self._decide()
             return self.k
         if self.cost_n.get(self.k, 0) < self.min_samples:  # measure the current depth
             return self.k
-        if self.since_probe >= self.interval:  # try a neighbour
+        if self.since_probe >= self.interval:  # try a neighbour, or plain decoding
             self.since_probe = 0
+            self._probes += 1
             if not self._keep_side:
                 self._probe_side = -self._probe_side
             if self.k > 0 and self.accept[self.k - 1] < 0.5:
                 self._probe_side = -1  # drafts at depth k mostly fail: look shallower
-            for cand in (self.k + self._probe_side, self.k - self._probe_side):
+            cands = (self.k + self._probe_side, self.k - self._probe_side)
+            if self.k > 1 and self._probes % 3 == 0 and not self._keep_side:
+                cands = (0,)
+            for cand in cands:
                 if 0 <= cand <= self.max_depth:
                     self._probing, self._probe_left = cand, 2 * self.PROBE_SAMPLES + 2
                     self._probe_costs, self._probe_seen = [], False
+                    self._probe_samples = self.PROBE_SAMPLES + (2 if cand == 0 else 0)
                     return cand
         return self.k
 
     def _decide(self):
         """After a probe: switch to the probed depth if it is clearly faster,
         its cost from the probe's cycles alone, the current depth's from its
-        moving average (the cycles just before the probe)."""
+        moving average (the cycles just before the probe). Shallower only
+        needs to be no slower: on a tie, less drafting is less work (room for
+        more rows, less heat) and less exposed to a noisy measurement."""
         j, samples = self._probing, sorted(self._probe_costs)
         t_cur = self.throughput(self.k)
         t_new = self.expected_tokens(j) / samples[len(samples) // 2] if samples else None
-        switch = t_new is not None and t_cur is not None and t_new > t_cur * (1 + self.hysteresis)
+        margin = self.hysteresis if j > self.k else 0.0
+        switch = t_new is not None and t_cur is not None and t_new > t_cur * (1 + margin)
         if self.agree(int(switch)):
             self._probe_side = 1 if j > self.k else -1  # it paid: look further that way
             self._keep_side = True
@@ -160,4 +177,17 @@ class DepthController:
             self.interval = self.probe_every
         else:
             self._keep_side = False
-            self.interval = min(2 * self.interval, self.max_interval)
+            self.interval = max(min(2 * self.interval, self.max_interval), self._spacing(samples))
+
+    def _spacing(self, samples: List[float]) -> int:
+        """Cycles between probes for this one's cost (its cycles beyond what
+        the current depth would have taken, tokens considered) to stay within
+        PROBE_BUDGET of the time."""
+        cur = self.estimated_cost(self.k)
+        if not cur or not samples:
+            return 0
+        e_cur, e_new = self.expected_tokens(self.k), self.expected_tokens(self._probing)
+        spent = self._probe_first + sum(samples)
+        # the same tokens at the current depth would have cost
+        worth = (1 + len(samples)) * e_new / e_cur * cur
+        return int(max(0.0, spent - worth) / (self.PROBE_BUDGET * cur))

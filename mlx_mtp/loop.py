@@ -41,7 +41,8 @@ from mlx_lm.models.cache import KVCache
 from . import checks
 from .cache import (MTPCache, cache_length, check_prompt_cache, fill_empty, head_caches,
                     set_last_hidden)
-from .cycle import RING, DecodeState, Graphs, Spec, feed, init_ring, prefill, ring_order, unpack
+from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, prefill,
+                    ring_order, unpack)
 from .depth import DepthController
 from .distributed import agree, first_stage
 from .sampling import Filters, MTPSampler, RowSampling, is_greedy, row_arrays
@@ -522,9 +523,13 @@ class Batch:
         self._tic = time.perf_counter()  # the next cost sample starts here, not in the prefill
         return rows
 
-    def finish(self, row: Row):
+    def finish(self, row: Row, feed_tail: bool = True):
         """The row leaves: its prompt cache gets the state at its finishing
-        point (the tokens the caller used), then it is removed from the batch."""
+        point (the tokens the caller used), then it is removed from the batch.
+        feed_tail=False (the server's prefix cache, as mlx_lm.server keeps
+        it): the cache keeps the state before the row's last read cycle as it
+        is, without the tokens emitted since (no trunk forward when a row
+        leaves); `cache_length` of its prompt cache says how far it goes."""
         if row.done:
             return
         row.done = True
@@ -534,7 +539,8 @@ class Batch:
             state = before.take_rows([i])
             state = state.replace(cache=state.cache.with_buffers_of(
                 self.state.cache.take_rows(mx.array([index], dtype=mx.int32))))
-            _finish(self.spec, row.prompt_cache, state, lens, [y] + tokens[:row.used])
+            _finish(self.spec, row.prompt_cache, state, lens,
+                    [y] + tokens[:row.used] if feed_tail else [])
         self.rows.pop(index)
         keep = [i for i in range(len(self.rows) + 1) if i != index]
         self.state = self.state.take_rows(keep) if self.rows else None
@@ -682,12 +688,17 @@ def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthControll
     bucket = 1 << max(0, batch_size - 1).bit_length()
     key = (max_depth, spec.speculative,
            None if spec.draft_vocab is None else spec.draft_vocab.size, bucket)
-    ctl = spec.model.runtime.controllers.get(key)
+    controllers = spec.model.runtime.controllers
+    ctl = controllers.get(key)
     if ctl is None:
         # sharded: every rank switches depth when rank 0 does (timings differ by rank)
         agreed = None if spec.group is None else (lambda v: agree(v, spec.group))
-        ctl = spec.model.runtime.controllers[key] = DepthController(max_depth=max_depth,
-                                                                    agree=agreed)
+        # a verify costs more at a larger batch: start no deeper than the
+        # largest smaller size settled on
+        smaller = [c.k for other, c in controllers.items()
+                   if other[:-1] == key[:-1] and other[-1] < bucket]
+        ctl = controllers[key] = DepthController(
+            max_depth=max_depth, agree=agreed, initial=min([1] + smaller[-1:]))
     return ctl
 
 
@@ -739,12 +750,16 @@ def _detach(prompt_cache: list, n_trunk: int, use_head: bool):
 
 def _finish(spec: Spec, prompt_cache: list, state: DecodeState, lens: Lengths, tail: List[int]):
     """Write a row's state at its finishing point back into its prompt cache,
-    and feed the tokens it had emitted up to there (the last one used included)."""
+    and feed the tokens it had emitted up to there (the last one used
+    included), or none (tail empty)."""
     n_trunk = len(spec.model.is_linear)
     state.cache.write_back(prompt_cache, n_trunk, lens.trunk, lens.head)
     ring = None
     if spec.use_head and lens.ring:
         order = ring_order(lens.ring)
         ring = (state.ring_h[:, order], state.ring_tok[:, order])
-    feed(spec, prompt_cache, tail, ring)
+    if tail:
+        feed(spec, prompt_cache, tail, ring)
+    else:  # the head catches up; the ring's last hidden is the trunk's last one
+        catch_up(spec, prompt_cache, ring)
     mx.eval([c.state for c in prompt_cache])

@@ -66,6 +66,7 @@ from .distributed import sharded_load
 from .load import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
+from .cache import cache_length
 from .loop import MTPStats
 from .sampling import RowSampling, make_sampler
 
@@ -243,8 +244,11 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                            kind="server_error")
         mp = self.model_provider
         try:
-            prompt = self._tokenize(mp.tokenizer, request, SimpleNamespace(
-                chat_template_kwargs=chat_template_kwargs))[0]
+            # kept on the request: the generation thread then does not render it again
+            request.mtp_tokenized = self._tokenize(mp.tokenizer, request, SimpleNamespace(
+                chat_template_kwargs=chat_template_kwargs))
+            request.mtp_kwargs = chat_template_kwargs
+            prompt = request.mtp_tokenized[0]
         except ApiError:
             raise
         except Exception as e:  # the chat template refused the messages
@@ -478,7 +482,10 @@ class _Lane:
         """One request's Request (for Batch.add) and its row state."""
         gen, mp = self.gen, self.gen.model_provider
         model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
-        prompt, segments, kinds, initial_state, _ = gen._tokenize(tokenizer, request, args)
+        tokenized = getattr(request, "mtp_tokenized", None)
+        if tokenized is None or args.chat_template_kwargs != getattr(request, "mtp_kwargs", None):
+            tokenized = gen._tokenize(tokenizer, request, args)
+        prompt, segments, kinds, initial_state, _ = tokenized
         stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
         # an exact stored prefix (GDN states cannot be cut back), leaving at
         # least the last prompt token to run
@@ -550,11 +557,13 @@ class _Lane:
             return False
         row.used = used
         del self.rows[row]
-        with mx.stream(generation_stream):
-            self.batch.finish(row)  # writes the row's prompt cache back
         state.rqueue.put(None)
-        self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key, state.key_tokens,
-                                           state.cache)
+        with mx.stream(generation_stream):  # the row's prompt cache written back as
+            self.batch.finish(row, feed_tail=False)  # it stands, no forward (mlx_lm.server's way)
+        model = self.gen.model_provider.model
+        held = cache_length(state.cache, model.is_linear)
+        self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
+                                           state.key_tokens[:held], state.cache)
         return True
 
     @staticmethod

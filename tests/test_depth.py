@@ -57,3 +57,23 @@ def test_expected_tokens_formula():
     ctl.accept = [0.5, 0.5, 0.5]
     assert ctl.expected_tokens(0) == 1.0
     assert ctl.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
+
+
+def test_plain_decoding_found_beyond_the_neighbours():
+    """Where drafting at any depth costs a jump over plain decoding (the head
+    runs at all), depth 2 can beat its neighbours 1 and 3 while 0 beats it:
+    the controller still finds 0 (it probes it directly)."""
+    def cost(t):  # verify of t tokens: a head's fixed cost once drafting
+        return 1.0 if t == 1 else 1.6 + 0.3 * t
+
+    ctl, got, best = simulate([0.75, 0.7, 0.5, 0.4], cost, 0.15, cycles=1500)
+    assert ctl.k == 0
+    assert got >= 0.9 * best
+
+
+def test_probes_cost_at_most_the_budget():
+    """Once settled, probes that change nothing take about PROBE_BUDGET of the time."""
+    ctl, got, best = simulate([0.5, 0.3, 0.2, 0.1], lambda t: 1.0 if t == 1 else 2.5 + 0.3 * t,
+                              0.3, cycles=6000)
+    assert ctl.k == 0
+    assert got >= 0.97 * best
