@@ -14,8 +14,11 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import params
+
 # Request fields we act on, and those a client may send that do not change
-# the output (accepted, ignored); anything else is refused.
+# the output (accepted, ignored); anything else is refused. The numeric ones
+# (max_tokens, temperature, top_p, top_k) are made from the table in params.py.
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p",
           "top_k", "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier",
           "cache_control", "container", "diagnostics", "inference_geo", "output_config", "speed",
@@ -25,17 +28,14 @@ REQUEST_SCHEMA = {
     "type": "object",
     "required": ["model", "messages", "max_tokens"],
     "properties": {
+        **params.schema("anthropic"),
         "model": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"],
             "properties": {"role": {"enum": ["user", "assistant"]},
                            "content": {"type": ["string", "array"]}}}},
         "system": {"type": ["string", "array"]},
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
-        "temperature": {"type": "number", "minimum": 0},
-        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": 0},
         "stream": {"type": "boolean"},
         "tools": {"type": "array", "items": {"type": "object", "required": ["name"]}},
         "thinking": {"type": "object"},

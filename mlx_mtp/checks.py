@@ -1,7 +1,9 @@
 """Argument checks shared by the API, the CLI, the loader and the server.
 
 Each raises ValueError (or TypeError for a wrong type) with one message that
-names the argument, the value and what is allowed. Token ids are checked on
+names the argument, the value and what is allowed. The ranges are the table's
+in params.py (`check(name, value)`; integer and number come from there too):
+the functions here apply it and add what needs the model. Token ids are checked on
 the host where they already are (the prompt, a logit bias, a sampler's
 output): MLX's gather does no bounds check, so an id past the vocabulary
 would read arbitrary memory.
@@ -12,48 +14,32 @@ from __future__ import annotations
 import warnings
 from typing import Any, Iterable, Optional, Union
 
-MAX_DEPTH = 16  # draft_tokens above this only cost time
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def integer(name: str, v: Any, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
-    if not _is_int(v):
-        raise TypeError(f"{name} must be an integer, not {v!r}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        span = f"at least {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ValueError(f"{name} must be {span}, not {v}")
-    return v
-
-
-def number(name: str, v: Any, lo: Optional[float] = None, hi: Optional[float] = None) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        raise TypeError(f"{name} must be a number, not {v!r}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        span = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {span}, not {v}")
-    return float(v)
+from .params import MAX_DEPTH, _is_int, check, integer, number  # noqa: F401 (re-exported)
 
 
 def max_tokens(v: Any) -> int:
-    """An int >= 0, or -1 for no limit (mlx_lm's convention)."""
-    if _is_int(v) and v == -1:
+    """max_tokens for generate_step: the table's (at least 1, or -1 for no
+    limit), or 0: the prompt is only prefilled into the prompt cache."""
+    if _is_int(v) and v == 0:
         return v
-    return integer("max_tokens", v, lo=0)
+    return check("max_tokens", v)
 
 
 def depth(v: Any, name: str = "draft_tokens") -> Union[int, str]:
-    """An int in 0..MAX_DEPTH, or 'auto'."""
-    if v == "auto":
-        return v
+    """The draft depth: an int in 0..MAX_DEPTH, or 'auto' (a string of digits
+    is read as its int)."""
     if isinstance(v, str) and v.isdigit():
         v = int(v)
-    if not _is_int(v):
-        raise TypeError(f"{name} must be an integer in 0..{MAX_DEPTH} or 'auto', not {v!r}")
-    if not 0 <= v <= MAX_DEPTH:
-        raise ValueError(f"{name} must be in 0..{MAX_DEPTH} or 'auto', not {v}")
+    return check("draft_tokens", v, name)
+
+
+def top_k(v: int, vocab_size: int, name: str = "top_k") -> int:
+    """top_k below the vocabulary size, which mlx_lm's sampler needs (the
+    table's check, which does not know the model, comes first)."""
+    check("top_k", v, name)
+    if v >= vocab_size:
+        raise ValueError(f"{name} must be in 0..{vocab_size - 1} (the model's vocabulary has "
+                         f"{vocab_size} tokens), not {v}")
     return v
 
 
@@ -94,16 +80,13 @@ def logit_bias(bias: Any, vocab_size: int) -> Optional[dict]:
 
 def sampling(temp=0.0, top_p=0.0, min_p=0.0, min_tokens_to_keep=1, top_k=0,
              xtc_probability=0.0, xtc_threshold=0.1, draft_temp=None):
-    """mlx_lm's sampler settings in their valid ranges (top_p 0 means off)."""
-    number("temp", temp, lo=0)
-    number("top_p", top_p, lo=0, hi=1)
-    number("min_p", min_p, lo=0, hi=1)
-    integer("min_tokens_to_keep", min_tokens_to_keep, lo=1)
-    integer("top_k", top_k, lo=0)
-    number("xtc_probability", xtc_probability, lo=0, hi=1)
-    number("xtc_threshold", xtc_threshold, lo=0, hi=0.5)
+    """mlx_lm's sampler settings in the table's ranges (top_p 0 means off)."""
+    for name, v in (("temp", temp), ("top_p", top_p), ("min_p", min_p),
+                    ("min_tokens_to_keep", min_tokens_to_keep), ("top_k", top_k),
+                    ("xtc_probability", xtc_probability), ("xtc_threshold", xtc_threshold)):
+        check(name, v)
     if draft_temp is not None:
-        number("draft_temp", draft_temp, lo=0)
+        check("draft_temp", draft_temp)
 
 
 _warned_context = set()

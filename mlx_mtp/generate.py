@@ -18,7 +18,7 @@ from mlx_lm.generate import (BatchResponse, BatchStats, GenerationResponse, gene
                              wired_limit)
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import checks
+from . import checks, params
 from .loop import MTPStats, Request, decode_rows, generate_tokens, make_batch
 from .sampling import RowSampling
 
@@ -250,7 +250,7 @@ def batch_generate(
                          ("logits_processors", processors)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
-    checks.integer("completion_batch_size", completion_batch_size, lo=1)
+    checks.check("completion_batch_size", completion_batch_size)
     opaque = [s for s in samplers if s is not None and RowSampling.of(s) is None]
     if opaque and any(s is not opaque[0] for s in samplers):
         raise ValueError("a sampler other than greedy or mlx_mtp.make_sampler's is shared by "
@@ -324,43 +324,26 @@ def print_stats(response: MTPGenerationResponse, model=None, file=None):
 DEFAULT_PROMPT = "def fibonacci(n):"
 
 
-def _arg(check, parse=None):
-    """An argparse type from a check: argparse prints its message and exits 2."""
-    def convert(text):
-        try:
-            return check(parse(text) if parse else text)
-        except (TypeError, ValueError) as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return convert
-
-
-def _number(name, lo=None, hi=None):
-    return _arg(lambda v: checks.number(name, v, lo, hi), float)
-
-
-def _integer(name, lo=None, hi=None):
-    return _arg(lambda v: checks.integer(name, v, lo, hi), int)
-
-
 def _json_object(name):
+    """An argparse type: a JSON object (argparse prints the message, exits 2)."""
     def parse(text):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON ({e.msg} at character {e.pos})") from None
+            raise argparse.ArgumentTypeError(
+                f"{name} is not valid JSON ({e.msg} at character {e.pos})") from None
         if not isinstance(value, dict):
-            raise ValueError(f"{name} must be a JSON object")
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object")
         return value
-    return _arg(lambda v: v, parse)
-
-
-def _max_tokens(v: int) -> int:
-    if v == 0:
-        raise ValueError("max_tokens must be at least 1, or -1 for no limit")
-    return checks.max_tokens(v)
+    return parse
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
+    """mlx_lm.generate's flags (same names and defaults but --top-p's 0, also
+    off, and --verbose off), plus the MTP ones; the numeric ones are
+    range-checked by the table in params.py (a bad value: one `error:` line,
+    exit 2)."""
+    flag = params.flag
     p = argparse.ArgumentParser(
         prog="python -m mlx_mtp.generate",
         description="Generate text with MTP speculative decoding (exact; same output as mlx_lm).",
@@ -370,17 +353,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", type=str, default=DEFAULT_PROMPT,
                    help="Message to the model ('-' reads stdin)")
     p.add_argument("--system-prompt", type=str, default=None)
-    p.add_argument("--max-tokens", "-m", type=_arg(_max_tokens, int), default=100,
+    p.add_argument("--max-tokens", "-m", type=flag("max_tokens"), default=100,
                    help="tokens to generate (-1: no limit)")
-    p.add_argument("--draft-tokens", "--num-draft-tokens", type=_arg(checks.depth), default="auto",
+    p.add_argument("--draft-tokens", "--num-draft-tokens", type=flag("draft_tokens"),
+                   default="auto",
                    help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
                         "measured acceptance and cost, 0 (plain decoding) included")
     p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
                    help="A folder holding the model's MTP head, drafted with instead of the "
                         "checkpoint's own (mlx-vlm's split drafter, or mtp.* safetensors with "
                         "their config). A separate draft model is refused: the head drafts")
-    p.add_argument("--max-draft-tokens", type=_integer("max_draft_tokens", 1, checks.MAX_DEPTH),
-                   default=4, help="largest depth 'auto' tries")
+    p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"), default=4,
+                   help="largest depth 'auto' tries")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers over the ranks (pipeline "
                         "parallel) instead of sharding each layer (tensor parallel)")
@@ -389,26 +373,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=str, default=None,
                    help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
                         "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
-    p.add_argument("--temp", type=_number("temp", 0), default=0.0, help="Sampling temperature")
-    p.add_argument("--top-p", type=_number("top_p", 0, 1), default=0.0)
-    p.add_argument("--min-p", type=_number("min_p", 0, 1), default=0.0)
-    p.add_argument("--top-k", type=_integer("top_k", 0), default=0)
-    p.add_argument("--min-tokens-to-keep", type=_integer("min_tokens_to_keep", 1), default=1)
-    p.add_argument("--repetition-penalty", type=_number("repetition_penalty", 0), default=None)
-    p.add_argument("--repetition-context-size", type=_integer("repetition_context_size", 0),
+    p.add_argument("--temp", type=flag("temp"), default=0.0, help="Sampling temperature")
+    p.add_argument("--top-p", type=flag("top_p"), default=0.0)
+    p.add_argument("--min-p", type=flag("min_p"), default=0.0)
+    p.add_argument("--top-k", type=flag("top_k"), default=0)
+    p.add_argument("--min-tokens-to-keep", type=flag("min_tokens_to_keep"), default=1)
+    p.add_argument("--repetition-penalty", type=flag("repetition_penalty"), default=None)
+    p.add_argument("--repetition-context-size", type=flag("repetition_context_size"),
                    default=20)
     p.add_argument("--logit-bias", type=_json_object("--logit-bias"), default=None,
                    help='JSON object of token id -> additive bias, e.g. \'{"13": -5}\'')
-    p.add_argument("--draft-temp", type=_number("draft_temp", 0), default=None,
+    p.add_argument("--draft-temp", type=flag("draft_temp"), default=None,
                    help="Temperature the MTP head drafts at when sampling (default: --temp; "
                         "0: greedy drafts). Any value keeps the output exact")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=flag("seed"), default=None,
                    help="Seed of mx.random: the same seed gives the same output")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--chat-template-config", type=_json_object("--chat-template-config"),
                    default=None, help="JSON of extra chat-template arguments")
     p.add_argument("--extra-eos-token", type=str, nargs="+", default=())
-    p.add_argument("--prefill-step-size", type=_integer("prefill_step_size", 1), default=2048)
+    p.add_argument("--prefill-step-size", type=flag("prefill_step_size"), default=2048)
     p.add_argument("--prompt-cache-file", type=str, default=None,
                    help="A prompt cache from mlx_lm.cache_prompt (or save_prompt_cache): "
                         "the prompt continues after the cached one")
@@ -506,6 +490,7 @@ def main(argv=None):
             for eos in args.extra_eos_token:
                 tokenizer.add_eos_token(eos)
             prompt = build_prompt(tokenizer, args, using_cache=prompt_cache is not None)
+            checks.top_k(args.top_k, model.vocab_size)
             sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
                                    top_k=args.top_k, draft_temp=args.draft_temp)
             processors = make_logits_processors(checks.logit_bias(args.logit_bias, model.vocab_size),

@@ -35,6 +35,7 @@ import _thread
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import io
 import itertools
@@ -61,7 +62,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import _parse_size
 
-from . import anthropic
+from . import anthropic, params
 from .distributed import sharded_load
 from .load import CheckpointError, load
 from . import checks
@@ -76,34 +77,18 @@ MAX_BODY = 64 << 20  # bytes
 SHARDED_TICK_CYCLES = 4
 
 # -- request schemas: the fields mlx_lm.server reads, and OpenAI fields a client
-# may send that do not change the output here; anything else is refused
+# may send that do not change the output here; anything else is refused. The
+# numeric ones (ranges, 'auto', null) are made from the table in params.py.
 _NUMBER = {"type": "number"}
 _COMMON = {
+    **params.schema("openai"),
     "model": {"type": "string"},
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0},
-    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
     "stream": {"type": "boolean"},
     "stream_options": {"type": ["object", "null"],
                        "properties": {"include_usage": {"type": "boolean"}}},
     "stop": {"type": ["string", "array", "null"], "items": {"type": "string"}},
-    "seed": {"type": ["integer", "null"]},
     "logit_bias": {"type": ["object", "null"], "additionalProperties": _NUMBER},
     "logprobs": {"type": "boolean"},
-    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 11},
-    "repetition_penalty": {"type": "number", "minimum": 0},
-    "repetition_context_size": {"type": "integer", "minimum": 0},
-    "presence_penalty": _NUMBER,
-    "presence_context_size": {"type": "integer", "minimum": 0},
-    "frequency_penalty": _NUMBER,
-    "frequency_context_size": {"type": "integer", "minimum": 0},
-    "xtc_probability": {"type": "number", "minimum": 0, "maximum": 1},
-    "xtc_threshold": {"type": "number", "minimum": 0, "maximum": 1},
-    "num_draft_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"const": "auto"},
-                                   {"type": "null"}]},
     "n": {"const": 1},
     "user": {"type": "string"},
     "metadata": {}, "store": {}, "service_tier": {},
@@ -160,6 +145,21 @@ def _schema_error(e: jsonschema.ValidationError) -> ApiError:
         return ApiError(400, f"unknown field {where!r}", param=where)
     message = e.message if where is None else f"{where}: {e.message}"
     return ApiError(400, message, param=where)
+
+
+def validate(body: dict, schema: dict, surface: str):
+    """The request body against its JSON schema (jsonschema); a field of the
+    parameter table (params.py) is refused in the table's words (name, value,
+    what is allowed). surface: "openai" or "anthropic"."""
+    error = jsonschema.exceptions.best_match(params.Validator(schema).iter_errors(body))
+    if error is None:
+        return params.coerce(surface, body)
+    path = list(error.absolute_path)
+    if path and isinstance(path[0], str):
+        message = params.refusal(surface, path[0], body.get(path[0]))
+        if message is not None:
+            raise ApiError(400, message, param=path[0])
+    raise _schema_error(error)
 
 
 # -- model -----------------------------------------------------------------------------------
@@ -660,27 +660,20 @@ class MTPAPIHandler(lm_server.APIHandler):
             raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
         self.raw_body = self.rfile.read(length)
         try:
-            body = json.loads(self.raw_body.decode())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(self.raw_body.decode(), parse_constant=_not_json)
+        except (ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
             raise ApiError(400, f"invalid JSON in the request body: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
     def _check(self, body: dict, schema: dict):
-        try:
-            jsonschema.validate(body, schema)
-        except jsonschema.ValidationError as e:
-            raise _schema_error(e) from None
+        validate(body, schema, "openai")
         rg = self.response_generator
         if not rg.model_provider.serves(body.get("model")):
             raise ApiError(404, f"the model {body.get('model')!r} is not served here (serving "
                                 f"{rg.model_provider.served_id!r})", code="model_not_found")
-        limit = rg.cli_args.max_tokens_limit
-        for name in ("max_tokens", "max_completion_tokens"):
-            if body.get(name, 0) > limit:
-                raise ApiError(400, f"{name} must be at most {limit} (--max-tokens-limit)",
-                               param=name)
+        self._check_limits(body, ("max_tokens", "max_completion_tokens"))
         try:
             checks.logit_bias(body.get("logit_bias"), rg.model_provider.model.vocab_size)
         except (TypeError, ValueError) as e:
@@ -688,6 +681,21 @@ class MTPAPIHandler(lm_server.APIHandler):
         for m in body.get("messages", ()):
             if m["role"] == "developer":  # OpenAI's newer name for the system role
                 m["role"] = "system"
+
+    def _check_limits(self, body: dict, token_fields):
+        """What the table cannot know: max_tokens against --max-tokens-limit,
+        top_k against the model's vocabulary."""
+        rg = self.response_generator
+        limit = rg.cli_args.max_tokens_limit
+        for name in token_fields:
+            if body.get(name, 0) > limit:
+                raise ApiError(400, f"{name} must be in 1..{limit} (--max-tokens-limit), not "
+                                    f"{body[name]}", param=name)
+        if body.get("top_k") is not None:
+            try:
+                checks.top_k(body["top_k"], rg.model_provider.model.vocab_size)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="top_k") from None
 
     # -- routes -------------------------------------------------------------------------------
     def do_POST(self):
@@ -777,21 +785,17 @@ class MTPAPIHandler(lm_server.APIHandler):
         schema = anthropic.REQUEST_SCHEMA
         if count_only:  # count_tokens: no max_tokens
             schema = dict(schema, required=["model", "messages"])
-        try:
-            jsonschema.validate(body, schema)
-        except jsonschema.ValidationError as e:
-            raise _schema_error(e) from None
+        validate(body, schema, "anthropic")
         if not rg.model_provider.serves(body["model"]):
             raise ApiError(404, f"the model {body['model']!r} is not served here",
                            code="model_not_found")
+        self._check_limits(body, ("max_tokens",))
         try:
             messages, tools, stop_words, template_args = anthropic.to_chat(body)
         except anthropic.RequestError as e:
             raise ApiError(400, str(e)) from None
         request = lm_server.CompletionRequest("chat", "", messages, tools, None)
         max_tokens = body.get("max_tokens", 1)
-        if max_tokens > cli.max_tokens_limit:
-            raise ApiError(400, f"max_tokens must be at most {cli.max_tokens_limit}")
         prompt = rg.preflight(request, template_args, max_tokens)
         if count_only:
             return self._send_json(200, {"input_tokens": len(prompt)})
@@ -858,6 +862,11 @@ class MTPAPIHandler(lm_server.APIHandler):
             self._send_json(200, msg.response())
 
 
+def _not_json(name: str):
+    """json.loads' parse_constant: NaN and Infinity are not JSON (RFC 8259)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -875,20 +884,25 @@ REFUSED = {"adapter_path": "--adapter-path (adapters)", "kv_bits": "--kv-bits (a
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """mlx_lm.server's flags (same names and defaults), plus the MTP ones."""
+    """mlx_lm.server's flags (same names and defaults), plus the MTP ones; the
+    numeric ones are range-checked by the table in params.py (a bad value:
+    one `error:` line, exit 2). See also `parse_args`."""
+    flag = functools.partial(params.flag, surface="server")
     p = argparse.ArgumentParser(prog="python -m mlx_mtp.server",
                                 description="OpenAI/Anthropic-compatible server with MTP decoding")
     p.add_argument("--model", type=str, default=None,
                    help="model folder or Hugging Face repo (default: the embedded demo model)")
     p.add_argument("--host", type=str, default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=flag("port"), default=8080)
     p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
                    help="comma-separated CORS origins (default: *)")
     p.add_argument("--api-key", type=str, default=None,
                    help="require 'Authorization: Bearer KEY' (or x-api-key) on every request")
-    p.add_argument("--draft-tokens", "--num-draft-tokens", dest="draft_tokens", type=parse_depth,
-                   default="auto", help="MTP draft depth, or 'auto' (default)")
-    p.add_argument("--max-draft-tokens", type=int, default=4, help="largest depth 'auto' tries")
+    p.add_argument("--draft-tokens", "--num-draft-tokens", dest="draft_tokens",
+                   type=flag("draft_tokens"), default="auto",
+                   help="MTP draft depth, or 'auto' (default)")
+    p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"), default=4,
+                   help="largest depth 'auto' tries")
     p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
                    help="a folder holding an MTP head for a trunk without one (mlx-vlm's "
                         "split drafter, or mtp.* files with their config)")
@@ -897,28 +911,28 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     p.add_argument("--chat-template", type=str, default="")
     p.add_argument("--use-default-chat-template", action="store_true")
-    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=512,
+    p.add_argument("--temp", type=flag("temp"), default=0.0, help="default sampling temperature")
+    p.add_argument("--top-p", type=flag("top_p"), default=1.0)
+    p.add_argument("--top-k", type=flag("top_k"), default=0)
+    p.add_argument("--min-p", type=flag("min_p"), default=0.0)
+    p.add_argument("--max-tokens", type=flag("max_tokens"), default=512,
                    help="tokens to generate when a request does not say")
-    p.add_argument("--max-tokens-limit", type=int, default=32768,
+    p.add_argument("--max-tokens-limit", type=flag("max_tokens_limit"), default=32768,
                    help="the most tokens a request may ask for")
     p.add_argument("--chat-template-args", type=json.loads, default="{}",
                    help="JSON of chat template arguments, e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--prompt-cache-size", type=int, default=10,
+    p.add_argument("--prefill-step-size", type=flag("prefill_step_size"), default=2048)
+    p.add_argument("--prompt-cache-size", type=flag("prompt_cache_size"), default=10,
                    help="prompt cache entries kept (least recently used dropped first)")
     p.add_argument("--prompt-cache-bytes", type=_parse_size, default=None,
                    help="prompt cache size limit, e.g. 8GB")
     p.add_argument("--prompt-snapshots", choices=["segments", "end"], default="segments",
                    help="cache snapshots at message boundaries too (default), or only after "
                         "each answer")
-    p.add_argument("--max-queued-requests", type=int, default=32,
+    p.add_argument("--max-queued-requests", type=flag("max_queued_requests"), default=32,
                    help="requests that may wait while a full batch (--decode-concurrency) "
                         "decodes; more get 503")
-    p.add_argument("--decode-concurrency", type=int, default=32,
+    p.add_argument("--decode-concurrency", type=flag("decode_concurrency"), default=32,
                    help="requests decoded together at most (one batch)")
     p.add_argument("--prompt-concurrency", type=int, default=8,
                    help="prompts prefilled together at most (requests arriving at once)")
@@ -956,8 +970,19 @@ def _follow(signum, frame):
 RANK_GRACE_S = 30
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, each in its range (build_parser), and --max-tokens within
+    --max-tokens-limit: a mistake is one `error:` line and exit 2."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.max_tokens > args.max_tokens_limit:
+        p.error(f"--max-tokens ({args.max_tokens}) must be at most --max-tokens-limit "
+                f"({args.max_tokens_limit})")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     group = mx.distributed.init()
     rank = group.rank() if group.size() > 1 else None  # under mlx.launch
     where = "" if rank is None else f"rank {rank}: "
@@ -967,9 +992,6 @@ def main(argv=None) -> int:
         if getattr(args, name):
             print(f"error: mlx_mtp.server does not support {what}", file=sys.stderr)
             return 2
-    if args.max_tokens < 1 or args.max_tokens > args.max_tokens_limit:
-        print("error: --max-tokens must be in 1..--max-tokens-limit", file=sys.stderr)
-        return 2
     if args.pipeline and rank is None:
         logging.warning("--pipeline splits a model over mlx.launch ranks; in one process it "
                         "has no effect")
@@ -991,6 +1013,11 @@ def main(argv=None) -> int:
             raise
         print(f"error: {where}{e}", file=sys.stderr)
         return _exit(1)
+    try:  # the default top_k, against the vocabulary (requests' are checked as they come)
+        checks.top_k(args.top_k, provider.model.vocab_size, "--top-k")
+    except ValueError as e:
+        print(f"error: {where}{e}", file=sys.stderr)
+        return _exit(2)
     cache = LRUPromptCache(args.prompt_cache_size, args.prompt_cache_bytes or 1 << 62)
     # (SIGINT is ignored in background jobs: set it, like SIGTERM, before the
     # generation thread starts, so no signal finds the process unprepared)

@@ -45,7 +45,7 @@ CLI_CASES = [  # (arguments, stdin, exit code, words the message must contain)
     (["--chat-template-config", "{bad"], None, 2, ["--chat-template-config", "JSON"]),
     (["--min-p", "2"], None, 2, ["min_p", "[0, 1]"]),
     (["--top-p", "2"], None, 2, ["top_p", "[0, 1]"]),
-    (["--temp", "-1"], None, 2, ["temp", "at least 0"]),
+    (["--temp", "-1"], None, 2, ["temp", "[0, 100]"]),
     (["--draft-temp", "-1"], None, 2, ["draft_temp"]),
     (["--prefill-step-size", "0"], None, 2, ["prefill_step_size"]),
     (["--draft-tokens", "99"], None, 2, ["draft_tokens", "0..16"]),
