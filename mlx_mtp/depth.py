@@ -13,8 +13,10 @@ controller switches only right after a probe, comparing the probe's own
 cycles with the current depth's cycles just before it: both fresh, so a
 machine whose speed drifts over minutes cannot make a stale measurement look
 cheap. A switch needs a clear predicted gain (hysteresis); probes that change
-nothing come ever more rarely, and never more often than their measured cost
-allows (PROBE_BUDGET of the run's time).
+nothing come ever more rarely, and a depth whose probe changed nothing is
+not probed again sooner than its measured cost allows (PROBE_BUDGET of the
+run's time per depth; a costly look at plain decoding does not delay a
+cheap look deeper).
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class DepthController:
         self._probe_first = 0.0  # the cost of a probe's first cycle (the switch's)
         self._probe_samples = self.PROBE_SAMPLES  # plain decoding, cheap, gets a longer look
         self._probes = 0
+        # a depth whose probe changed nothing is not probed again before this
+        # cycle: its probe's measured cost spaced by PROBE_BUDGET (per depth,
+        # since a costly look at plain decoding says nothing of a deeper one)
+        self._not_before: Dict[int, int] = {}
 
     # -- model -----------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -152,7 +158,7 @@ class DepthController:
             if self.k > 1 and self._probes % 3 == 0 and not self._keep_side:
                 cands = (0,)
             for cand in cands:
-                if 0 <= cand <= self.max_depth:
+                if 0 <= cand <= self.max_depth and self.cycles >= self._not_before.get(cand, 0):
                     self._probing, self._probe_left = cand, 2 * self.PROBE_SAMPLES + 2
                     self._probe_costs, self._probe_seen = [], False
                     self._probe_samples = self.PROBE_SAMPLES + (2 if cand == 0 else 0)
@@ -175,9 +181,11 @@ class DepthController:
             self._keep_side = True
             self.k = j
             self.interval = self.probe_every
+            self._not_before.clear()  # a new depth: what its neighbours cost is unknown
         else:
             self._keep_side = False
-            self.interval = max(min(2 * self.interval, self.max_interval), self._spacing(samples))
+            self.interval = min(2 * self.interval, self.max_interval)
+            self._not_before[j] = self.cycles + self._spacing(samples)
 
     def _spacing(self, samples: List[float]) -> int:
         """Cycles between probes for this one's cost (its cycles beyond what

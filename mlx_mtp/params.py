@@ -205,6 +205,7 @@ TABLE: Tuple[Param, ...] = (
     Param("port", int, lo=1, hi=65535, server=("--port",),
           why="a TCP port; 0 (any free port) would serve where no one knows"),
     Param("decode_concurrency", int, lo=1, server=("--decode-concurrency",)),
+    Param("prompt_concurrency", int, lo=1, server=("--prompt-concurrency",)),
     Param("max_queued_requests", int, lo=0, server=("--max-queued-requests",)),
     Param("prompt_cache_size", int, lo=0, server=("--prompt-cache-size",)),
 )

@@ -934,7 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "decodes; more get 503")
     p.add_argument("--decode-concurrency", type=flag("decode_concurrency"), default=32,
                    help="requests decoded together at most (one batch)")
-    p.add_argument("--prompt-concurrency", type=int, default=8,
+    p.add_argument("--prompt-concurrency", type=flag("prompt_concurrency"), default=8,
                    help="prompts prefilled together at most (requests arriving at once)")
     # mlx_lm.server flags without effect here
     p.add_argument("--kv-group-size", type=int, default=64, help=argparse.SUPPRESS)
