@@ -570,6 +570,8 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
     tok_{p+1} is fed, the trunk's hidden at the last fed position kept for
     the next pair (the prompt cache's invariant, cache.py); the last pair,
     with the prompt's last token, gives the hidden the head drafts from.
+    Without the head (spec.use_head False) only the caches are evaluated, as
+    mlx_lm prefills (its last layer's output is then never computed).
 
     stops[i]: token counts of prompt i after which `snapshot(i, n)` is called
     while its prompt cache holds exactly its first n tokens (the server's
@@ -617,7 +619,9 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
             head_pass(h, v)
         for i in range(n_rows):
             if v[i]:
-                last[i] = h[i:i + 1, v[i] - 1:v[i]]
+                if head is not None:  # (without the head no hidden is needed: the
+                    # trunk's last layer then runs only as far as its cache needs)
+                    last[i] = h[i:i + 1, v[i] - 1:v[i]]
                 done[i] += v[i]
         mx.eval([c.state for c in trunk], [c.state for c in head or []],
                 [x for x in last if x is not None])

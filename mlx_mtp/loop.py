@@ -451,8 +451,14 @@ class Batch:
             if requests[i].snapshot is not None:
                 requests[i].snapshot(n)
 
+        # parked (auto at depth 0 for the batch these rows make), the head
+        # does not follow the prompts: prefill then costs what mlx_lm's does,
+        # and the head drafts from a history with a gap if it drafts again
+        # (acceptance may dip, exactness cannot; docs/design.md, "Parking")
+        follows = use_head and not self._parked(len(self.rows) + len(requests))
         with mx.stream(generation_stream):
-            prefilled = prefill(spec, [r.prompt_cache for r in requests],
+            prefilled = prefill(spec if follows else dataclasses.replace(spec, use_head=False),
+                                [r.prompt_cache for r in requests],
                                 [r.prompt for r in requests], prefill_step_size, progress,
                                 [r.stops for r in requests], snapshot)
         rows, states = [], []
@@ -582,6 +588,13 @@ class Batch:
         if self.controller is not None:
             return self.controller
         return controller_for(self.spec, self.max_depth, len(self.rows))
+
+    def _parked(self, batch_size: int) -> bool:
+        """Whether `auto` has a batch of this size decoding plainly (depth 0)."""
+        if self.depth != "auto":
+            return False
+        ctl = self.controller or controller_for(self.spec, self.max_depth, batch_size)
+        return ctl.k == 0
 
     def _in_flight(self, row: Row) -> List[Launched]:
         return [c for c in self.inflight if row in c.rows]

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_
 
 import mlx_lm
 import mlx_mtp
+from mlx_mtp.depth import DepthController
 from mlx_mtp.drafters import OracleDrafter
 from mlx_mtp.loop import MTPStats
 from util import LONG, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference
@@ -55,7 +56,11 @@ def test_multi_turn_greedy(loaded, name):
         for i, (t, m) in enumerate(zip(turns, MAX_TOKENS)):
             drafter = OracleDrafter(ahead[i], rate, model.vocab_size, seed=i) if rate else None
             stats = MTPStats()
-            got = mtp(model, t, k, m, prompt_cache=cache, drafter=drafter, stats=stats)
+            # auto drafting from the start (a controller the earlier tests left
+            # parked would skip the head's prefill: test_parked_prefill_skips_the_head)
+            ctl = DepthController() if k == "auto" else None
+            got = mtp(model, t, k, m, prompt_cache=cache, drafter=drafter, stats=stats,
+                      controller=ctl)
             assert got == want[i], f"{name} depth {k} oracle {rate}, turn {i}"
             if rate == 1.0:
                 assert stats.acceptance == [1.0] * k
@@ -320,3 +325,42 @@ def test_cli_prompt_cache_file(loaded, dense_ckpt, tmp_path, capsys, monkeypatch
     assert got.strip() and got == want.split("==========\n")[1]  # mlx_lm is verbose
     assert main(common + ["--model", "/elsewhere"]) == 1
     assert "was made with" in capsys.readouterr().err
+
+
+def test_parked_prefill_skips_the_head(loaded, monkeypatch):
+    """`auto` parked at depth 0 (plain decoding pays): neither the prefill nor
+    the plain steps run the head (counted, eager loop), the tokens are
+    mlx_lm's; the next turn drafts from a head with a gap (the parked
+    prompt) and is still exact. The same turn not parked runs the head."""
+    model, ref_model, tok = loaded("dense")
+    turns = [tok.encode(t) for t in TURNS]
+    want, _ = mlx_lm_turns(ref_model, turns)
+
+
+    class Parked(DepthController):
+        def next_depth(self):
+            return 0
+
+    # (the first use of a model probes its cache shapes, the head's included)
+    mtp(model, turns[0], "auto", 1, compiled=False, controller=Parked(initial=0))
+    head = type(model.mtp)
+    calls = []
+    forward = head.__call__
+    monkeypatch.setattr(head, "__call__", lambda self, *a, **kw: (
+        calls.append(a[0].shape[1]), forward(self, *a, **kw))[1])
+
+    cache = model.make_cache()
+    got = mtp(model, turns[0], "auto", MAX_TOKENS[0], prompt_cache=cache, compiled=False,
+              controller=Parked(initial=0))
+    assert got == want[0]
+    # the cache is written back: the head catches up on the plain steps' ring
+    # only (at most MAX_TOKENS[0] pairs), never on the prompt
+    assert sum(calls) <= MAX_TOKENS[0], calls
+    ahead = turns_ahead(ref_model, turns)
+    got = mtp(model, turns[1], 2, MAX_TOKENS[1], prompt_cache=cache, compiled=False,
+              drafter=OracleDrafter(ahead[1], 0.7, model.vocab_size, seed=3))
+    assert got == want[1]
+
+    calls.clear()  # not parked: the head follows the prompt in the prefill
+    mtp(model, turns[0], "auto", 2, compiled=False, controller=DepthController())
+    assert sum(calls) >= len(turns[0]) - 1, calls
