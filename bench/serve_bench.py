@@ -270,9 +270,12 @@ def main(argv=None):
     for w in workloads:
         rs = rounds[w]
         ratios = [r["mlx_mtp"]["tps"] / r["mlx_lm"]["tps"] for r in rs]
-        row = {"ratio": statistics.median(ratios), "ratios": ratios,
-               "equal": all(r["mlx_mtp"]["greedy_texts"] == r["mlx_lm"]["greedy_texts"]
-                            for r in rs)}
+        # greedy answers that differ: (round, request, mlx_lm's text, mlx_mtp's)
+        diffs = [(i, j, a, b) for i, r in enumerate(rs) for j, (a, b) in enumerate(
+            zip(r["mlx_lm"]["greedy_texts"], r["mlx_mtp"]["greedy_texts"])) if a != b]
+        row = {"ratio": statistics.median(ratios), "ratios": ratios, "equal": not diffs,
+               "differ": [{"round": i + 1, "request": j, "mlx_lm": a, "mlx_mtp": b}
+                          for i, j, a, b in diffs]}
         for name in servers:
             ttft = [t for r in rs for t in r[name]["ttft"]]
             row[name] = {"tps": [r[name]["tps"] for r in rs],
@@ -293,6 +296,12 @@ def main(argv=None):
               f"| {lm['ttft_p50']:.2f} / {lm['ttft_p95']:.2f} s{note} "
               f"| {mtp['ttft_p50']:.2f} / {mtp['ttft_p95']:.2f} s{note} "
               f"| {lm['errors'] + mtp['errors']} | {'yes' if row['equal'] else 'NO'} |")
+    for w, row in summary.items():
+        for d in row["differ"]:
+            at = next((i for i, (x, y) in enumerate(zip(d["mlx_lm"] or "", d["mlx_mtp"] or ""))
+                       if x != y), min(len(d["mlx_lm"] or ""), len(d["mlx_mtp"] or "")))
+            print(f"{w}: round {d['round']} request {d['request']}: greedy answers differ "
+                  f"from character {at} (both texts in the JSON)")
     print(f"peak RSS: " + ", ".join(f"{n} {v:.0f} MB" for n, v in rss.items()))
     out.write_text(json.dumps({"machine": machine_info(), "args": vars(args),
                                "command": " ".join([sys.executable] + sys.argv),
