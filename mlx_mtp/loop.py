@@ -454,8 +454,10 @@ class Batch:
         # parked (auto at depth 0 for the batch these rows make), the head
         # does not follow the prompts: prefill then costs what mlx_lm's does,
         # and the head drafts from a history with a gap if it drafts again
-        # (acceptance may dip, exactness cannot; docs/design.md, "Parking")
-        follows = use_head and not self._parked(len(self.rows) + len(requests))
+        # (acceptance may dip, exactness cannot; docs/design.md, "Parking"); a
+        # prompt only cached (max_tokens 0) is there for later drafting: it follows
+        follows = use_head and (not self._parked(len(self.rows) + len(requests))
+                                or any(r.max_tokens == 0 for r in requests))
         with mx.stream(generation_stream):
             prefilled = prefill(spec if follows else dataclasses.replace(spec, use_head=False),
                                 [r.prompt_cache for r in requests],
