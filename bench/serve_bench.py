@@ -118,7 +118,7 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
-    first, text, usage = None, "", {}
+    first, text, usage, finish = None, "", {}, None
     try:
         with requests.post(url + "/v1/chat/completions", json=body, stream=stream,
                            timeout=600) as r:
@@ -128,6 +128,7 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
                 out = r.json()
                 text = out["choices"][0]["message"].get("content") or ""
                 usage = out.get("usage") or {}
+                finish = out["choices"][0].get("finish_reason")
             else:
                 for line in r.iter_lines(decode_unicode=True):
                     if not line.startswith("data: {"):
@@ -136,6 +137,7 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     if chunk.get("choices"):
+                        finish = chunk["choices"][0].get("finish_reason") or finish
                         delta = chunk["choices"][0].get("delta", {}).get("content")
                         if delta:
                             first = first or time.perf_counter()
@@ -143,6 +145,8 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
     except requests.RequestException as e:
         return {"error": type(e).__name__}
     end = time.perf_counter()
+    if finish is None:  # a server that fails after the headers ends the stream early
+        return {"error": "the answer ended without a finish_reason"}
     return {"text": text, "tokens": usage.get("completion_tokens", 0),
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
             "prompt_tokens": usage.get("prompt_tokens", 0),

@@ -61,6 +61,44 @@ def test_rows_equal_alone_greedy(loaded, name):
                     assert len(set(accepted)) > 1 and max(accepted) > 0
 
 
+def test_rows_with_nothing_to_prefill_join_together(loaded):
+    """Rows whose prefill feeds nothing join in one batched prefill: one-token
+    prompts on fresh caches, and the server's case of prompt caches holding
+    all but the last prompt token stored while parked (the head never
+    followed them: its caches are empty). Each row equals mlx_lm's alone."""
+    import copy
+
+    from mlx_mtp.depth import DepthController
+
+    model, ref_model, tok = loaded("dense")
+    ones = [tok.encode("a")[:1], tok.encode("x")[:1]]
+    got, _, _ = run_batch(model, ones, [6, 6], 2, 2)
+    assert got == [reference(ref_model, i, 6) for i in ones]
+
+    ids = [tok.encode(p) for p in PROMPTS[:2]]
+    want = [reference(ref_model, i, 8) for i in ids]
+
+    class Fixed(DepthController):
+        def next_depth(self):
+            return self.k
+
+    ctl = Fixed(initial=0)  # parked: the prefill runs without the head
+    stored = []
+    for p in ids:
+        cache = model.make_cache()
+        batch = make_batch(model, draft_tokens="auto", controller=ctl)
+        r = batch.prepare(p, cache, 1)
+        r.stops, r.snapshot = (len(p) - 1,), lambda n, c=cache: stored.append(copy.deepcopy(c))
+        list(decode_rows(batch, [r], (), 1))
+    ctl.k = 2  # drafting now: the rows join together, their heads empty
+    batch = make_batch(model, draft_tokens="auto", controller=ctl)
+    requests = [batch.prepare(p[-1:], c, 8) for p, c in zip(ids, stored)]
+    got = [[] for _ in ids]
+    for i, t, *_ in decode_rows(batch, requests, (), 2):
+        got[i].append(t)
+    assert got == want
+
+
 def test_stop_token_per_row(loaded):
     """A stop token ends its row only (mid-cycle too); the others go on."""
     model, ref_model, tok = loaded("dense")
