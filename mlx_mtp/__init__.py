@@ -1,4 +1,4 @@
-"""mlx-mtp: exact multi-token-prediction decoding for Qwen3.5/3.6 on MLX.
+"""mlx-mtp: exact multi-token-prediction decoding for Qwen3.5/3.6 and Qwen3-Next on MLX.
 
 The public names load on first use, so the command-line tools start (and the
 converter installs its signal handlers) before MLX and transformers load.

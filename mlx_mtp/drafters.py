@@ -1,6 +1,7 @@
 """Drafters for tests and benchmarks; production decoding drafts with the head.
 
-A drafter replaces the proposals of a cycle (`generate_step(..., drafter=)`);
+A drafter replaces the proposals of a cycle (`loop.generate_tokens(..., drafter=)`,
+`make_batch(..., drafter=)`);
 verify, accept, commit and the head's cache rewrite run as usual, so known
 accept patterns exercise the real rollback. The interface:
 
