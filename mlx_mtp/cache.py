@@ -201,18 +201,6 @@ class MTPCache:
             c.state = s
 
     @property
-    def kv(self) -> List[PaddedKVCache]:
-        """Every attention cache, trunk and head (the buffers that only grow)."""
-        return [c for c in self.layers if isinstance(c, PaddedKVCache)]
-
-    def is_trimmable(self):
-        return False  # a GDN state cannot drop tokens (a cycle rolls back by capture)
-
-    @property
-    def nbytes(self):
-        return sum(c.nbytes for c in self.layers)
-
-    @property
     def layout(self) -> tuple:
         """What `from_state` needs to rebuild the objects: per trunk layer
         whether it is attention, and the number of head layers."""

@@ -47,10 +47,6 @@ def declared_mtp_layers(text_config: dict) -> Optional[int]:
     return None
 
 
-def mtp_num_layers(text_config: dict) -> int:
-    return declared_mtp_layers(text_config) or 0
-
-
 def head_layers_in(names) -> int:
     """How many head decoder layers the tensor names hold (`mtp.layers.{i}.*`)."""
     found = [int(m.group(1)) for m in map(_HEAD_LAYER.match, names) if m]
@@ -208,12 +204,6 @@ class MTPModel:
     @property
     def vocab_size(self) -> int:
         return self.text_args.vocab_size
-
-    def make_cache(self) -> list:
-        """mlx_lm's own prompt cache for the trunk: mlx_lm's generation and
-        batching use it unchanged; mlx_mtp's first call appends the head's
-        entries to it (cache.py)."""
-        return super().make_cache()
 
     # -- forward pieces the decode cycle calls ------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
