@@ -689,16 +689,15 @@ def _split_back(spec: Spec, caches: List[list], trunk: list, head: Optional[list
     n_trunk = len(model.is_linear)
     for i in rows:
         if batched:
-            # a merged cache that is still empty (no row had or got a token:
-            # one-token prompts, a head that did not follow a stored prefix)
-            # has nothing to hand back, and mlx_lm's extract cannot slice it
-            for dst, src in zip(caches[i][:n_trunk], trunk):
+            pairs = list(zip(caches[i][:n_trunk], trunk))
+            if head is not None:
+                pairs += zip(head_caches(caches[i], n_trunk), head)
+            for dst, src in pairs:
+                # a merged cache that is still empty (no row had or got a token:
+                # one-token prompts, a head that did not follow a stored prefix)
+                # has nothing to hand back, and mlx_lm's extract cannot slice it
                 if not src.empty():
                     _take(dst, src.extract(i))
-            if head is not None:
-                for dst, src in zip(head_caches(caches[i], n_trunk), head):
-                    if not src.empty():
-                        _take(dst, src.extract(i))
         if head is not None or len(caches[i]) > n_trunk:
             set_last_hidden(caches[i], hidden[i] if head is not None else None, model.is_linear)
 

@@ -584,19 +584,20 @@ class Batch:
         self.state = self.state.replace(key=key if f.sampled else None, **arrays)
 
     # -- cycles ------------------------------------------------------------------------------
-    def _controller(self):
+    def _controller(self, batch_size: Optional[int] = None):
+        """The `auto` controller of this batch (of `batch_size` rows: default
+        the present ones), or None at a fixed depth."""
         if self.depth != "auto":
             return None
         if self.controller is not None:
             return self.controller
-        return controller_for(self.spec, self.max_depth, len(self.rows))
+        return controller_for(self.spec, self.max_depth,
+                              len(self.rows) if batch_size is None else batch_size)
 
     def _parked(self, batch_size: int) -> bool:
         """Whether `auto` has a batch of this size decoding plainly (depth 0)."""
-        if self.depth != "auto":
-            return False
-        ctl = self.controller or controller_for(self.spec, self.max_depth, batch_size)
-        return ctl.k == 0
+        ctl = self._controller(batch_size)
+        return ctl is not None and ctl.k == 0
 
     def _in_flight(self, row: Row) -> List[Launched]:
         return [c for c in self.inflight if row in c.rows]
