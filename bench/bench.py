@@ -16,7 +16,7 @@ Flags beyond the model/prompt ones:
   --draft-vocab N|FILE  trimmed draft vocabulary for all mlx_mtp rows
   --uncompiled          also run the pipelined loop uncompiled, rows "k nocomp"
                         (plain rows: the defaults, pipelined and compiled)
-  --sync                also run the synchronous loop (pipeline=False) at each
+  --sync                also run the synchronous loop (lookahead=False) at each
                         depth, as rows "k sync", in the same rounds
   --rounds N            alternating rounds (default 3)
   --trace               time a few steady-state cycles of one generation
@@ -304,7 +304,7 @@ def trace_run(model, ids, k, n_cycles, pipeline: bool) -> tuple:
 
     recs = []
     gen = generate_tokens(mx.array(ids), model, max_tokens=-1, draft_tokens=k,
-                          pipeline=pipeline, timeline=recs)
+                          lookahead=pipeline, timeline=recs)
     out = []
     for tok, _, _ in gen:
         out.append(tok)
@@ -414,7 +414,7 @@ def main(argv=None):
     p.add_argument("--depths", type=str, default="0,1,2,3,4,auto")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sync", action="store_true",
-                   help="also run the synchronous loop (pipeline=False) at each depth")
+                   help="also run the synchronous loop (lookahead=False) at each depth")
     p.add_argument("--adversarial", choices=["tokens", "head"], default=None,
                    help="random-token prompts, or a head with random weights")
     p.add_argument("--draft-vocab", type=str, default=None,
@@ -498,8 +498,8 @@ def main(argv=None):
     from mlx_mtp import draft_vocab as dv
 
     vocab = dv.load(args.draft_vocab, tok, V) if args.draft_vocab else None
-    modes = {"default": {}, "sync": dict(pipeline=False),
-             "uncompiled": dict(pipeline=True, compiled=False)}
+    modes = {"default": {}, "sync": dict(lookahead=False),
+             "uncompiled": dict(lookahead=True, compiled=False)}
 
     def run_mtp(ids, k, ref, mode="default", rate=None):
         stats = MTPStats()

@@ -66,6 +66,17 @@ def _check_options(kwargs: dict) -> dict:
     return kwargs
 
 
+def _lookahead(lookahead: bool, pipeline: Optional[bool]) -> bool:
+    """`pipeline=` is lookahead's old name (it also meant pipeline parallelism)."""
+    if pipeline is None:
+        return lookahead
+    import warnings
+
+    warnings.warn("mlx_mtp: generate_step(pipeline=) is deprecated; use lookahead=",
+                  DeprecationWarning, stacklevel=3)
+    return pipeline
+
+
 def generate_step(
     prompt: mx.array,
     model,
@@ -80,13 +91,14 @@ def generate_step(
     num_draft_tokens: Optional[int] = None,
     max_draft_tokens: int = 4,
     seed: Optional[int] = None,
-    pipeline: bool = True,
+    lookahead: bool = True,
     compiled: bool = True,
     draft_vocab: Optional[mx.array] = None,
     stats: Optional[MTPStats] = None,
     max_kv_size: Optional[int] = None,
     kv_bits: Optional[int] = None,
     input_embeddings: Optional[mx.array] = None,
+    pipeline: Optional[bool] = None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """mlx_lm's `generate_step` with MTP: yields (token, logprobs), at most
     `max_tokens` of them (-1: no limit), exactly the tokens mlx_lm would give.
@@ -102,8 +114,9 @@ def generate_step(
         cost, 0 included, up to max_draft_tokens); 0 decodes plainly.
         num_draft_tokens is mlx_lm's name for it.
     seed: the sampling key (None: drawn from mx.random, so mx.random.seed works).
-    pipeline: queue cycle n+1 before reading cycle n (logits processors turn
-        it off); compiled: one compiled graph per depth, kept across calls.
+    lookahead: queue cycle n+1 before reading cycle n (logits processors turn
+        it off; `pipeline=` is its old, deprecated name).
+    compiled: one compiled graph per depth, kept across calls.
     draft_vocab: draft over these token ids only (see mlx_mtp.draft_vocab).
     stats: an MTPStats to fill (drafted, accepted, acceptance per position).
     """
@@ -115,7 +128,7 @@ def generate_step(
             logits_processors=logits_processors, prompt_cache=prompt_cache,
             prefill_step_size=prefill_step_size,
             prompt_progress_callback=prompt_progress_callback, max_draft_tokens=max_draft_tokens,
-            seed=seed, pipeline=pipeline, compiled=compiled, draft_vocab=draft_vocab,
+            seed=seed, lookahead=_lookahead(lookahead, pipeline), compiled=compiled, draft_vocab=draft_vocab,
             stats=stats, **kwargs):
         yield token, logprobs
 
@@ -368,8 +381,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers over the ranks (pipeline "
                         "parallel) instead of sharding each layer (tensor parallel)")
-    p.add_argument("--no-pipeline", action="store_true",
-                   help="read every cycle before building the next (default: double-buffered)")
+    p.add_argument("--no-lookahead", action="store_true",
+                   help="read every cycle before building the next (default: cycle n+1 is "
+                        "queued before cycle n is read)")
+    p.add_argument("--no-pipeline", action="store_true", help=argparse.SUPPRESS)  # deprecated
     p.add_argument("--draft-vocab", type=str, default=None,
                    help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
                         "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
@@ -444,6 +459,9 @@ def main(argv=None):
     from .sampling import make_sampler
 
     args = setup_arg_parser().parse_args(argv)
+    if args.no_pipeline:
+        print("mlx_mtp: --no-pipeline is deprecated; use --no-lookahead", file=sys.stderr)
+        args.no_lookahead = True
     if args.seed is not None:
         mx.random.seed(args.seed)
     prompt_cache, model_path, tokenizer_config = None, args.model, None
@@ -509,7 +527,7 @@ def main(argv=None):
                     draft_tokens=args.draft_tokens, sampler=sampler,
                     logits_processors=processors, prefill_step_size=args.prefill_step_size,
                     draft_vocab=vocab, max_draft_tokens=args.max_draft_tokens,
-                    pipeline=not args.no_pipeline, prompt_cache=prompt_cache):
+                    lookahead=not args.no_lookahead, prompt_cache=prompt_cache):
                 text += last.text
                 if args.verbose:
                     print(last.text, end="", flush=True, file=out)

@@ -2,7 +2,7 @@
 
 With lookahead 1 (the default) cycle n+1 is built and queued
 (`mx.async_eval`) before cycle n is read, so the device never waits for
-Python; with 0 (logits processors, host-side drafters, `pipeline=False`)
+Python; with 0 (logits processors, host-side drafters, `lookahead=False`)
 each cycle is read before the next is built. Either way a cycle is read
 with one host transfer (its tokens and their log-probs), and a cycle
 launched past EOS or `max_tokens` is never read.
@@ -141,7 +141,7 @@ def generate_tokens(
     prefill_step_size: int = 2048,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     seed: Optional[int] = None,
-    pipeline: bool = True,
+    lookahead: bool = True,
     compiled: bool = True,
     draft_vocab: Optional[mx.array] = None,
     stats: Optional[MTPStats] = None,
@@ -155,7 +155,7 @@ def generate_tokens(
     cycle read, the perf_counter stamps of the loop's host work)."""
     batch = make_batch(model, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens,
                        sampler=sampler, logits_processors=logits_processors,
-                       pipeline=pipeline, compiled=compiled,
+                       lookahead=lookahead, compiled=compiled,
                        draft_vocab=draft_vocab, drafter=drafter, controller=controller,
                        timeline=timeline)
     request = batch.prepare(prompt, prompt_cache, max_tokens, seed, prefill_step_size,
@@ -170,7 +170,7 @@ def generate_tokens(
 
 def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_tokens: int = 4,
                sampler: Optional[Callable] = None, logits_processors: Optional[list] = None,
-               pipeline: bool = True, compiled: bool = True,
+               lookahead: bool = True, compiled: bool = True,
                draft_vocab: Optional[mx.array] = None, drafter=None,
                controller: Optional[DepthController] = None,
                timeline: Optional[list] = None) -> "Batch":
@@ -208,7 +208,7 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
                 draft_vocab=draft_vocab if use_head else None,
                 drafter=drafter if use_head else None, group=model.distributed_group,
                 first_stage=first_stage(model))
-    return Batch(spec, Graphs(spec, compiled), pipeline, depth, max_draft_tokens, controller,
+    return Batch(spec, Graphs(spec, compiled), lookahead, depth, max_draft_tokens, controller,
                  timeline=timeline, default_sampler=sampler,
                  default_processors=tuple(logits_processors or ()))
 
@@ -342,10 +342,10 @@ class Batch:
     lookahead 1 the next cycle is queued before one is read (see the module
     docstring)."""
 
-    def __init__(self, spec: Spec, graphs: Graphs, pipeline: bool, depth, max_draft_tokens=4,
+    def __init__(self, spec: Spec, graphs: Graphs, lookahead: bool, depth, max_draft_tokens=4,
                  controller=None, timeline: Optional[list] = None, default_sampler=None,
                  default_processors: tuple = ()):
-        self.spec, self.graphs, self.pipeline = spec, graphs, pipeline
+        self.spec, self.graphs, self.may_look_ahead = spec, graphs, lookahead
         self.depth, self.max_depth, self.controller = depth, max_draft_tokens, controller
         self.timeline, self.default_sampler = timeline, default_sampler
         self.default_processors = default_processors
@@ -567,7 +567,7 @@ class Batch:
         if (filters, processors) != (spec.filters, spec.processors):
             self.spec = spec = dataclasses.replace(spec, filters=filters, processors=processors)
             self.graphs.use(spec)
-        self.lookahead = 1 if (self.pipeline and not spec.host_history
+        self.lookahead = 1 if (self.may_look_ahead and not spec.host_history
                                and spec.trusted_sampler) else 0
         if self.state is None or spec.sampler is not None:
             return

@@ -186,7 +186,7 @@ def test_memory_flat_over_20_generations(loaded, mode):
     (its growth is the cache's own size)."""
     model, _, tok = loaded("dense")
     ids = mx.array(tok.encode(SHORT))
-    kw = dict(pipeline=mode != "sync", draft_tokens=2)
+    kw = dict(lookahead=mode != "sync", draft_tokens=2)
     list(generate_tokens(ids, model, max_tokens=30, **kw))  # graphs, allocator
     mx.clear_cache()
     gc.collect()

@@ -2,6 +2,7 @@
 (synchronous) samples: the same keys split in the same order, so the same
 seed gives the same tokens; a sampled EOS stops both at the same place."""
 
+import mlx.core as mx
 import pytest
 
 import mlx_mtp
@@ -22,7 +23,7 @@ def test_sampling_same_keys(loaded, k, cfg):
     sampler, stats = mlx_mtp.make_sampler(**cfg), MTPStats()
     pipe, rows = mtp(model, ids, k, -1, take=40, sampler=sampler, seed=k, stats=stats, rows=True)
     sync, sync_rows = mtp(model, ids, k, -1, take=40, sampler=sampler, seed=k, rows=True,
-                          pipeline=False)
+                          lookahead=False)
     assert pipe == sync
     assert SAME(rows, sync_rows)
     assert k == 0 or 0 < stats.accepted < stats.drafted
@@ -38,7 +39,7 @@ def test_sampling_same_keys_bounded(loaded):
     ids = tok.encode(SHORT)
     sampler = mlx_mtp.make_sampler(temp=10.0)
     assert mtp(model, ids, 3, 33, sampler=sampler, seed=3) == \
-        mtp(model, ids, 3, 33, sampler=sampler, seed=3, pipeline=False)
+        mtp(model, ids, 3, 33, sampler=sampler, seed=3, lookahead=False)
 
 
 def test_sampled_eos_stops_like_synchronous(loaded, dense_ckpt):
@@ -47,10 +48,10 @@ def test_sampled_eos_stops_like_synchronous(loaded, dense_ckpt):
     own = set(tok.eos_token_ids)
     sampler = mlx_mtp.make_sampler(temp=10.0)
 
-    def tokens(pipeline):
+    def tokens(lookahead):
         return [r.token for r in mlx_mtp.stream_generate(
             model, tok, SHORT, max_tokens=60, draft_tokens=3, sampler=sampler, seed=5,
-            pipeline=pipeline)]
+            lookahead=lookahead)]
 
     sync = tokens(False)
     stop = next(i for i in range(6, 40) if sync.index(sync[i]) == i)
@@ -58,3 +59,20 @@ def test_sampled_eos_stops_like_synchronous(loaded, dense_ckpt):
     assert tokens(False) == sync[:stop + 1]
     assert tokens(True) == sync[:stop + 1]
     tok._eos_token_ids = own
+
+
+def test_old_lookahead_spelling_still_works(loaded, dense_ckpt, capsys):
+    """`pipeline=` / `--no-pipeline` were lookahead's names before the word
+    was left to pipeline parallelism: accepted, with a deprecation notice."""
+    from mlx_mtp.generate import main
+
+    model, _, tok = loaded("dense")
+    ids = tok.encode(SHORT)
+    sync = mtp(model, ids, 2, 20, lookahead=False)
+    with pytest.warns(DeprecationWarning, match="lookahead="):
+        old = [t for t, _ in mlx_mtp.generate_step(mx.array(ids), model,
+                                                   max_tokens=20, draft_tokens=2, pipeline=False)]
+    assert old == sync
+    main(["--model", str(dense_ckpt), "--prompt", SHORT, "--max-tokens", "4",
+          "--no-pipeline", "--ignore-chat-template"])
+    assert "--no-pipeline is deprecated; use --no-lookahead" in capsys.readouterr().err

@@ -19,8 +19,8 @@ from mlx_mtp.loop import MTPStats, generate_tokens
 from util import (LONG, SAME, SHORT, assert_head_follows, assert_trunk_equal, mtp,
                   plain_cache, reference)
 
-MODES = {"pipelined": {}, "sync": dict(pipeline=False), "eager": dict(compiled=False),
-         "sync-eager": dict(pipeline=False, compiled=False)}
+MODES = {"pipelined": {}, "sync": dict(lookahead=False), "eager": dict(compiled=False),
+         "sync-eager": dict(lookahead=False, compiled=False)}
 
 
 class Scripted(DepthController):
@@ -47,7 +47,7 @@ def test_real_head_parity(loaded, name, prompt, step):
         got, rows = mtp(model, ids, k, 33, prefill_step_size=step, rows=True)
         assert got == want, f"depth {k}"
         assert SAME(rows, want_rows), f"log-probs, depth {k}"
-    assert mtp(model, ids, 2, 33, prefill_step_size=step, pipeline=False) == want
+    assert mtp(model, ids, 2, 33, prefill_step_size=step, lookahead=False) == want
 
 
 @pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe"])

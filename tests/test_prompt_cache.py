@@ -91,16 +91,16 @@ def test_eos_and_stop_points_leave_exact_caches(loaded, dense_ckpt):
                                                           prompt_cache=ref_cache)]
         want1 = [r.token for r in mlx_lm.stream_generate(ref_model, tok, turns[1], max_tokens=8,
                                                           prompt_cache=ref_cache)]
-        for pipeline in (True, False):
+        for lookahead in (True, False):
             cache = model.make_cache()
             got0 = [r.token for r in mlx_mtp.stream_generate(
                 model, tok, turns[0], max_tokens=20, draft_tokens=3, prompt_cache=cache,
-                pipeline=pipeline, drafter=OracleDrafter(first, 1.0, model.vocab_size))]
+                lookahead=lookahead, drafter=OracleDrafter(first, 1.0, model.vocab_size))]
             assert got0 == want0 and got0[-1] == eos
             got1 = [r.token for r in mlx_mtp.stream_generate(
                 model, tok, turns[1], max_tokens=8, draft_tokens=3, prompt_cache=cache,
-                pipeline=pipeline)]
-            assert got1 == want1, f"EOS at {stop}, pipeline {pipeline}"
+                lookahead=lookahead)]
+            assert got1 == want1, f"EOS at {stop}, lookahead {lookahead}"
             assert_trunk_equal(cache, ref_cache)
     tok._eos_token_ids = own
 
@@ -145,12 +145,12 @@ def test_multi_turn_sampling(loaded, tmp_path, name):
     turns = [tok.encode(t) for t in TURNS]
     sampler = mlx_mtp.make_sampler(temp=10.0)  # the random head's drafts are often accepted
 
-    def run(cache, k, seed0, pipeline=True, first=0, save_after=None):
+    def run(cache, k, seed0, lookahead=True, first=0, save_after=None):
         out = []
         for i, t in enumerate(turns[first:], start=first):
             stats = MTPStats()
             got, rows = mtp(model, t, k, MAX_TOKENS[i], rows=True, prompt_cache=cache,
-                            sampler=sampler, seed=seed0 + i, pipeline=pipeline, stats=stats)
+                            sampler=sampler, seed=seed0 + i, lookahead=lookahead, stats=stats)
             out.append((got, rows, stats))
             if save_after == i:
                 save_prompt_cache(str(tmp_path / "turn.safetensors"), cache)
@@ -170,7 +170,7 @@ def test_multi_turn_sampling(loaded, tmp_path, name):
         accepted = sum(s.accepted for _, _, s in runs)
         assert 0 < accepted < sum(s.drafted for _, _, s in runs)  # accepts and rejections
         assert [r[0] for r in run(model.make_cache(), k, 100)] == [r[0] for r in runs]
-        assert [r[0] for r in run(model.make_cache(), k, 100, pipeline=False)] == [r[0] for r in runs]
+        assert [r[0] for r in run(model.make_cache(), k, 100, lookahead=False)] == [r[0] for r in runs]
         assert [r[0] for r in run(model.make_cache(), k, 200)] != [r[0] for r in runs]
     # save after turn 1, load, continue: identical turns 2 and 3
     live = run(model.make_cache(), 3, 300, save_after=0)
