@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -490,12 +490,21 @@ class Graphs:
     def use(self, spec: Spec):
         """The batch's spec changed (rows with other needs joined or left)."""
         self.spec, self.aux = spec, spec.aux()
+        # the spec's graphs by (k, catch_up, layout): the key (kernel backend and
+        # environment included) is built once per spec, not every cycle
+        self._fns: Dict[tuple, Callable] = {}
 
     @property
     def traces(self) -> int:
         return sum(self.runtime.traces.values())
 
     def _fn(self, k: int, catch_up: bool, layout: tuple):
+        fn = self._fns.get((k, catch_up, layout))
+        if fn is None:
+            fn = self._fns[(k, catch_up, layout)] = self._build(k, catch_up, layout)
+        return fn
+
+    def _build(self, k: int, catch_up: bool, layout: tuple):
         name = "flush" if k < 0 else "cycle" if k else "plain"
         key = (name, max(k, 0), catch_up, layout) + self.spec.graph_key()
         # the graph keeps only what its key describes (no arrays of this call)

@@ -30,7 +30,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Generator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Generator, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -306,6 +306,16 @@ def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int
                 batch.finish(row)
 
 
+class Finish(NamedTuple):
+    """A row's finishing point: where its prompt cache is written from."""
+
+    before: Optional[DecodeState]  # the state before its last read cycle (no KV buffers)
+    index: int  # the row's index in `before`
+    lens: Lengths  # its lengths then
+    y: int  # its y then
+    tokens: List[int]  # that cycle's tokens, of which the caller used `Row.used`
+
+
 @dataclass(eq=False)  # rows are compared by identity
 class Row:
     """What the host keeps for one sequence of a batch."""
@@ -318,10 +328,7 @@ class Row:
     sampling: Optional[RowSampling]
     processors: tuple = ()
     landed: int = 0  # tokens read so far
-    # finishing point: the state before the row's last read cycle (without KV
-    # buffers), the row's index in it, its lengths then, its y then, and that
-    # cycle's tokens, of which the caller used `used`
-    last: tuple = None
+    last: Optional[Finish] = None  # its finishing point
     used: int = 0
     history: Optional[mx.array] = None  # the row's tokens (logits processors)
     generated: Optional[List[int]] = None  # host-side drafters (one row)
@@ -489,8 +496,8 @@ class Batch:
                 state = init_ring(state.replace(g=g))
             row = Row(r.prompt_cache, r.keep_cache, r.max_tokens, r.stats, lens, r.sampling,
                       r.processors)
-            row.last = (state.without_buffers() if r.keep_cache else None, len(states), lens,
-                        y, [])
+            row.last = Finish(state.without_buffers() if r.keep_cache else None, len(states),
+                              lens, y, [])
             if r.processors:
                 row.history = mx.array(r.prompt, dtype=mx.int32)
             if spec.drafter is not None and spec.drafter.host_side:
@@ -523,9 +530,10 @@ class Batch:
         base = len(self.rows)
         for row in rows:
             if row is not None:
-                before, i, lens, y, toks = row.last
-                row.last = (None if before is None else self.state.without_buffers(),
-                            base + i, lens, y, toks)
+                before = row.last.before
+                row.last = row.last._replace(
+                    before=None if before is None else self.state.without_buffers(),
+                    index=base + row.last.index)
                 self.rows.append(row)
         self._settings()
         self._tic = time.perf_counter()  # the next cost sample starts here, not in the prefill
@@ -663,8 +671,8 @@ class Batch:
             row.lens = before_lens.after(k, a)
             if cycle.flush_after:
                 row.lens = row.lens.flushed()
-            y = (row.last[4] or [row.last[3]])[-1]
-            row.last, row.used = (cycle.before, i, before_lens, y, tokens), 0
+            y = (row.last.tokens or [row.last.y])[-1]
+            row.last, row.used = Finish(cycle.before, i, before_lens, y, tokens), 0
             row.landed += len(tokens)
             row.stats.record(k, a)
             accepted.append(a)
