@@ -191,3 +191,30 @@ def test_loads_and_decodes_through_mlx_lm(ckpt):
     for _ in range(8):
         ids.append(int(np.argmax(_logits(m, ids)[-1])))
     assert got == ids[len(PROMPT):]
+
+
+def test_second_geometry_matches_reference(tmp_path):
+    """Other choices the config allows: silu output gate (mlx_lm's gated norm),
+    4 streams, 4-grams with one head each, 3-token QSA blocks, one PLE layer,
+    one n-gram shard, GDN layers back to back, EOS runs in the prompt."""
+    overrides = dict(
+        hc_count=4, output_gate_type=None, ngram_size=4, heads_per_ngram=1, ple_embed_dim=12,
+        ple_conv_kernel_size=4, indexer_compress_ratio=3, indexer_budget=6, ple_layer_ids=[1],
+        split_ngram_parts=1, num_hidden_layers=5,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0]})
+    path = write_qwen4_exp_checkpoint(tmp_path, seed=1, mtp=False, text_overrides=overrides)
+    config, raw = json.loads((path / "config.json").read_text()), _raw(path)
+    ids = PROMPT + [258, 258, 4]
+    ref = Reference(raw, config["text_config"])
+    want = ref.logits(ids)
+    assert ref.min_margin > 1e-4
+    m = _model(config, raw)
+    full = _logits(m, ids)
+    assert np.abs(full - want).max() < 1e-4
+    cache = m.make_cache()
+    assert [type(c) for c in cache] == [ArraysCache, ArraysCache, CacheList, ArraysCache, CacheList]
+    assert len(cache[0].cache) == 4 and len(cache[1].cache) == 2
+    inc = np.concatenate([_logits(m, [t], cache) for t in ids])
+    assert np.abs(inc - full).max() < 1e-5
