@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.models.base import BaseModelArgs, create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import BaseModelArgs, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 # ------------------------------------------------------------------ config
@@ -86,7 +86,12 @@ class TextModelArgs(qwen3_5.TextModelArgs):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         if self.ple_layer_ids and self.eos_token_id is None:
             raise ValueError("qwen4_exp: PLE layers need eos_token_id (it pads the n-gram context)")
-        if self.indexer_n_heads is not None and self.indexer_kv_heads not in (None, 1):
+        qsa = (self.indexer_n_heads, self.indexer_kv_heads, self.indexer_head_dim,
+               self.indexer_budget, self.indexer_compress_ratio)
+        # transformers builds the indexer on every attention layer: no QSA fields, no model
+        if "indexed_attention" in self.layer_types and None in qsa:
+            raise ValueError("qwen4_exp: attention layers need the indexer_* (QSA) fields")
+        if self.indexer_kv_heads not in (None, 1):
             raise ValueError("qwen4_exp: QSA needs indexer_kv_heads=1")
 
 
@@ -371,15 +376,11 @@ class Attention(qwen3_next.Qwen3NextAttention):
 
     def __init__(self, args: TextModelArgs):
         super().__init__(args)
-        self.indexer = None
-        if args.indexer_n_heads is not None:
-            if not isinstance(self.rope, nn.RoPE):
-                raise NotImplementedError("qwen4_exp: QSA with a scaled RoPE")
-            self.indexer = QSAIndexer(args, self.rope.dims, self.rope.base)
+        if not isinstance(self.rope, nn.RoPE):  # the block keys reuse plain RoPE at block starts
+            raise NotImplementedError("qwen4_exp: QSA with a scaled RoPE")
+        self.indexer = QSAIndexer(args, self.rope.dims, self.rope.base)
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
-        if self.indexer is None:
-            return super().__call__(x, create_attention_mask(x, cache), cache)
         kv, index = (cache[0], cache[1]) if cache is not None else (None, None)
         mask = self.indexer(x, index, kv.offset if kv is not None else 0)
         return super().__call__(x, mask, kv)
@@ -464,10 +465,8 @@ class TextModel(nn.Module):
         for l in self.layers:
             if l.is_linear:
                 caches.append(ArraysCache(size=4 if l.has_ple else 2))
-            elif l.self_attn.indexer is not None:
+            else:  # attention K/V, then the indexer's raw keys
                 caches.append(CacheList(KVCache(), KVCache()))
-            else:
-                caches.append(KVCache())
         return caches
 
 
