@@ -358,3 +358,196 @@ def write_mlx_vlm_drafter(source, out, *, bits: Optional[int] = None, group_size
         if (source / name).exists():
             (out / name).write_bytes((source / name).read_bytes())
     return out
+
+
+# --------------------------------------------------------------- qwen4_exp
+
+def tiny_qwen4_exp_config(**overrides) -> Dict:
+    """A tiny Qwen3.8-Flash-Next text config, keys as transformers'
+    `Qwen4ExpTextConfig` reads them. Small enough for QSA to pick among key
+    blocks on a 16-token prompt (2-token blocks, 2 kept), with PLE on the
+    two GDN layers. See docs/qwen4_exp.md."""
+    cfg = dict(
+        model_type="qwen4_exp_text",
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        vocab_size=259,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        norm_topk_prob=True,
+        hc_count=3,
+        hc_lowrank=8,
+        ple_layer_ids=[1, 3],
+        ple_embed_dim=16,
+        ple_conv_kernel_size=3,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=50,
+        make_ngram_vocab_size_divisible_by=8,
+        seed=1234,
+        split_ngram_parts=3,
+        indexer_n_heads=4,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        output_gate_type="sigmoid",
+        mtp_num_hidden_layers=1,
+        eos_token_id=258,
+    )
+    cfg.update(overrides)
+    if "layer_types" not in overrides:
+        cfg["layer_types"] = ["full_attention" if (i + 1) % 2 == 0 else "linear_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
+def qwen4_exp_random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
+                             scale: float = 0.1) -> Dict[str, np.ndarray]:
+    """HF-named tensors for `tiny_qwen4_exp_config`-style configs, in the
+    released layout: `model.language_model.*`, `lm_head`, fused experts
+    (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]),
+    zero-centred RMSNorms, torch conv layout [C, 1, K], n-gram tables in
+    `split_ngram_parts` row chunks (`ngram_embedding.shard_{i}.weight`, as
+    torch.chunk cuts them) plus the derived int64 buffers transformers saves.
+    With `mtp`, the head as mlx-vlm's `qwen4_exp_mtp` drafter reads it
+    (`mtp.pre_fc_norm_{embedding,hidden}`, `mtp.fc_{embedding,hidden}`,
+    `mtp.layers.0.*` an indexed-attention layer, `mtp.hyper_connection_mixer`)."""
+    from .families.qwen4_exp import TextModelArgs, ngram_head_sizes, ngram_multipliers
+
+    rng = np.random.default_rng(seed)
+    args = TextModelArgs.from_dict(tc)
+    H, V, hc = tc["hidden_size"], tc["vocab_size"], tc["hc_count"]
+    W = hc * H
+
+    def w(*shape, s=scale):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    def zc(n):  # zero-centred RMSNorm weight (applied as 1 + w)
+        return (rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    def hyper(p, combine=True):
+        t = {f"{p}.hc_norm.weight": zc(W), f"{p}.input_mix_weight_down.weight": w(tc["hc_lowrank"], W, s=0.3),
+             f"{p}.input_mix_weight_up.weight": w(W, tc["hc_lowrank"], s=0.3)}
+        if combine:
+            t[f"{p}.block_inject_weight.weight"] = w(hc, W, s=0.3)
+        return t
+
+    nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
+    E, I, S = tc["num_experts"], tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"]
+
+    def attention_layer(p):
+        nih, idh = tc["indexer_n_heads"], tc["indexer_head_dim"]
+        return {f"{p}.self_attn.q_proj.weight": w(nh * hd * 2, H), f"{p}.self_attn.k_proj.weight": w(nkv * hd, H),
+                f"{p}.self_attn.v_proj.weight": w(nkv * hd, H), f"{p}.self_attn.o_proj.weight": w(H, nh * hd),
+                f"{p}.self_attn.q_norm.weight": zc(hd), f"{p}.self_attn.k_norm.weight": zc(hd),
+                f"{p}.self_attn.indexer.index_qk_proj.weight": w((nih + 1) * idh, H, s=0.5),
+                f"{p}.self_attn.indexer.q_layernorm.weight": zc(idh),
+                f"{p}.self_attn.indexer.k_layernorm.weight": zc(idh)}
+
+    def moe(p):
+        return {f"{p}.mlp.gate.weight": w(E, H, s=0.5), f"{p}.mlp.experts.gate_up_proj": w(E, 2 * I, H),
+                f"{p}.mlp.experts.down_proj": w(E, H, I), f"{p}.mlp.shared_expert.gate_proj.weight": w(S, H),
+                f"{p}.mlp.shared_expert.up_proj.weight": w(S, H),
+                f"{p}.mlp.shared_expert.down_proj.weight": w(H, S),
+                f"{p}.mlp.shared_expert_gate.weight": w(1, H)}
+
+    t = {"model.language_model.embed_tokens.weight": w(V, H, s=1.0), "lm_head.weight": w(V, H, s=0.3)}
+    t.update(hyper("model.language_model.hyper_connection_mixer", combine=False))
+    hk, hv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
+    dk, dv, K = tc["linear_key_head_dim"], tc["linear_value_head_dim"], tc["linear_conv_kernel_dim"]
+    for i, kind in enumerate(args.layer_types):
+        p = f"model.language_model.layers.{i}"
+        if kind == "linear_attention":
+            C = 2 * hk * dk + hv * dv
+            t.update({f"{p}.linear_attn.in_proj_qkv.weight": w(C, H), f"{p}.linear_attn.in_proj_z.weight": w(hv * dv, H),
+                      f"{p}.linear_attn.in_proj_b.weight": w(hv, H), f"{p}.linear_attn.in_proj_a.weight": w(hv, H),
+                      f"{p}.linear_attn.conv1d.weight": w(C, 1, K, s=0.5),
+                      f"{p}.linear_attn.dt_bias": (1 + w(hv)).astype(np.float32),
+                      f"{p}.linear_attn.A_log": np.log(rng.uniform(1, 16, hv)).astype(np.float32),
+                      f"{p}.linear_attn.norm.weight": (1 + w(dv)).astype(np.float32),
+                      f"{p}.linear_attn.out_proj.weight": w(H, hv * dv)})
+        else:
+            t.update(attention_layer(p))
+        t.update(moe(p))
+        t.update(hyper(f"{p}.attn_hyper_connection"))
+        t.update(hyper(f"{p}.mlp_hyper_connection"))
+        if i + 1 in args.ple_layer_ids:
+            j = args.ple_layer_ids.index(i + 1)
+            sizes = ngram_head_sizes(args, j)
+            div = tc["make_ngram_vocab_size_divisible_by"]
+            rows = -(-sum(sizes) // div) * div
+            heads = (tc["ngram_size"] - 1) * tc["heads_per_ngram"]
+            table = w(rows, tc["ple_embed_dim"] // heads, s=1.0)
+            q = p + ".ple.ple_embedding"
+            step = -(-rows // tc["split_ngram_parts"])  # torch.chunk: equal chunks, the last shorter
+            for s_i, lo in enumerate(range(0, rows, step)):
+                t[f"{q}.ngram_embedding.shard_{s_i}.weight"] = table[lo:lo + step]
+            t[f"{q}.layer_multipliers"] = np.array(
+                ngram_multipliers(V, tc["ngram_size"], j, tc["seed"]), dtype=np.int64)
+            t[f"{q}.ngram_heads_vocab_sizes"] = np.array(sizes, dtype=np.int64)
+            t[f"{q}.ngram_heads_offsets"] = np.cumsum([0] + sizes[:-1]).astype(np.int64)
+            E_ = tc["ple_embed_dim"]
+            t.update({f"{p}.ple.key_proj.weight": w(W, E_, s=0.5), f"{p}.ple.value_proj.weight": w(H, E_, s=0.5),
+                      f"{p}.ple.norm_key.weight": zc(W), f"{p}.ple.norm_query.weight": zc(W),
+                      f"{p}.ple.norm_conv.weight": zc(W),
+                      f"{p}.ple.conv1d.weight": w(W, 1, tc["ple_conv_kernel_size"], s=0.5)})
+    if mtp:
+        t.update({"mtp.pre_fc_norm_embedding.weight": zc(H), "mtp.pre_fc_norm_hidden.weight": zc(W),
+                  "mtp.fc_embedding.weight": w(H, H), "mtp.fc_hidden.weight": w(H, H)})
+        t.update(attention_layer("mtp.layers.0"))
+        t.update(moe("mtp.layers.0"))
+        t.update(hyper("mtp.layers.0.attn_hyper_connection"))
+        t.update(hyper("mtp.layers.0.mlp_hyper_connection"))
+        t.update(hyper("mtp.hyper_connection_mixer", combine=False))
+    return t
+
+
+def write_qwen4_exp_checkpoint(path, *, seed: int = 0, mtp: bool = True, dtype: str = "float32",
+                               shards: int = 1, text_overrides: Optional[Dict] = None) -> Path:
+    """A random Qwen3.8-Flash-Next (`qwen4_exp`) checkpoint folder in the
+    released HF layout (config.json with `text_config`, safetensors, tokenizer).
+    Int64 buffers keep their dtype. See docs/qwen4_exp.md."""
+    import mlx.core as mx
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tc = tiny_qwen4_exp_config(**(text_overrides or {}))
+    weights = qwen4_exp_random_weights(tc, seed, mtp=mtp)
+    config = {
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "model_type": "qwen4_exp",
+        "text_config": tc,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": False,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    floats = {k: v for k, v in weights.items() if v.dtype != np.int64}
+    save_safetensors_shards(path, floats, dtype, shards)
+    ints = {k: mx.array(v) for k, v in weights.items() if v.dtype == np.int64}
+    if ints:  # the derived buffers, in their own file, indexed when sharded
+        mx.save_safetensors(str(path / "model-buffers.safetensors"), ints, metadata={"format": "pt"})
+        index = path / "model.safetensors.index.json"
+        data = (json.loads(index.read_text()) if index.exists()
+                else {"metadata": {}, "weight_map": {k: "model.safetensors" for k in floats}})
+        data["weight_map"].update({k: "model-buffers.safetensors" for k in ints})
+        index.write_text(json.dumps(data, indent=1))
+    write_tokenizer(path, tc["eos_token_id"])
+    return path

@@ -1,0 +1,559 @@
+"""Qwen3.8-Flash-Next (`qwen4_exp`): the trunk in MLX, in mlx_lm's model-file form.
+
+mlx-lm 0.32.2 has no such model, so the project carries it (issue 27), built
+from mlx_lm's pieces where they fit: Qwen3.5's GatedDeltaNet, Qwen3-Next's
+gated attention and sparse MoE block (`SwitchGLU` experts), RoPE, RMSNorm.
+What is new, written from transformers' `qwen4_exp` modeling code:
+
+- hyper-connections: the residual is `hc_count` streams of `hidden_size`,
+  mixed into one block input before each block and re-injected after;
+  a final mixer collapses them (there is no final RMSNorm);
+- QSA: the attention layers attend only to the key blocks a learned indexer
+  picks (top `indexer_budget / indexer_compress_ratio` mean-pooled blocks)
+  plus the incomplete tail block;
+- PLE: hashed n-gram embeddings of the token ids gate a per-stream value,
+  followed by a dilated depthwise convolution over recent positions.
+
+Caches are mlx_lm's own kinds, composed, so `save_prompt_cache`,
+`load_prompt_cache` and `trim_prompt_cache` work unchanged:
+GDN layer -> `ArraysCache(2)` [conv window, recurrent state], or
+`ArraysCache(4)` with PLE [.., PLE conv window, last n-1 token ids];
+QSA layer -> `CacheList(KVCache, KVCache)`: attention K/V, then the
+indexer's raw keys (as keys; values are zero-width).
+
+Not yet: the MTP head (`mtp.*` is dropped by `sanitize`), verify/rollback,
+batches with left padding. See docs/qwen4_exp.md.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.base import BaseModelArgs, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+
+# ------------------------------------------------------------------ config
+
+
+@dataclass
+class TextModelArgs(qwen3_5.TextModelArgs):
+    """Config keys as transformers' `Qwen4ExpTextConfig` reads them."""
+
+    model_type: str = "qwen4_exp_text"
+    head_dim: Optional[int] = 256
+    hidden_act: str = "silu"
+    layer_types: Optional[List[str]] = None
+    eos_token_id: Any = None
+    hc_count: int = 4
+    hc_lowrank: int = 320
+    ple_layer_ids: Optional[List[int]] = None
+    ple_embed_dim: Optional[int] = None
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+    split_ngram_parts: int = 512
+    indexer_n_heads: Optional[int] = None
+    indexer_kv_heads: Optional[int] = None
+    indexer_head_dim: Optional[int] = None
+    indexer_budget: Optional[int] = None
+    indexer_compress_ratio: Optional[int] = None
+    output_gate_type: Optional[str] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.ple_layer_ids = sorted(set(self.ple_layer_ids or []))
+        if self.ple_embed_dim is None:
+            self.ple_embed_dim = self.hidden_size
+        if self.layer_types is None:
+            self.layer_types = [
+                "linear_attention" if (i + 1) % self.full_attention_interval else "indexed_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        # released configs write "full_attention" for the indexed layers
+        self.layer_types = [
+            "indexed_attention" if t == "full_attention" else t for t in self.layer_types
+        ]
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
+        if self.ple_layer_ids and self.eos_token_id is None:
+            raise ValueError("qwen4_exp: PLE layers need eos_token_id (it pads the n-gram context)")
+        qsa = (self.indexer_n_heads, self.indexer_kv_heads, self.indexer_head_dim,
+               self.indexer_budget, self.indexer_compress_ratio)
+        # transformers builds the indexer on every attention layer: no QSA fields, no model
+        if "indexed_attention" in self.layer_types and None in qsa:
+            raise ValueError("qwen4_exp: attention layers need the indexer_* (QSA) fields")
+        if self.indexer_kv_heads not in (None, 1):
+            raise ValueError("qwen4_exp: QSA needs indexer_kv_heads=1")
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    text_config: dict
+
+    @classmethod
+    def from_dict(cls, params):
+        if "text_config" not in params:
+            return cls(model_type=params["model_type"], text_config=params)
+        tc = dict(params["text_config"])
+        # eos sits at the top level of the released config
+        if tc.get("eos_token_id") is None and params.get("eos_token_id") is not None:
+            tc["eos_token_id"] = params["eos_token_id"]
+        return cls(model_type=params["model_type"], text_config=tc)
+
+
+# ------------------------------------------------------------------ pieces
+
+
+class GroupedRMSNorm(nn.Module):
+    """RMSNorm over each `group` features of a wider vector (the `hc_count`
+    streams are normalised one by one), weight over the whole width."""
+
+    def __init__(self, dims: int, group: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.group, self.eps = group, eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        y = mx.fast.rms_norm(x.reshape(*shape[:-1], -1, self.group), None, self.eps)
+        return y.reshape(shape) * self.weight
+
+
+class HyperConnection(nn.Module):
+    """transformers' `Qwen4ExpTextGatedResidual`: mixes the streams into one
+    block input; with `use_combine`, also the per-stream injection weights."""
+
+    def __init__(self, args: TextModelArgs, use_combine: bool = True):
+        super().__init__()
+        self.hc, self.hidden = args.hc_count, args.hidden_size
+        width = self.hc * self.hidden
+        self.hc_norm = GroupedRMSNorm(width, self.hidden, args.rms_norm_eps)
+        self.input_mix_weight_down = nn.Linear(width, args.hc_lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(args.hc_lowrank, width, bias=False)
+        if use_combine:
+            self.block_inject_weight = nn.Linear(width, self.hc, bias=False)
+        self.use_combine = use_combine
+
+    def __call__(self, x: mx.array):
+        xn = self.hc_norm(x)
+        w = nn.silu(self.input_mix_weight_down(xn) / self.hc)
+        w = mx.sigmoid(self.input_mix_weight_up(w))
+        mixed = (w * xn).reshape(*x.shape[:-1], self.hc, self.hidden).mean(axis=-2)
+        if not self.use_combine:
+            return mixed
+        return mixed, 2 * mx.sigmoid(self.block_inject_weight(xn) / self.hc)
+
+
+def inject(x: mx.array, out: mx.array, weights: mx.array) -> mx.array:
+    """Residual: each stream gets the block output times its weight."""
+    return x + (out[..., None, :] * weights[..., :, None]).reshape(x.shape)
+
+
+class GatedRMSNorm(qwen3_next.Qwen3NextRMSNormGated):
+    """Qwen3-Next's gated norm, with the gate activation the config names
+    (`output_gate_type`: silu as mlx_lm's, or sigmoid)."""
+
+    def __init__(self, dims: int, eps: float, activation: str):
+        super().__init__(dims, eps)
+        self.activation = activation
+
+    def __call__(self, x, gate=None):
+        if self.activation == "silu" or gate is None:
+            return super().__call__(x, gate)
+        y = mx.fast.rms_norm(x, self.weight, self.eps).astype(mx.float32)
+        return (y * mx.sigmoid(gate.astype(mx.float32))).astype(x.dtype)
+
+
+class GatedDeltaNet(qwen3_5.GatedDeltaNet):
+    def __init__(self, args: TextModelArgs):
+        super().__init__(args)
+        act = args.output_gate_type or args.hidden_act
+        if act not in ("silu", "sigmoid"):
+            raise ValueError(f"qwen4_exp: unsupported output gate {act!r}")
+        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps, act)
+
+
+# ------------------------------------------------------------------ PLE
+
+_MASK64 = (1 << 64) - 1
+_GAMMA, _M1, _M2, _PRIME_1 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 10007
+
+
+def _splitmix64(v: int) -> int:
+    v = (v + _GAMMA) & _MASK64
+    v = ((v ^ (v >> 30)) * _M1) & _MASK64
+    v = ((v ^ (v >> 27)) * _M2) & _MASK64
+    return (v ^ (v >> 31)) & _MASK64
+
+
+def ngram_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> List[int]:
+    """Odd hash multipliers of one PLE layer (transformers' `_build_layer_multipliers`);
+    small enough that token * multiplier never overflows int64."""
+    half = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
+    base = seed + _PRIME_1 * ple_index
+    return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def ngram_head_sizes(args: TextModelArgs, ple_index: int) -> List[int]:
+    """Each hashed head's table size: the (g+1)-th prime above the base, g the
+    head's index over all PLE layers."""
+    heads = (args.ngram_size - 1) * args.heads_per_ngram
+    sizes, p = [], args.ngram_vocab_size_base - 1
+    for g in range(ple_index * heads + heads):
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        if g >= ple_index * heads:
+            sizes.append(p)
+    return sizes
+
+
+class NGramEmbedding(nn.Module):
+    """Hashed 2..n-gram embeddings; n-grams do not reach across an EOS."""
+
+    def __init__(self, args: TextModelArgs, ple_index: int):
+        super().__init__()
+        self.n = args.ngram_size
+        self.per_ngram = args.heads_per_ngram
+        heads = (self.n - 1) * self.per_ngram
+        self.eos = int(args.eos_token_id)
+        sizes = ngram_head_sizes(args, ple_index)
+        offsets = [sum(sizes[:i]) for i in range(heads)]
+        div = args.make_ngram_vocab_size_divisible_by
+        padded = -(-sum(sizes) // div) * div
+        # derived from the config: private, not parameters
+        self._mult = [int(m) for m in ngram_multipliers(args.vocab_size, self.n, ple_index, args.seed)]
+        self._sizes = mx.array(sizes, dtype=mx.int64)
+        self._offsets = mx.array(offsets, dtype=mx.int64)
+        self.ngram_embedding = nn.Embedding(padded, args.ple_embed_dim // heads)
+
+    def __call__(self, history: mx.array, length: int) -> mx.array:
+        """history [B, n-1+L] int: the n-1 previous ids, then the L new ones."""
+        B, T = history.shape
+        h = history.astype(mx.int64)
+        pos = mx.arange(T)
+        is_eos = h == self.eos
+        eos_pos = mx.where(is_eos, pos, -1)
+        prev = mx.concatenate([mx.full((B, 1), -1, mx.int64), mx.cummax(eos_pos, axis=1)[:, :-1]], axis=1)
+        in_segment = pos[None] - (prev + 1)  # position within the EOS-delimited segment
+        shifted = [h]
+        for s in range(1, self.n):
+            src = mx.concatenate([mx.full((B, s), self.eos, mx.int64), h[:, : T - s]], axis=1)
+            shifted.append(mx.where(in_segment >= s, src, self.eos))
+        blocks = []
+        for n in range(2, self.n + 1):
+            mixed = shifted[0] * self._mult[0]
+            for p in range(1, n):
+                mixed = mx.bitwise_xor(mixed, shifted[p] * self._mult[p])
+            lo = (n - 2) * self.per_ngram
+            sizes = self._sizes[lo : lo + self.per_ngram]
+            blocks.append(mx.remainder(mixed[..., None], sizes) + self._offsets[lo : lo + self.per_ngram])
+        ids = mx.concatenate(blocks, axis=-1)[:, -length:]
+        e = self.ngram_embedding(ids.astype(mx.int32))
+        return e.reshape(B, length, -1)
+
+
+class PLELayer(nn.Module):
+    """transformers' `Qwen4ExpTextPLELayer`: n-gram features gate a value per
+    stream; a dilated depthwise conv adds recent positions' gated values."""
+
+    def __init__(self, args: TextModelArgs, ple_index: int):
+        super().__init__()
+        self.hc, self.hidden = args.hc_count, args.hidden_size
+        width = self.hc * self.hidden
+        self.context = args.ngram_size - 1
+        self.eos = int(args.eos_token_id)
+        self.dilation = args.ngram_size
+        self.state_len = (args.ple_conv_kernel_size - 1) * self.dilation
+        self.ple_embedding = NGramEmbedding(args, ple_index)
+        self.key_proj = nn.Linear(args.ple_embed_dim, width, bias=False)
+        self.value_proj = nn.Linear(args.ple_embed_dim, self.hidden, bias=False)
+        eps = args.rms_norm_eps
+        self.norm_key = GroupedRMSNorm(width, self.hidden, eps)
+        self.norm_query = GroupedRMSNorm(width, self.hidden, eps)
+        self.norm_conv = GroupedRMSNorm(width, self.hidden, eps)
+        self.conv1d = nn.Conv1d(width, width, args.ple_conv_kernel_size,
+                                dilation=self.dilation, groups=width, bias=False)
+
+    def __call__(self, x: mx.array, inputs: mx.array, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        ctx = cache[3] if cache is not None and cache[3] is not None else None
+        if ctx is None:
+            ctx = mx.full((B, self.context), self.eos, dtype=inputs.dtype)
+        history = mx.concatenate([ctx, inputs.astype(ctx.dtype)], axis=1)
+        emb = self.ple_embedding(history, L)
+        key = self.norm_key(self.key_proj(emb)).reshape(B, L, self.hc, self.hidden)
+        value = self.value_proj(emb)
+        query = self.norm_query(x).reshape(B, L, self.hc, self.hidden)
+        gate = (key * query).sum(axis=-1, keepdims=True) / math.sqrt(self.hidden)
+        gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6)) * mx.sign(gate)
+        gated = (mx.sigmoid(gate) * value[..., None, :]).reshape(B, L, -1)
+        normed = self.norm_conv(gated)
+
+        state = cache[2] if cache is not None and cache[2] is not None else None
+        if state is None:
+            state = mx.zeros((B, self.state_len, normed.shape[-1]), dtype=normed.dtype)
+        conv_in = mx.concatenate([state, normed], axis=1)
+        if cache is not None:
+            cache[2] = mx.contiguous(conv_in[:, -self.state_len :])
+            cache[3] = mx.contiguous(history[:, -self.context :])
+        return gated + nn.silu(self.conv1d(conv_in))
+
+
+# ------------------------------------------------------------------ QSA
+
+
+class QSAIndexer(nn.Module):
+    """transformers' `Qwen4ExpTextQSAIndexer`, vectorised: which keys each
+    query may attend to, as a boolean mask [B, 1, L, T]."""
+
+    def __init__(self, args: TextModelArgs, rope_dims: int, rope_base: float):
+        super().__init__()
+        self.n_heads, self.head_dim = args.indexer_n_heads, args.indexer_head_dim
+        self.ratio = args.indexer_compress_ratio
+        self.block_topk = args.indexer_budget // self.ratio
+        self.index_qk_proj = nn.Linear(args.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_layernorm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope_dims, self.rope_base = rope_dims, rope_base
+
+    def __call__(self, x: mx.array, cache=None, offset: int = 0) -> mx.array:
+        B, L, _ = x.shape
+        r, d = self.ratio, self.head_dim
+        qk = self.index_qk_proj(x)
+        q = self.q_layernorm(qk[..., : self.n_heads * d].reshape(B, L, self.n_heads, d))
+        q = mx.fast.rope(q.transpose(0, 2, 1, 3), self.rope_dims, traditional=False,
+                         base=self.rope_base, scale=1.0, offset=offset)
+        keys = qk[..., self.n_heads * d :][:, None]  # [B, 1, L, d], raw (pooled before the norm)
+        if cache is not None:
+            keys, _ = cache.update_and_fetch(keys, mx.zeros((B, 1, L, 0), dtype=keys.dtype))
+        T = offset + L
+        qpos = offset + mx.arange(L)  # absolute query positions
+        kpos = mx.arange(T)
+        n_full = (qpos + 1) // r  # complete blocks each query sees
+        nb = T // r
+        mask = kpos[None, :] <= qpos[:, None]  # causal [L, T]
+        if nb == 0:
+            return mask[None, None]
+        blocks = keys[:, 0, : nb * r].reshape(B, nb, r, d).astype(mx.float32).mean(axis=2).astype(keys.dtype)
+        # each block's key at its first token's position
+        blocks = mx.fast.rope(self.k_layernorm(blocks)[:, None], self.rope_dims, traditional=False,
+                              base=self.rope_base, scale=float(r), offset=0)[:, 0]
+        scores = mx.maximum(q.astype(mx.float32) @ blocks.astype(mx.float32)[:, None].swapaxes(-1, -2), 0)
+        scores = scores.sum(axis=1) / math.sqrt(d)  # [B, L, nb]
+        valid = mx.arange(nb)[None, :] < n_full[:, None]  # [L, nb]
+        if nb > self.block_topk:
+            scores = mx.where(valid, scores, -mx.inf)
+            top = mx.argpartition(scores, kth=nb - self.block_topk, axis=-1)[..., nb - self.block_topk :]
+            chosen = (mx.arange(nb)[:, None] == top[..., None, :]).any(axis=-1) & valid
+        else:
+            chosen = mx.broadcast_to(valid, (B, L, nb))
+        in_block = mx.repeat(chosen, r, axis=-1)  # [B, L, nb*r]
+        if T > nb * r:
+            in_block = mx.concatenate([in_block, mx.zeros((B, L, T - nb * r), dtype=mx.bool_)], axis=-1)
+        tail = (kpos[None, :] >= (n_full * r)[:, None]) & mask  # the incomplete block, causal
+        return (in_block | tail)[:, None]
+
+
+class Attention(qwen3_next.Qwen3NextAttention):
+    """Qwen3.5's gated attention, restricted to the keys QSA selects."""
+
+    def __init__(self, args: TextModelArgs):
+        super().__init__(args)
+        if not isinstance(self.rope, nn.RoPE):  # the block keys reuse plain RoPE at block starts
+            raise NotImplementedError("qwen4_exp: QSA with a scaled RoPE")
+        self.indexer = QSAIndexer(args, self.rope.dims, self.rope.base)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        kv, index = (cache[0], cache[1]) if cache is not None else (None, None)
+        mask = self.indexer(x, index, kv.offset if kv is not None else 0)
+        return super().__call__(x, mask, kv)
+
+
+# ------------------------------------------------------------------ model
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: TextModelArgs, layer_idx: int):
+        super().__init__()
+        self.is_linear = args.layer_types[layer_idx] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args)
+        self.mlp = qwen3_next.Qwen3NextSparseMoeBlock(args)
+        self.has_ple = layer_idx + 1 in args.ple_layer_ids
+        if self.has_ple:
+            if not self.is_linear:
+                raise ValueError("qwen4_exp: PLE only on linear_attention layers")
+            self.ple = PLELayer(args, args.ple_layer_ids.index(layer_idx + 1))
+        self.attn_hyper_connection = HyperConnection(args)
+        self.mlp_hyper_connection = HyperConnection(args)
+
+    def __call__(self, x, inputs, mask=None, cache=None):
+        if self.has_ple:
+            x = x + self.ple(x, inputs, cache)
+        h, w = self.attn_hyper_connection(x)
+        h = self.linear_attn(h, mask, cache) if self.is_linear else self.self_attn(h, cache)
+        x = inject(x, h, w)
+        h, w = self.mlp_hyper_connection(x)
+        return inject(x, self.mlp(h), w)
+
+
+class Qwen4ExpTextModel(nn.Module):
+    def __init__(self, args: TextModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.hyper_connection_mixer = HyperConnection(args, use_combine=False)
+        self.ssm_idx = next((i for i, l in enumerate(self.layers) if l.is_linear), None)
+
+    def streams(self, inputs: mx.array, cache=None) -> mx.array:
+        """The `hc_count` residual streams after the last layer, [B, L, hc*H]
+        (the MTP head reads these, before the mixer collapses them)."""
+        if cache is None:
+            cache = [None] * len(self.layers)
+        h = self.embed_tokens(inputs)
+        ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
+        x = mx.tile(h, (1, 1, self.args.hc_count))
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, inputs, ssm_mask if layer.is_linear else None, c)
+        return x
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        return self.hyper_connection_mixer(self.streams(inputs, cache))
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: TextModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Qwen4ExpTextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        out = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(out)
+        return self.lm_head(out)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        caches = []
+        for l in self.layers:
+            if l.is_linear:
+                caches.append(ArraysCache(size=4 if l.has_ple else 2))
+            else:  # attention K/V, then the indexer's raw keys
+                caches.append(CacheList(KVCache(), KVCache()))
+        return caches
+
+
+# Qwen4ExpTextRMSNorm is zero-centred ((1 + w)); shifted once at load so the
+# MLX layout uses plain RMSNorm weights. The GDN's gated norm is not.
+_ZERO_CENTRED = (".q_norm.weight", ".k_norm.weight", ".q_layernorm.weight", ".k_layernorm.weight",
+                 ".hc_norm.weight", ".norm_key.weight", ".norm_query.weight", ".norm_conv.weight")
+_DERIVED = (".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
+_SHARD = re.compile(r"^(.*\.ngram_embedding)\.shard_(\d+)\.weight$")
+
+
+class Model(nn.Module):
+    """`qwen4_exp` text trunk (vision tower and MTP head dropped). See docs/qwen4_exp.md."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.language_model = TextModel(TextModelArgs.from_dict(args.text_config))
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None):
+        if input_embeddings is not None:
+            raise NotImplementedError("qwen4_exp: PLE needs token ids, not embeddings")
+        return self.language_model(inputs, cache)
+
+    @property
+    def model(self):
+        return self.language_model.model
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    def make_cache(self):
+        return self.language_model.make_cache()
+
+    def sanitize(self, weights):
+        """HF layout (`model.language_model.*`, `lm_head`, `model.visual.*`,
+        `mtp.*`, sharded n-gram tables, fused or per-expert MoE, zero-centred
+        norms, torch conv layout) or this class's MLX layout -> MLX layout."""
+        hf = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+        args = self.language_model.args
+        out, shards = {}, {}
+        for k, v in weights.items():
+            if k.startswith(("vision_tower", "model.visual", "mtp.", "model.mtp.")) or k.endswith(_DERIVED):
+                continue
+            if k.startswith("model.language_model."):
+                k = "language_model.model." + k[len("model.language_model."):]
+            elif not k.startswith("language_model."):
+                k = "language_model." + k
+            m = _SHARD.match(k)
+            if m:
+                shards.setdefault(m.group(1), {})[int(m.group(2))] = v
+                continue
+            if hf:
+                if k.endswith("conv1d.weight") and v.shape[-1] != 1:
+                    v = v.moveaxis(2, 1)
+                if k.endswith(_ZERO_CENTRED):
+                    v = v + 1.0
+            out[k] = v
+        for k, parts in shards.items():  # torch.chunk'ed along rows; join in order
+            out[k + ".weight"] = mx.concatenate([parts[i] for i in sorted(parts)], axis=0)
+        if args.tie_word_embeddings:
+            out.pop("language_model.lm_head.weight", None)
+        for l in range(args.num_hidden_layers):
+            p = f"language_model.model.layers.{l}.mlp"
+            if f"{p}.experts.gate_up_proj" in out:
+                gate_up = out.pop(f"{p}.experts.gate_up_proj")
+                mid = gate_up.shape[-2] // 2
+                out[f"{p}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+                out[f"{p}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+                out[f"{p}.switch_mlp.down_proj.weight"] = out.pop(f"{p}.experts.down_proj")
+            elif f"{p}.experts.0.gate_proj.weight" in out:
+                for n in ("gate_proj", "up_proj", "down_proj"):
+                    out[f"{p}.switch_mlp.{n}.weight"] = mx.stack(
+                        [out.pop(f"{p}.experts.{e}.{n}.weight") for e in range(args.num_experts)])
+        return out
+
+    @property
+    def quant_predicate(self):
+        def predicate(path, _):
+            if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+                return {"group_size": 64, "bits": 8}
+            return True
+
+        return predicate
+
+    @property
+    def cast_predicate(self):
+        return lambda path: not path.endswith("A_log")

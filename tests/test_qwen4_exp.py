@@ -1,0 +1,220 @@
+"""Qwen3.8-Flash-Next (`qwen4_exp`) trunk: the MLX model against a NumPy
+forward written from transformers' modeling code, its caches (token by token
+equals the full forward; prompt-cache save/load), and `sanitize` on the
+released and MLX layouts. Tiny random checkpoint in the released HF layout.
+The MTP head, verify/rollback and loading through mlx_mtp are not here yet
+(docs/qwen4_exp.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, load_prompt_cache, save_prompt_cache
+from qwen4_exp_reference import Reference, head_sizes, layer_multipliers
+
+from mlx_mtp.families import qwen4_exp
+from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+
+# 16 tokens: QSA chooses 2 of up to 8 two-token blocks; an EOS (258) cuts the n-grams
+PROMPT = [3, 17, 99, 42, 7, 7, 150, 258, 12, 64, 88, 5, 9, 200, 31, 1]
+
+
+def _raw(path: Path):
+    w = {}
+    for f in sorted(path.glob("*.safetensors")):
+        w.update({k: np.array(v) for k, v in mx.load(str(f)).items()})
+    return w
+
+
+def _model(config, weights):
+    m = qwen4_exp.Model(qwen4_exp.ModelArgs.from_dict(config))
+    m.load_weights(list(m.sanitize({k: mx.array(v) for k, v in weights.items()}).items()), strict=True)
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = write_qwen4_exp_checkpoint(tmp_path_factory.mktemp("qwen4_exp"))
+    config = json.loads((path / "config.json").read_text())
+    raw = _raw(path)
+    ref = Reference(raw, config["text_config"])
+    want = ref.logits(PROMPT)
+    return dict(path=path, config=config, raw=raw, ref=ref, want=want, model=_model(config, raw))
+
+
+def _logits(model, ids, cache=None):
+    return np.array(model(mx.array([ids]), cache)[0])
+
+
+def test_config_and_layout_as_transformers_reads_them(ckpt):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen4ExpConfig"):
+        pytest.skip("this transformers has no qwen4_exp")
+    # strict config class: unknown keys or broken invariants raise
+    cfg = transformers.Qwen4ExpConfig(**ckpt["config"])
+    tc = cfg.text_config
+    assert tc.layer_types == ["linear_attention", "indexed_attention"] * 2
+    assert tc.ple_layer_ids == [1, 3] and tc.indexer_budget == 4
+    raw = ckpt["raw"]
+    assert "model.language_model.layers.1.self_attn.indexer.index_qk_proj.weight" in raw
+    assert "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.shard_2.weight" in raw
+    assert raw["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+    assert any(k.startswith("mtp.layers.0.self_attn.indexer.") for k in raw)
+
+
+def test_ngram_hash_constants_agree_with_reference(ckpt):
+    # the checkpoint's buffers come from the family's code; the reference derives its own
+    raw, tc = ckpt["raw"], ckpt["config"]["text_config"]
+    for j, layer in enumerate((0, 2)):
+        p = f"model.language_model.layers.{layer}.ple.ple_embedding"
+        assert raw[f"{p}.layer_multipliers"].tolist() == layer_multipliers(259, 3, j, tc["seed"])
+        assert raw[f"{p}.ngram_heads_vocab_sizes"].tolist() == head_sizes(tc, j)
+    # heads of different PLE layers hash into different prime tables
+    assert set(head_sizes(tc, 0)).isdisjoint(head_sizes(tc, 1))
+
+
+def test_trunk_logits_match_numpy_reference(ckpt):
+    # the QSA cut must be clear of ties, or the top-k choice is arbitrary
+    assert ckpt["ref"].min_margin > 1e-4
+    diff = np.abs(_logits(ckpt["model"], PROMPT) - ckpt["want"]).max()
+    assert diff < 1e-4, diff
+
+
+@pytest.mark.parametrize("part", ["qsa", "ple_conv", "ngram_table", "hyper_streams"])
+def test_each_part_shows_in_the_logits(ckpt, part):
+    """The reference comparison can fail: break one part of the MLX trunk and
+    it no longer matches."""
+    m = _model(ckpt["config"], ckpt["raw"])
+    layers = m.layers
+    if part == "qsa":  # attend to every key
+        for l in layers:
+            if not l.is_linear:
+                l.self_attn.indexer.block_topk = 10**6
+    elif part == "ple_conv":
+        layers[0].ple.conv1d.weight = mx.zeros_like(layers[0].ple.conv1d.weight)
+    elif part == "ngram_table":  # an n-gram hashed one row off
+        t = layers[2].ple.ple_embedding.ngram_embedding
+        t.weight = mx.roll(t.weight, 1, axis=0)
+    else:  # the streams' injection weights swapped
+        hc = layers[1].attn_hyper_connection.block_inject_weight
+        hc.weight = hc.weight[::-1]
+    assert np.abs(_logits(m, PROMPT) - ckpt["want"]).max() > 1e-3
+
+
+def test_caches_are_mlx_lm_kinds(ckpt):
+    kinds = [(type(c), getattr(c, "cache", None) and len(c.cache)) for c in ckpt["model"].make_cache()]
+    assert kinds == [(ArraysCache, 4), (CacheList, None), (ArraysCache, 4), (CacheList, None)]
+    cl = ckpt["model"].make_cache()[1]
+    assert all(isinstance(c, KVCache) for c in cl.caches)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 16, [5, 6, 1, 4]], ids=["token_by_token", "chunks"])
+def test_cached_decoding_equals_full_forward(ckpt, chunks):
+    m = ckpt["model"]
+    full = _logits(m, PROMPT)
+    cache, outs, at = m.make_cache(), [], 0
+    for n in chunks:
+        outs.append(_logits(m, PROMPT[at:at + n], cache))
+        at += n
+    got = np.concatenate(outs)
+    assert np.abs(got - full).max() < 1e-5
+    # every new state was used: the PLE windows and n-gram context, the indexer's keys
+    assert cache[0][2].shape == (1, 6, 96) and cache[0][3].tolist() == [PROMPT[-2:]]
+    assert cache[1][1].offset == len(PROMPT) == cache[1][0].offset
+    # and matters: the same tokens without the cache do not give these logits
+    fresh = np.concatenate([_logits(m, PROMPT[i:i + 1]) for i in range(4, 8)])
+    assert np.abs(fresh - full[4:8]).max() > 1e-3
+
+
+def test_prompt_cache_save_load_round_trip(ckpt, tmp_path):
+    m = ckpt["model"]
+    full = _logits(m, PROMPT)
+    cache = m.make_cache()
+    _logits(m, PROMPT[:9], cache)
+    f = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(f, cache, metadata={"model": "qwen4_exp"})
+    loaded, meta = load_prompt_cache(f, return_metadata=True)
+    assert meta == {"model": "qwen4_exp"}
+    assert [type(c) for c in loaded] == [type(c) for c in cache]
+    assert loaded[0][3].dtype == cache[0][3].dtype  # token ids stay integers
+    a = _logits(m, PROMPT[9:], loaded)
+    b = _logits(m, PROMPT[9:], cache)
+    assert np.array_equal(a, b)
+    assert np.abs(a - full[9:]).max() < 1e-5
+
+
+def test_sanitize_mlx_layout_and_per_expert_tensors(ckpt):
+    m, want = ckpt["model"], _logits(ckpt["model"], PROMPT)
+    # MLX layout in (a converted model's own weights): loaded as is, norms not shifted twice
+    own = dict(tree_flatten(m.parameters()))
+    m2 = qwen4_exp.Model(qwen4_exp.ModelArgs.from_dict(ckpt["config"]))
+    m2.load_weights(list(m2.sanitize(own).items()), strict=True)
+    assert np.array_equal(_logits(m2, PROMPT), want)
+    # HF with one tensor per expert (the other layout transformers' loader accepts)
+    raw = dict(ckpt["raw"])
+    for k in [k for k in raw if k.endswith(".mlp.experts.gate_up_proj") and not k.startswith("mtp.")]:
+        p = k[: -len(".gate_up_proj")]
+        gu, down = raw.pop(k), raw.pop(f"{p}.down_proj")
+        half = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            raw[f"{p}.{e}.gate_proj.weight"] = gu[e, :half]
+            raw[f"{p}.{e}.up_proj.weight"] = gu[e, half:]
+            raw[f"{p}.{e}.down_proj.weight"] = down[e]
+    assert np.abs(_logits(_model(ckpt["config"], raw), PROMPT) - want).max() < 1e-6
+
+
+def test_rows_of_a_batch_decode_as_alone(ckpt):
+    m = ckpt["model"]
+    other = PROMPT[::-1]
+    both = np.array(m(mx.array([PROMPT, other])))
+    assert np.abs(both[0] - ckpt["want"]).max() < 1e-4
+    assert np.abs(both[1] - _logits(m, other)).max() < 1e-5
+
+
+def test_loads_and_decodes_through_mlx_lm(ckpt):
+    """mlx_lm's loader (safetensors glob, sanitize, strict load) and its
+    generate_step (prefill in steps, then one token at a time on the cache)
+    give the greedy tokens a full forward per step gives."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    m, _ = load_model(ckpt["path"], get_model_classes=lambda config: (qwen4_exp.Model, qwen4_exp.ModelArgs))
+    assert np.array_equal(_logits(m, PROMPT), _logits(ckpt["model"], PROMPT))
+    got = [int(t) for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=8, prefill_step_size=5)]
+    ids = list(PROMPT)
+    for _ in range(8):
+        ids.append(int(np.argmax(_logits(m, ids)[-1])))
+    assert got == ids[len(PROMPT):]
+
+
+def test_second_geometry_matches_reference(tmp_path):
+    """Other choices the config allows: silu output gate (mlx_lm's gated norm),
+    4 streams, 4-grams with one head each, 3-token QSA blocks, one PLE layer,
+    one n-gram shard, GDN layers back to back, EOS runs in the prompt."""
+    overrides = dict(
+        hc_count=4, output_gate_type=None, ngram_size=4, heads_per_ngram=1, ple_embed_dim=12,
+        ple_conv_kernel_size=4, indexer_compress_ratio=3, indexer_budget=6, ple_layer_ids=[1],
+        split_ngram_parts=1, num_hidden_layers=5,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0]})
+    path = write_qwen4_exp_checkpoint(tmp_path, seed=1, mtp=False, text_overrides=overrides)
+    config, raw = json.loads((path / "config.json").read_text()), _raw(path)
+    ids = PROMPT + [258, 258, 4]
+    ref = Reference(raw, config["text_config"])
+    want = ref.logits(ids)
+    assert ref.min_margin > 1e-4
+    m = _model(config, raw)
+    full = _logits(m, ids)
+    assert np.abs(full - want).max() < 1e-4
+    cache = m.make_cache()
+    assert [type(c) for c in cache] == [ArraysCache, ArraysCache, CacheList, ArraysCache, CacheList]
+    assert len(cache[0].cache) == 4 and len(cache[1].cache) == 2
+    inc = np.concatenate([_logits(m, [t], cache) for t in ids])
+    assert np.abs(inc - full).max() < 1e-5
