@@ -21,6 +21,12 @@ buffers whose lengths are device arrays, one per batch row
 (`CaptureCache`). A cycle then rolls back by lengths and indices computed in
 the graph, with no host sync. Conversions: `MTPCache.from_prompt_cache` and
 `MTPCache.write_back`. See docs/design.md, "Caches".
+
+A family may use other mlx_lm kinds (qwen4_exp: `CacheList(KVCache,
+KVCache)` for QSA attention and its indexer keys, `ArraysCache(4)` for a GDN
+layer with PLE; docs/qwen4_exp.md): a CacheList of KVCaches decodes as a
+`PaddedCacheList` (trimmed together), an ArraysCache of any size as a
+`CaptureCache` (entries past the GDN's two kept by the family's commit).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, _BaseCache
 
 BLOCK = 256  # smallest capacity step of a PaddedKVCache
 
@@ -143,18 +149,75 @@ class PaddedKVCache(_BaseCache):
         cache.keys, cache.values, cache.offset = self.keys, self.values, int(length)
 
 
-class CaptureCache(ArraysCache):
-    """A GDN layer's ArraysCache ([conv window, recurrent state]) that can
-    hold what a verify forward captured: the state after every position and
-    the conv input (the GDN layer of the model fills them when `capturing`).
-    The captured arrays live within one cycle; `state` is mlx_lm's."""
+class PaddedCacheList(_BaseCache):
+    """Decoding form of mlx_lm's `CacheList` of KVCaches (qwen4_exp's QSA
+    layer: attention K/V, then the indexer's keys): one PaddedKVCache each,
+    written and trimmed together, so they share one length per row."""
 
-    def __init__(self, conv=None, state=None):
-        super().__init__(size=2)
-        self.cache = [conv, state]
+    def __init__(self, caches):
+        self.caches = list(caches)
+
+    def __getitem__(self, i):
+        return self.caches[i]
+
+    @property
+    def lengths(self) -> mx.array:
+        return self.caches[0].lengths
+
+    @property
+    def offset(self) -> mx.array:
+        return self.lengths
+
+    @property
+    def state(self):
+        return [c.state for c in self.caches]
+
+    @state.setter
+    def state(self, v):
+        self.caches = [PaddedKVCache(*s) for s in v]
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        for c in self.caches:
+            c.trim(n)
+        return n
+
+    def grown(self, needed: int) -> "PaddedCacheList":
+        return PaddedCacheList([c.grown(needed) for c in self.caches])
+
+    def empty(self):
+        return self.caches[0].empty()
+
+    @property
+    def nbytes(self):
+        return sum(c.nbytes for c in self.caches)
+
+    @classmethod
+    def from_cache_list(cls, cache: CacheList, batch: int = 1) -> "PaddedCacheList":
+        return cls([PaddedKVCache.from_kv_cache(c, batch) for c in cache.caches])
+
+    def write_to(self, cache: CacheList, length: int):
+        for c, dst in zip(self.caches, cache.caches):
+            c.write_to(dst, length)
+
+
+class CaptureCache(ArraysCache):
+    """A GDN layer's ArraysCache ([conv window, recurrent state], and any
+    entries a family adds after them) that can hold what a verify forward
+    captured: the state after every position and the conv input (the GDN
+    layer of the model fills them when `capturing`), and a family's own
+    (`captured_ple`: qwen4_exp's PLE conv input and token history). The
+    captured arrays live within one cycle; `state` is mlx_lm's."""
+
+    def __init__(self, conv=None, state=None, *extra):
+        super().__init__(size=2 + len(extra))
+        self.cache = [conv, state, *extra]
         self.capturing = False
         self.captured_states: Optional[mx.array] = None  # [B, T, Hv, Dv, Dk]
         self.captured_conv_input: Optional[mx.array] = None  # [B, K-1+T, C]
+        self.captured_ple: Optional[tuple] = None  # ([B, S+T, W], [B, n-1+T] ids)
 
     @property
     def state(self):  # a new list: a state is a value, shared by no other cache
@@ -165,14 +228,71 @@ class CaptureCache(ArraysCache):
         cache, self.left_padding, self.lengths = v
         self.cache = list(cache)
         self.capturing = False
-        self.captured_states = self.captured_conv_input = None
+        self.captured_states = self.captured_conv_input = self.captured_ple = None
+
+    def commit(self, window: mx.array, state: mx.array, consumed: mx.array):
+        """Keep the state after `consumed` [B] verify tokens: the GDN's conv
+        window and state (picked by the cycle), and a PLE layer's conv window
+        and n-gram context, cut from what its verify captured at the same
+        place (the last S / n-1 entries of the first S+consumed / n-1+consumed)."""
+        self.cache[0], self.cache[1] = window, state
+        if self.captured_ple is not None:
+            n = consumed.astype(mx.int32)[:, None]
+            for slot, full in zip((2, 3), self.captured_ple):
+                width = self.cache[slot].shape[1]
+                at = n + mx.arange(width, dtype=mx.int32)
+                if full.ndim == 3:
+                    at = at[..., None]
+                self.cache[slot] = mx.take_along_axis(full, at, axis=1)
+        self.capturing = False
+        self.captured_states = self.captured_conv_input = self.captured_ple = None
 
     @classmethod
     def from_arrays_cache(cls, cache: ArraysCache) -> "CaptureCache":
-        return cls(cache[0], cache[1])
+        return cls(*cache.cache)
 
     def write_to(self, cache: ArraysCache):
-        cache[0], cache[1] = self.cache[0], self.cache[1]
+        cache.cache = list(self.cache)
+
+
+def _kind(c):
+    """A decoding-form cache's kind, for `MTPCache.layout`."""
+    if isinstance(c, PaddedKVCache):
+        return "kv"
+    if isinstance(c, PaddedCacheList):
+        return ("list", len(c.caches))
+    return "arrays"
+
+
+def _rebuild(c, kv):
+    """c's structure with each PaddedKVCache replaced by kv(that cache)."""
+    if isinstance(c, PaddedKVCache):
+        return kv(c)
+    if isinstance(c, PaddedCacheList):
+        return PaddedCacheList([kv(x) for x in c.caches])
+    return c
+
+
+def _decoding(c, batch: int):
+    """The decoding form of one of mlx_lm's cache objects (buffers shared)."""
+    if isinstance(c, KVCache):
+        return PaddedKVCache.from_kv_cache(c, batch)
+    if isinstance(c, CacheList):
+        return PaddedCacheList.from_cache_list(c, batch)
+    return CaptureCache.from_arrays_cache(c)
+
+
+def _write(c, dst, length):
+    if isinstance(c, CaptureCache):
+        c.write_to(dst)
+    else:
+        c.write_to(dst, length)
+
+
+def entry_length(c) -> int:
+    """Tokens in one attention entry of a prompt cache (a KVCache, or a
+    CacheList whose first is the attention's)."""
+    return c[0].offset if isinstance(c, CacheList) else c.offset
 
 
 class MTPCache:
@@ -202,21 +322,25 @@ class MTPCache:
 
     @property
     def layout(self) -> tuple:
-        """What `from_state` needs to rebuild the objects: per trunk layer
-        whether it is attention, and the number of head layers."""
-        return tuple(isinstance(c, PaddedKVCache) for c in self.trunk), len(self.head)
+        """What `from_state` needs to rebuild the objects: each trunk and
+        head layer's kind."""
+        return tuple(_kind(c) for c in self.trunk), tuple(_kind(c) for c in self.head)
 
     @classmethod
     def from_state(cls, state: list, layout: tuple) -> "MTPCache":
         """Cache objects of `layout` over the arrays of `state`."""
-        is_kv, n_head = layout
-        kinds = list(is_kv) + [True] * n_head
+        trunk_kinds, head_kinds = layout
         objs = []
-        for kv, s in zip(kinds, state):
-            c = PaddedKVCache(None, None, None) if kv else CaptureCache()
+        for kind, s in zip(trunk_kinds + head_kinds, state):
+            if kind == "kv":
+                c = PaddedKVCache(None, None, None)
+            elif kind == "arrays":
+                c = CaptureCache()
+            else:
+                c = PaddedCacheList([])
             c.state = s
             objs.append(c)
-        return cls(objs[: len(is_kv)], objs[len(is_kv):])
+        return cls(objs[: len(trunk_kinds)], objs[len(trunk_kinds):])
 
     def copy(self) -> "MTPCache":
         """New cache objects over the same arrays (the arrays are values)."""
@@ -224,14 +348,14 @@ class MTPCache:
 
     def grown(self, trunk_capacity: int, head_capacity: int) -> "MTPCache":
         """Room for `trunk_capacity` / `head_capacity` entries (whole blocks)."""
-        grow = lambda c, n: c.grown(n) if isinstance(c, PaddedKVCache) else c
+        grow = lambda c, n: c if isinstance(c, CaptureCache) else c.grown(n)
         return MTPCache([grow(c, trunk_capacity) for c in self.trunk],
                         [grow(c, head_capacity) for c in self.head])
 
     def trimmed_head(self, n: int) -> "MTPCache":
         """The head's caches without their last n entries."""
-        return MTPCache(self.trunk, [PaddedKVCache(c.keys, c.values, c.lengths - n)
-                                     for c in self.head])
+        cut = lambda c: PaddedKVCache(c.keys, c.values, c.lengths - n)
+        return MTPCache(self.trunk, [_rebuild(c, cut) for c in self.head])
 
     def with_buffers_of(self, newer: "MTPCache") -> "MTPCache":
         """This cache's lengths and GDN states over `newer`'s KV buffers.
@@ -242,37 +366,47 @@ class MTPCache:
         def one(old, new):
             if isinstance(old, PaddedKVCache):
                 return PaddedKVCache(new.keys, new.values, old.lengths)
+            if isinstance(old, PaddedCacheList):
+                return PaddedCacheList([one(o, n) for o, n in zip(old.caches, new.caches)])
             return old
         return MTPCache([one(o, n) for o, n in zip(self.trunk, newer.trunk)],
                         [one(o, n) for o, n in zip(self.head, newer.head)])
 
     def without_buffers(self) -> "MTPCache":
         """Lengths and GDN states only (see `with_buffers_of`)."""
-        def one(c):
-            return PaddedKVCache(None, None, c.lengths) if isinstance(c, PaddedKVCache) else c
-        return MTPCache([one(c) for c in self.trunk], [one(c) for c in self.head])
+        drop = lambda c: PaddedKVCache(None, None, c.lengths)
+        return MTPCache([_rebuild(c, drop) for c in self.trunk],
+                        [_rebuild(c, drop) for c in self.head])
 
     def take_rows(self, rows: mx.array) -> "MTPCache":
         """These batch rows only (rows: int32 indices)."""
+        def kv(c):
+            if c.keys is None:  # a state kept without its buffers
+                return PaddedKVCache(None, None, c.lengths[rows])
+            return PaddedKVCache(c.keys[rows], c.values[rows], c.lengths[rows])
+
         def one(c):
-            if isinstance(c, PaddedKVCache):
-                if c.keys is None:  # a state kept without its buffers
-                    return PaddedKVCache(None, None, c.lengths[rows])
-                return PaddedKVCache(c.keys[rows], c.values[rows], c.lengths[rows])
-            return CaptureCache(c[0][rows], c[1][rows])
+            if isinstance(c, CaptureCache):
+                return CaptureCache(*[x[rows] for x in c.cache])
+            return _rebuild(c, kv)
         return MTPCache([one(c) for c in self.trunk], [one(c) for c in self.head])
 
     @staticmethod
     def concat(a: "MTPCache", b: "MTPCache") -> "MTPCache":
         """a's rows, then b's (KV buffers cut to one capacity)."""
+        def kv(x, y):
+            capacity = capacity_for(max(x.capacity, y.capacity))
+            x, y = x.recut(capacity), y.recut(capacity)
+            return PaddedKVCache(mx.concatenate([x.keys, y.keys]),
+                                 mx.concatenate([x.values, y.values]),
+                                 mx.concatenate([x.lengths, y.lengths]))
+
         def one(x, y):
             if isinstance(x, PaddedKVCache):
-                capacity = capacity_for(max(x.capacity, y.capacity))
-                x, y = x.recut(capacity), y.recut(capacity)
-                return PaddedKVCache(mx.concatenate([x.keys, y.keys]),
-                                     mx.concatenate([x.values, y.values]),
-                                     mx.concatenate([x.lengths, y.lengths]))
-            return CaptureCache(mx.concatenate([x[0], y[0]]), mx.concatenate([x[1], y[1]]))
+                return kv(x, y)
+            if isinstance(x, PaddedCacheList):
+                return PaddedCacheList([kv(p, q) for p, q in zip(x.caches, y.caches)])
+            return CaptureCache(*[mx.concatenate([p, q]) for p, q in zip(x.cache, y.cache)])
         return MTPCache([one(x, y) for x, y in zip(a.trunk, b.trunk)],
                         [one(x, y) for x, y in zip(a.head, b.head)])
 
@@ -280,11 +414,9 @@ class MTPCache:
     def from_prompt_cache(cls, prompt_cache: list, n_trunk: int, use_head: bool,
                           batch: int = 1) -> "MTPCache":
         """Decoding form of a filled prompt cache (buffers shared, not copied)."""
-        def one(c):
-            return (PaddedKVCache.from_kv_cache(c, batch) if isinstance(c, KVCache)
-                    else CaptureCache.from_arrays_cache(c))
-        trunk = [one(c) for c in prompt_cache[:n_trunk]]
-        head = [one(c) for c in head_caches(prompt_cache, n_trunk)] if use_head else []
+        trunk = [_decoding(c, batch) for c in prompt_cache[:n_trunk]]
+        head = ([_decoding(c, batch) for c in head_caches(prompt_cache, n_trunk)]
+                if use_head else [])
         return cls(trunk, head)
 
     def write_back(self, prompt_cache: list, n_trunk: int, trunk_len: int,
@@ -292,16 +424,28 @@ class MTPCache:
         """Store this state in the prompt cache's mlx_lm objects (in place);
         the host knows the exact lengths by then."""
         for c, dst in zip(self.trunk, prompt_cache[:n_trunk]):
-            c.write_to(dst, trunk_len) if isinstance(c, PaddedKVCache) else c.write_to(dst)
+            _write(c, dst, trunk_len)
         if self.head:
             for c, dst in zip(self.head, head_caches(prompt_cache, n_trunk)):
-                c.write_to(dst, head_len)
+                _write(c, dst, head_len)
 
 
 # -- the prompt-cache list (mlx_lm objects) ----------------------------------------
-def head_entries(head_layers: int) -> list:
-    """What mlx_mtp appends to a trunk's prompt cache (see the module docstring)."""
-    return [KVCache() for _ in range(head_layers)] + [ArraysCache(size=2)]
+def head_entries(head_layers: int, head: Optional[list] = None) -> list:
+    """What mlx_mtp appends to a trunk's prompt cache (see the module
+    docstring); `head`: the head's own fresh caches when not KVCaches."""
+    return (head if head is not None else [KVCache() for _ in range(head_layers)]) + [
+        ArraysCache(size=2)]
+
+
+def _same_kind(c, want) -> bool:
+    if type(c) is not type(want):
+        return False
+    if isinstance(want, ArraysCache):
+        return len(c.cache) == len(want.cache)
+    if isinstance(want, CacheList):
+        return [type(x) for x in c.caches] == [type(x) for x in want.caches]
+    return True
 
 
 def head_caches(prompt_cache: list, n_trunk: int) -> list:
@@ -327,9 +471,13 @@ def set_last_hidden(prompt_cache: list, hidden: Optional[mx.array], is_linear: L
     prompt_cache[-1][1] = None if hidden is None else mx.array(length, dtype=mx.int32)
 
 
-def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: int) -> list:
+def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: int,
+                       trunk: Optional[list] = None, head: Optional[list] = None) -> list:
     """Validate a user's prompt cache against the model; a trunk-only list
-    gets the head's entries appended (in place). Returns the list."""
+    gets the head's entries appended (in place). Returns the list. `trunk` /
+    `head`: fresh caches of the model (`model.make_cache()`,
+    `model.mtp.make_cache()`) whose kinds each entry must have; by default
+    KVCache (attention) and ArraysCache (GDN), KVCache per head layer."""
     n = len(is_linear)
     if not isinstance(prompt_cache, list):
         raise ValueError("prompt_cache must be the list from make_prompt_cache(model)")
@@ -339,19 +487,22 @@ def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: i
             f"prompt_cache has {len(prompt_cache)} entries; this model needs {n} "
             f"(trunk only) or {n + head_layers + 1 if head_layers else n} "
             "(from make_prompt_cache(model))")
-    for i, (c, linear) in enumerate(zip(prompt_cache, is_linear)):
-        want = ArraysCache if linear else KVCache
-        if type(c) is not want:
+    if trunk is None:
+        trunk = [ArraysCache(size=2) if linear else KVCache() for linear in is_linear]
+    for i, (c, want) in enumerate(zip(prompt_cache, trunk)):
+        if not _same_kind(c, want):
             raise ValueError(
                 f"prompt_cache[{i}] is a {type(c).__name__}; mlx_mtp needs mlx_lm's "
-                f"{want.__name__} there (no max_kv_size / kv_bits caches)")
+                f"{type(want).__name__} there (no max_kv_size / kv_bits caches)")
     if head_layers:
         if len(prompt_cache) == n:
-            prompt_cache.extend(head_entries(head_layers))
+            prompt_cache.extend(head_entries(head_layers, head))
         extra = prompt_cache[n:]
-        if not all(type(c) is KVCache for c in extra[:-1]) or type(extra[-1]) is not ArraysCache \
-                or len(extra[-1].cache) != 2:
-            raise ValueError("prompt_cache's head entries are not KVCache ... ArraysCache(2); "
+        want = head if head is not None else [KVCache() for _ in range(head_layers)]
+        if not all(_same_kind(c, w) for c, w in zip(extra[:-1], want)) \
+                or type(extra[-1]) is not ArraysCache or len(extra[-1].cache) != 2:
+            names = " ... ".join(dict.fromkeys(type(w).__name__ for w in want))
+            raise ValueError(f"prompt_cache's head entries are not {names} ... ArraysCache(2); "
                              "build it with make_prompt_cache(model)")
     return prompt_cache
 
@@ -367,33 +518,42 @@ def fill_empty(prompt_cache: list, model, n_layers: int):
     template = getattr(model.runtime, "cache_template", None)
     if template is None:
         probe = model.make_cache()
-        n_trunk = len(probe)
         heads = model.mtp.make_cache() if model.has_mtp else []
         h = model.trunk_hidden(mx.array([[0]], dtype=mx.int32), probe)
         if heads:
             model.mtp(h, model.embed(mx.array([[0]], dtype=mx.int32)), heads)
-        template = []
-        for c in probe + heads:
-            if isinstance(c, KVCache):
-                template.append(("kv", c.keys.shape, c.keys.dtype, c.values.shape[-1]))
-            else:
-                template.append(("arrays", [(x.shape, x.dtype) for x in c.cache]))
+        template = [_template(c) for c in probe + heads]
         model.runtime.cache_template = template
     for c, t in zip(prompt_cache[:n_layers], template):
         if not c.empty():
             continue
-        if t[0] == "kv":
-            _, shape, dtype, dv = t
-            c.keys = mx.zeros((1, shape[1], 0, shape[3]), dtype)
-            c.values = mx.zeros((1, shape[1], 0, dv), dtype)
-            c.offset = 0
-        else:
-            c.cache = [mx.zeros(shape, dtype) for shape, dtype in t[1]]
+        _fill(c, t, model)
+
+
+def _template(c):
+    if isinstance(c, KVCache):
+        return ("kv", c.keys.shape, c.keys.dtype, c.values.shape[-1])
+    if isinstance(c, CacheList):
+        return ("list", [_template(x) for x in c.caches])
+    return ("arrays", [(x.shape, x.dtype) for x in c.cache])
+
+
+def _fill(c, t, model):
+    if t[0] == "kv":
+        _, shape, dtype, dv = t
+        c.keys = mx.zeros((1, shape[1], 0, shape[3]), dtype)
+        c.values = mx.zeros((1, shape[1], 0, dv), dtype)
+        c.offset = 0
+    elif t[0] == "list":
+        for x, tx in zip(c.caches, t[1]):
+            _fill(x, tx, model)
+    else:  # what the family's layer starts from (zeros; qwen4_exp's n-gram context: EOS)
+        c.cache = [model.empty_entry(shape, dtype) for shape, dtype in t[1]]
 
 
 def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:
     """Tokens in a prompt cache's trunk (0 when fresh)."""
     for c, linear in zip(prompt_cache, is_linear):
         if not linear:
-            return c.offset
+            return entry_length(c)
     return 0

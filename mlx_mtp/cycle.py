@@ -48,7 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import metal as kernels
-from .cache import CaptureCache, MTPCache, PaddedKVCache, head_caches, last_hidden
+from .cache import CaptureCache, MTPCache, head_caches, last_hidden
 from .cache import set_last_hidden
 from .distributed import share
 from .sampling import Filters, accept_rows, draft_rows, is_greedy, sample_rows, split_rows
@@ -282,7 +282,7 @@ def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, hist
     if aux["rows"] is None:
         logits = model.logits_from_hidden(g)[:, -1]
     else:
-        r, h = aux["rows"], g[:, -1]
+        r, h = aux["rows"], model.lm_input(g[:, -1])
         if "scales" in r:
             w = model.lm_head_weights()
             sub = mx.quantized_matmul(h, r["weight"], r["scales"], r["biases"], transpose=True,
@@ -340,9 +340,7 @@ def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
                    mx.take_along_axis(st, (n - 1)[:, None, None, None, None], axis=1)[:, 0])
                   for st, ci in zip(states, inputs)]
     for c, (window, st) in zip(gdn, picked):
-        c.cache = [window, st]
-        c.capturing = False
-        c.captured_states = c.captured_conv_input = None
+        c.commit(window, st, consumed)
 
 
 def _pack(accepted: mx.array, out: mx.array, logprobs: mx.array) -> mx.array:
@@ -394,7 +392,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
     #    with the emitted tokens, which yields the next cycle's hidden
     commit_gdn(cache.trunk, accepted + 1, model.text_args.linear_conv_kernel_dim)
     for c in cache.trunk:
-        if isinstance(c, PaddedKVCache):
+        if not isinstance(c, CaptureCache):  # attention: KV (and a family's other KV) by length
             c.trim(k - accepted)
     for c in cache.head:
         c.trim(chained)

@@ -36,11 +36,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from . import checks
-from .cache import (MTPCache, cache_length, check_prompt_cache, fill_empty, head_caches,
-                    set_last_hidden)
+from .cache import (MTPCache, cache_length, check_prompt_cache, entry_length, fill_empty,
+                    head_caches, set_last_hidden)
 from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, prefill,
                     ring_order, unpack)
 from .depth import DepthController
@@ -356,7 +356,8 @@ class Batch:
         self.depth, self.max_depth, self.controller = depth, max_draft_tokens, controller
         self.timeline, self.default_sampler = timeline, default_sampler
         self.default_processors = default_processors
-        self.prefill_batch = PREFILL_BATCH
+        # a family whose layers do not take mlx_lm's batch caches prefills rows one by one
+        self.prefill_batch = PREFILL_BATCH if getattr(spec.model, "batched_prefill", True) else 1
         self.state: Optional[DecodeState] = None
         self.rows: List[Row] = []
         self.inflight: deque = deque()
@@ -412,7 +413,8 @@ class Batch:
             if owner is not None and owner[1]() is not None:
                 owner[1]().close()
         head_layers = len(model.mtp.layers) if model.has_mtp else 0
-        check_prompt_cache(prompt_cache, model.is_linear, head_layers)
+        check_prompt_cache(prompt_cache, model.is_linear, head_layers, model.make_cache(),
+                           model.mtp.make_cache() if head_layers else None)
         context = getattr(model.text_args, "max_position_embeddings", None)
         checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
                              id(model))
@@ -480,7 +482,7 @@ class Batch:
                 rows.append(None)
                 continue
             lens = Lengths(_trunk_length(r.prompt_cache, model),
-                           head_caches(r.prompt_cache, n_trunk)[0].offset if use_head else 0)
+                           entry_length(head_caches(r.prompt_cache, n_trunk)[0]) if use_head else 0)
             # the decoding form; the prompt cache's objects let go of the buffers,
             # so the cycles update them in place
             fill_empty(r.prompt_cache, model, n_trunk + (len(model.mtp.layers) if use_head else 0))
@@ -492,7 +494,7 @@ class Batch:
                 # a one-token prompt on an empty cache has no trunk hidden yet: its
                 # first drafts come from zeros (rejected; its first cycle fixes that)
                 g = pf.g if pf.g is not None else mx.zeros(
-                    (1, 1, model.text_args.hidden_size), mx.float32)
+                    (1, 1, model.hidden_width), mx.float32)
                 state = init_ring(state.replace(g=g))
             row = Row(r.prompt_cache, r.keep_cache, r.max_tokens, r.stats, lens, r.sampling,
                       r.processors)
@@ -742,7 +744,7 @@ def _arrays(state: DecodeState) -> list:
 
 def _trunk_length(prompt_cache: list, model) -> int:
     # (sharded_load refuses a pipeline stage without an attention layer)
-    return next(c.offset for c, lin in zip(prompt_cache, model.is_linear) if not lin)
+    return next(entry_length(c) for c, lin in zip(prompt_cache, model.is_linear) if not lin)
 
 
 def _check_sampled(tokens: List[int], vocab: int):
@@ -768,6 +770,8 @@ def _detach(prompt_cache: list, n_trunk: int, use_head: bool):
         if isinstance(c, KVCache):
             c.keys = c.values = None
             c.offset = 0
+        elif isinstance(c, CacheList):
+            _detach(list(c.caches), len(c.caches), False)
         else:
             c.cache = [None] * len(c.cache)
 

@@ -105,6 +105,7 @@ class MTPModel:
     # -- family hooks -------------------------------------------------------------
     verifying_gdn = None  # the family's GDN subclass that captures a verify
     mtp_layers_key = "mtp_num_hidden_layers"  # the config key the family's configs use
+    batched_prefill = True  # whether prompts may prefill together (mlx_lm's batch caches)
 
     @property
     def text_model(self) -> nn.Module:
@@ -213,12 +214,28 @@ class MTPModel:
         """Post-final-norm trunk hidden states [B, T, H] (cache: trunk layers)."""
         return self.text_model(tokens, cache)
 
+    @property
+    def hidden_width(self) -> int:
+        """Features of a `trunk_hidden` / head hidden (wider than hidden_size
+        where a family carries more than lm_head reads: docs/qwen4_exp.md)."""
+        return self.text_args.hidden_size
+
+    def lm_input(self, hidden: mx.array) -> mx.array:
+        """What lm_head reads of a trunk or head hidden (all of it here)."""
+        return hidden
+
+    def empty_entry(self, shape, dtype) -> mx.array:
+        """An ArraysCache entry before any token (cache.fill_empty): zeros,
+        as mlx_lm's GDN layers start from."""
+        return mx.zeros(shape, dtype)
+
     def _lm_head_module(self):
         if self.text_args.tie_word_embeddings:
             return self.text_model.embed_tokens
         return self.untied_lm_head
 
     def logits_from_hidden(self, hidden: mx.array) -> mx.array:
+        hidden = self.lm_input(hidden)
         if self.text_args.tie_word_embeddings:
             return self.text_model.embed_tokens.as_linear(hidden)
         logits = self.untied_lm_head(hidden)
@@ -243,6 +260,7 @@ class MTPModel:
         projection fused with arg-max, over `vocab_ids` rows only when given."""
         from . import metal as kernels
 
+        g = self.lm_input(g)
         h = g.reshape(-1, g.shape[-1])
         if self.lm_head_group is not None:  # a vocabulary slice per rank: gathered logits
             logits = self.logits_from_hidden(h)

@@ -1,9 +1,10 @@
 """Model families: one file each (see mlx_mtp/model.py for what a family says,
 docs/design.md "Families")."""
 
-from . import qwen3_5, qwen3_next
+from . import qwen3_5, qwen3_next, qwen4_exp
 
-MODEL_CLASSES = {**qwen3_5.MODEL_CLASSES, **qwen3_next.MODEL_CLASSES}
+MODEL_CLASSES = {**qwen3_5.MODEL_CLASSES, **qwen3_next.MODEL_CLASSES,
+                 **qwen4_exp.MODEL_CLASSES}
 SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)
 
 

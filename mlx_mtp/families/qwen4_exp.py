@@ -21,12 +21,18 @@ GDN layer -> `ArraysCache(2)` [conv window, recurrent state], or
 QSA layer -> `CacheList(KVCache, KVCache)`: attention K/V, then the
 indexer's raw keys (as keys; values are zero-width).
 
-Not yet: the MTP head (`mtp.*` is dropped by `sanitize`), verify/rollback,
-batches with left padding. See docs/qwen4_exp.md.
+`Model` is the trunk alone (`mtp.*` dropped by its `sanitize`), usable as a
+plain mlx_lm model. `Qwen4ExpMTPModel` is what `mlx_mtp.load` builds: the
+trunk with the MTP head (`MTPHead` here: split-add fusion on the per-stream
+hidden, one QSA decoder layer, its own hyper-connection mixer), a verifying
+GDN layer, and the PLE / QSA states rolled back after a verify. Not yet:
+batched prefill with left padding (rows prefill one at a time). See
+docs/qwen4_exp.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -37,6 +43,10 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.base import BaseModelArgs, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+
+from ..cache import CaptureCache
+from ..model import MTPModel, MTPWeightError
+from .qwen3_5 import split_fused_experts, stack_expert_tensors, verify_capturing
 
 # ------------------------------------------------------------------ config
 
@@ -310,6 +320,8 @@ class PLELayer(nn.Module):
         if state is None:
             state = mx.zeros((B, self.state_len, normed.shape[-1]), dtype=normed.dtype)
         conv_in = mx.concatenate([state, normed], axis=1)
+        if getattr(cache, "capturing", False):  # a verify: the commit picks the windows
+            cache.captured_ple = (conv_in, history)
         if cache is not None:
             cache[2] = mx.contiguous(conv_in[:, -self.state_len :])
             cache[3] = mx.contiguous(history[:, -self.context :])
@@ -333,7 +345,11 @@ class QSAIndexer(nn.Module):
         self.k_layernorm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope_dims, self.rope_base = rope_dims, rope_base
 
-    def __call__(self, x: mx.array, cache=None, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, cache=None, offset=0) -> mx.array:
+        """offset: the cache's length, an int (mlx_lm's KVCache) or one per
+        row [B] (mlx_mtp's PaddedKVCache, whose keys span its whole buffer:
+        entries past a row's length are never selected, being after every
+        query of that row)."""
         B, L, _ = x.shape
         r, d = self.ratio, self.head_dim
         qk = self.index_qk_proj(x)
@@ -343,21 +359,22 @@ class QSAIndexer(nn.Module):
         keys = qk[..., self.n_heads * d :][:, None]  # [B, 1, L, d], raw (pooled before the norm)
         if cache is not None:
             keys, _ = cache.update_and_fetch(keys, mx.zeros((B, 1, L, 0), dtype=keys.dtype))
-        T = offset + L
-        qpos = offset + mx.arange(L)  # absolute query positions
+        T = keys.shape[2]
+        start = offset[:, None] if isinstance(offset, mx.array) else offset
+        qpos = start + mx.arange(L)[None]  # absolute query positions [1 or B, L]
         kpos = mx.arange(T)
         n_full = (qpos + 1) // r  # complete blocks each query sees
         nb = T // r
-        mask = kpos[None, :] <= qpos[:, None]  # causal [L, T]
+        mask = kpos <= qpos[..., None]  # causal [1 or B, L, T]
         if nb == 0:
-            return mask[None, None]
+            return mask[:, None]
         blocks = keys[:, 0, : nb * r].reshape(B, nb, r, d).astype(mx.float32).mean(axis=2).astype(keys.dtype)
         # each block's key at its first token's position
         blocks = mx.fast.rope(self.k_layernorm(blocks)[:, None], self.rope_dims, traditional=False,
                               base=self.rope_base, scale=float(r), offset=0)[:, 0]
         scores = mx.maximum(q.astype(mx.float32) @ blocks.astype(mx.float32)[:, None].swapaxes(-1, -2), 0)
         scores = scores.sum(axis=1) / math.sqrt(d)  # [B, L, nb]
-        valid = mx.arange(nb)[None, :] < n_full[:, None]  # [L, nb]
+        valid = mx.arange(nb) < n_full[..., None]  # [1 or B, L, nb]
         if nb > self.block_topk:
             scores = mx.where(valid, scores, -mx.inf)
             top = mx.argpartition(scores, kth=nb - self.block_topk, axis=-1)[..., nb - self.block_topk :]
@@ -367,7 +384,7 @@ class QSAIndexer(nn.Module):
         in_block = mx.repeat(chosen, r, axis=-1)  # [B, L, nb*r]
         if T > nb * r:
             in_block = mx.concatenate([in_block, mx.zeros((B, L, T - nb * r), dtype=mx.bool_)], axis=-1)
-        tail = (kpos[None, :] >= (n_full * r)[:, None]) & mask  # the incomplete block, causal
+        tail = (kpos >= (n_full * r)[..., None]) & mask  # the incomplete block, causal
         return (in_block | tail)[:, None]
 
 
@@ -557,3 +574,159 @@ class Model(nn.Module):
     @property
     def cast_predicate(self):
         return lambda path: not path.endswith("A_log")
+
+
+# ------------------------------------------------------------------ MTP
+#
+# The hidden the decode cycle passes around (cycle.py: `trunk_hidden`, the
+# head's output, the ring) is, for this family, [collapsed H | streams hc*H]:
+# the first H features are what lm_head reads (the trunk's or the head's own
+# mixer output), the rest the pre-collapse streams the head drafts from.
+# So cycle.py needs no family branch: `lm_input` slices (docs/qwen4_exp.md).
+
+
+class MTPHead(nn.Module):
+    """The released MTP head, as vLLM's `Qwen4ExpMultiTokenPredictor` and
+    mlx-vlm's `qwen4_exp_mtp` drafter compute it: at pair (streams_p, tok_{p+1})
+
+        e = fc_embedding(pre_fc_norm_embedding(embed(tok_{p+1})))       [H]
+        s = fc_hidden(pre_fc_norm_hidden(streams_p) per stream) + e     [hc, H]
+        s = decoder layer (QSA attention + MoE, hyper-connections)(s)
+        -> [hyper_connection_mixer(s) | s]
+
+    `pre_fc_norm_hidden` normalises all hc*H features at once (not per
+    stream). The chained draft feeds s back as the next streams. Embedding
+    and lm_head are the trunk's. One layer only: vLLM runs layer j at draft
+    step j, mlx-vlm has one; every released config has one."""
+
+    def __init__(self, args: TextModelArgs, num_layers: int = 1):
+        super().__init__()
+        if num_layers != 1:
+            raise MTPWeightError(
+                f"qwen4_exp: an MTP head of {num_layers} layers is not supported (released "
+                "checkpoints have mtp_num_hidden_layers=1)")
+        H, hc = args.hidden_size, args.hc_count
+        self.hidden, self.hc = H, hc
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hc * H, eps=args.rms_norm_eps)
+        self.fc_embedding = nn.Linear(H, H, bias=False)
+        self.fc_hidden = nn.Linear(H, H, bias=False)
+        layer_args = dataclasses.replace(args, num_hidden_layers=1, layer_types=["indexed_attention"],
+                                         ple_layer_ids=[])
+        self.layers = [DecoderLayer(layer_args, 0)]
+        self.hyper_connection_mixer = HyperConnection(layer_args, use_combine=False)
+
+    def make_cache(self):
+        return [CacheList(KVCache(), KVCache()) for _ in self.layers]
+
+    def __call__(self, hidden: mx.array, token_embeddings: mx.array, cache=None) -> mx.array:
+        """hidden [B, T, (hc+1)*H] (trunk or head: [collapsed | streams]) at
+        positions p; token_embeddings [B, T, H] of the tokens at p+1."""
+        B, T, _ = token_embeddings.shape
+        e = self.fc_embedding(self.pre_fc_norm_embedding(token_embeddings))
+        s = self.pre_fc_norm_hidden(hidden[..., self.hidden:]).reshape(B, T, self.hc, self.hidden)
+        x = (self.fc_hidden(s) + e[..., None, :]).reshape(B, T, -1)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, None, None, c)
+        return mx.concatenate([self.hyper_connection_mixer(x), x], axis=-1)
+
+
+class VerifyingGatedDeltaNet(GatedDeltaNet):
+    """This family's GDN (its gated norm) that, in a capturing cache, keeps
+    every state: Qwen3.5's verify (families/qwen3_5.py), same parameters."""
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if not (isinstance(cache, CaptureCache) and cache.capturing):
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return verify_capturing(self, cache, inputs, self.in_proj_qkv(inputs), z,
+                                self.in_proj_b(inputs), self.in_proj_a(inputs))
+
+
+# Zero-centred norms of the head (shifted +1 once, as the trunk's).
+_HEAD_ZERO_CENTRED = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight") + tuple(
+    n[1:] for n in _ZERO_CENTRED)
+
+
+def trunk_norms_unshifted(weights: dict) -> bool:
+    """`Model.sanitize`'s rule: an HF checkpoint has torch conv layout [C, 1, K]."""
+    return any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+
+
+def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
+    """The checkpoint's `mtp.*` in `MTPHead`'s layout: experts fused or per
+    expert -> switch_mlp, zero-centred norms shifted once (HF source), the
+    final mixer's unused `block_inject_weight` dropped (vLLM drops it too)."""
+    weights = stack_expert_tensors(dict(weights), "mtp.")
+    weights.pop("mtp.hyper_connection_mixer.block_inject_weight", None)
+    for i in range(num_layers):
+        split_fused_experts(weights, f"mtp.layers.{i}.mlp")
+    if shift_norms:
+        for k, v in weights.items():
+            if k.endswith(_HEAD_ZERO_CENTRED):
+                weights[k] = v + 1.0
+    return weights
+
+
+class Qwen4ExpMTPModel(MTPModel, Model):
+    """The trunk with its MTP head, as `mlx_mtp.load` builds it (model.py's
+    family interface; docs/qwen4_exp.md)."""
+
+    verifying_gdn = VerifyingGatedDeltaNet
+    mtp_layers_key = "mtp_num_hidden_layers"
+    batched_prefill = False  # QSA / PLE with left padding are not there yet
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self._init_mtp(args.text_config)
+
+    @property
+    def text_model(self):
+        return self.language_model.model
+
+    @property
+    def text_args(self):
+        return self.language_model.args
+
+    @property
+    def untied_lm_head(self):
+        return self.language_model.lm_head
+
+    @property
+    def hidden_width(self) -> int:
+        return (self.text_args.hc_count + 1) * self.text_args.hidden_size
+
+    @classmethod
+    def args_from_config(cls, config: dict):
+        return TextModelArgs.from_dict(ModelArgs.from_dict(config).text_config)
+
+    @classmethod
+    def make_head(cls, args, num_layers: int) -> MTPHead:
+        return MTPHead(args, num_layers)
+
+    def trunk_hidden(self, tokens: mx.array, cache) -> mx.array:
+        """[collapsed | streams] [B, T, (hc+1)*H] (see above)."""
+        streams = self.text_model.streams(tokens, cache)
+        return mx.concatenate([self.text_model.hyper_connection_mixer(streams), streams], axis=-1)
+
+    def lm_input(self, hidden: mx.array) -> mx.array:
+        return hidden[..., : self.text_args.hidden_size]
+
+    def empty_entry(self, shape, dtype) -> mx.array:
+        # the PLE n-gram context (the only integer entry) starts as EOS, as `PLELayer` does
+        if mx.issubdtype(dtype, mx.integer):
+            return mx.full(shape, self.text_args.eos_token_id, dtype)
+        return mx.zeros(shape, dtype)
+
+    @staticmethod
+    def hf_layout(names) -> bool:
+        return not any(k.startswith("language_model.") for k in names)
+
+    trunk_norms_unshifted = staticmethod(trunk_norms_unshifted)
+    sanitize_head = staticmethod(sanitize_head)
+
+
+MODEL_CLASSES = {"qwen4_exp": (Qwen4ExpMTPModel, ModelArgs)}
