@@ -272,14 +272,28 @@ class Reference:
               ) @ self.g(f"{p}.shared_expert.down_proj.weight").T
         return out + sigmoid(h @ self.g(f"{p}.shared_expert_gate.weight").T) * sh
 
-    def logits(self, ids):
+    def _rope(self, n):
+        tc = self.tc
+        rp = tc["rope_parameters"]
+        return rope_tables(np.arange(n), int(tc["head_dim"] * rp.get("partial_rotary_factor", 1.0)),
+                           rp["rope_theta"])
+
+    def layer(self, p, x, kind, cos, sin):
+        """One decoder layer after its PLE: hyper-connected attention/GDN, then MoE."""
+        h, inj = self.hyper(f"{p}.attn_hyper_connection", x)
+        h = self.gdn(f"{p}.linear_attn", h) if kind == "linear_attention" else \
+            self.attention(f"{p}.self_attn", h, cos, sin)
+        x = x + (h[:, None, :] * inj[:, :, None]).reshape(x.shape)
+        h, inj = self.hyper(f"{p}.mlp_hyper_connection", x)
+        return x + (self.moe(f"{p}.mlp", h)[:, None, :] * inj[:, :, None]).reshape(x.shape)
+
+    def streams(self, ids):
+        """The hc_count residual streams after the last layer [L, hc*H]."""
         tc = self.tc
         ids = np.asarray(ids)
         L, hc = len(ids), tc["hc_count"]
         pre = "model.language_model"
-        rp = tc["rope_parameters"]
-        cos, sin = rope_tables(np.arange(L), int(tc["head_dim"] * rp.get("partial_rotary_factor", 1.0)),
-                               rp["rope_theta"])
+        cos, sin = self._rope(L)
         x = np.tile(self.g(f"{pre}.embed_tokens.weight")[ids], (1, hc))
         ple_ids = sorted(set(tc.get("ple_layer_ids") or []))
         types = ["indexed_attention" if t == "full_attention" else t for t in tc["layer_types"]]
@@ -287,11 +301,31 @@ class Reference:
             p = f"{pre}.layers.{i}"
             if i + 1 in ple_ids:
                 x = x + self.ple(f"{p}.ple", x, ids, ple_ids.index(i + 1))
-            h, inj = self.hyper(f"{p}.attn_hyper_connection", x)
-            h = self.gdn(f"{p}.linear_attn", h) if kind == "linear_attention" else \
-                self.attention(f"{p}.self_attn", h, cos, sin)
-            x = x + (h[:, None, :] * inj[:, :, None]).reshape(x.shape)
-            h, inj = self.hyper(f"{p}.mlp_hyper_connection", x)
-            x = x + (self.moe(f"{p}.mlp", h)[:, None, :] * inj[:, :, None]).reshape(x.shape)
-        h = self.hyper(f"{pre}.hyper_connection_mixer", x, combine=False)
+            x = self.layer(p, x, kind, cos, sin)
+        return x
+
+    def logits(self, ids):
+        h = self.hyper("model.language_model.hyper_connection_mixer", self.streams(ids), combine=False)
         return h @ self.g("lm_head.weight").T
+
+    def head(self, streams, next_ids):
+        """The MTP head over pairs (streams_p [N, hc*H], next_ids[p]) at
+        positions 0..N-1, causal (a chained draft is one more pair: the
+        head's own streams and the token it drafted). Written from vLLM's
+        `Qwen4ExpMultiTokenPredictor.forward` and mlx-vlm 0.7.10's
+        `Qwen4ExpMTPDraftModel.fuse_inputs`: the embedding branch
+        fc_embedding(norm(embed)) is added to every stream of
+        fc_hidden(norm over all hc*H features, then per stream); one
+        indexed-attention layer; the head's own mixer; the trunk's lm_head.
+        Returns (logits [N, V], the head's streams [N, hc*H])."""
+        tc = self.tc
+        hc, H = tc["hc_count"], tc["hidden_size"]
+        N = streams.shape[0]
+        e = rms(self.g("model.language_model.embed_tokens.weight")[np.asarray(next_ids)],
+                self.g("mtp.pre_fc_norm_embedding.weight"), self.eps) @ self.g("mtp.fc_embedding.weight").T
+        s = rms(streams, self.g("mtp.pre_fc_norm_hidden.weight"), self.eps).reshape(N, hc, H)
+        x = (s @ self.g("mtp.fc_hidden.weight").T + e[:, None, :]).reshape(N, hc * H)
+        cos, sin = self._rope(N)
+        x = self.layer("mtp.layers.0", x, "indexed_attention", cos, sin)
+        h = self.hyper("mtp.hyper_connection_mixer", x, combine=False)
+        return h @ self.g("lm_head.weight").T, x
