@@ -172,10 +172,10 @@ def test_unsupported_model_type_is_one_line(tmp_path, dense_ckpt):
     d = tmp_path / "ck"
     shutil.copytree(dense_ckpt, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "qwen4_exp"
+    cfg["model_type"] = "deepseek_v3"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError) as e:
         mlx_mtp.load(d)
     msg = str(e.value)
-    assert "\n" not in msg and "'qwen4_exp'" in msg
-    assert "supported: qwen3_5, qwen3_5_moe, qwen3_next" in msg
+    assert "\n" not in msg and "'deepseek_v3'" in msg
+    assert "supported: qwen3_5, qwen3_5_moe, qwen3_next, qwen4_exp" in msg
