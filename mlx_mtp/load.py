@@ -1,4 +1,4 @@
-"""Load a Qwen3.5/3.6 or Qwen3-Next checkpoint (HF or MLX layout) with its MTP head."""
+"""Load a Qwen3.5/3.6, Qwen3-Next or Qwen3.8-Flash-Next checkpoint (HF or MLX layout) with its MTP head."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 forward written from transformers' modeling code, its caches (token by token
 equals the full forward; prompt-cache save/load), and `sanitize` on the
 released and MLX layouts. Tiny random checkpoint in the released HF layout.
-The MTP head, verify/rollback and loading through mlx_mtp are not here yet
-(docs/qwen4_exp.md)."""
+The MTP head, verify/rollback and loading through mlx_mtp are tested in
+test_qwen4_exp_mtp.py (docs/qwen4_exp.md)."""
 
 from __future__ import annotations
 

@@ -78,6 +78,7 @@ def test_head_logits_match_numpy_reference(ckpt):
         want, want_s = ref.head(np.stack(pairs_h), pairs_t)
         diffs += [np.abs(np.array(model.logits_from_hidden(g)[0, -1]) - want[-1]).max(),
                   np.abs(np.array(_streams_of(model, g)[0, -1]) - want_s[-1]).max()]
+    print("head diffs (logits, streams) per step:", ["%.1e" % d for d in diffs])
     assert max(diffs) < 1e-4, diffs
     assert ref.min_margin > 1e-4  # QSA's cut clear of ties (in trunk and head)
     assert cache[0][0].offset == cache[0][1].offset == len(PROMPT) + 2
