@@ -659,7 +659,10 @@ class Batch:
                                                    cycle.k)
         toc = time.perf_counter()
         k, out, accepted = cycle.k, [], []
-        ctl = self._controller()
+        # the controller of the batch size the cycle was launched with (rows
+        # may have joined or left since): a cheaper cycle of fewer rows must
+        # not count as a sample of a larger batch's probe, nor the reverse
+        ctl = self._controller(len(cycle.rows))
         for i, row in enumerate(cycle.rows):
             if row.done:
                 continue
@@ -691,7 +694,8 @@ class Batch:
             waited_on = launched if self.lookahead and t1 - t0 > toc - t1 else cycle
             if self.spec.group is not None:  # which depth gets the sample must not differ by rank
                 waited_on = cycle
-            if not (cycle.traced or launched.traced):
+            # the interval spans both cycles: a sample only when they ran the same rows
+            if not (cycle.traced or launched.traced) and len(launched.rows) == len(cycle.rows):
                 ctl.update_cost(waited_on.k, toc - self._tic)
         self._tic = toc
         if self.timeline is not None:
