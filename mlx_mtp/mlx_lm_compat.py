@@ -56,6 +56,10 @@ run_http_server = _server._run_http_server
 from mlx_lm.generate import TextStateMachine  # noqa: E402
 # the stream mlx_lm generates on (its generate_step, batch generation, wired_limit)
 from mlx_lm.generate import generation_stream  # noqa: E402,F401
+# wired_limit(model, streams): a context that wires the model's memory (Metal)
+from mlx_lm.generate import wired_limit  # noqa: E402,F401
+# create_attention_mask(h, cache): the causal mask (or "causal") a layer's cache calls for
+from mlx_lm.models.base import create_attention_mask  # noqa: E402,F401
 # gather_last_axis(x, group): a vocabulary-sharded lm_head's logits, gathered
 from mlx_lm.models.base import gather_last_axis  # noqa: E402,F401
 # _BaseCache: the base of mlx_lm's caches (state, meta_state, nbytes, ...)
@@ -181,10 +185,12 @@ RELIED_ON: List[Need] = [
          ("host", "port", "response_generator", "server_class", "handler_class")),
     Need("mlx_lm.utils:_parse_size", ("x",)),
     Need("mlx_lm.generate:generation_stream"),
+    Need("mlx_lm.generate:wired_limit", ("model", "streams")),
     Need("mlx_lm.generate:TextStateMachine.make_state", ("self", "initial")),
     Need("mlx_lm.generate:TextStateMachine.split", ("state", "text")),
     Need("mlx_lm.generate:TextStateMachine.flush", ("state",)),
     Need("mlx_lm.generate:TextStateMachine.discard", ("state",)),
+    Need("mlx_lm.models.base:create_attention_mask", ("h", "cache")),
     Need("mlx_lm.models.base:gather_last_axis", ("x", "group")),
     Need("mlx_lm.models.cache:_BaseCache"),
     Need("mlx_lm.models.cache:LRUPromptCache", ("max_size", "max_bytes")),
@@ -275,6 +281,20 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.cache:ArraysCache.finalize", ("self",)),
     Need("mlx_lm.models.cache:ArraysCache.extract", ("self", "idx")),
     Need("mlx_lm.models.cache:ArraysCache.empty", ("self",)),
+    # the model classes families/ subclasses or builds (families/*.py import the
+    # model modules themselves: a family file is where a model's internals are read)
+    Need("mlx_lm.models.qwen3_5:Model", ("args",)),
+    Need("mlx_lm.models.qwen3_5:ModelArgs"),
+    Need("mlx_lm.models.qwen3_5:TextModelArgs"),
+    Need("mlx_lm.models.qwen3_5:DecoderLayer", ("args", "layer_idx")),
+    Need("mlx_lm.models.qwen3_5:GatedDeltaNet.__call__", ("self", "inputs", "mask", "cache")),
+    Need("mlx_lm.models.qwen3_5_moe:Model", ("args",)),
+    Need("mlx_lm.models.qwen3_5_moe:ModelArgs"),
+    Need("mlx_lm.models.qwen3_next:Model", ("args",)),
+    Need("mlx_lm.models.qwen3_next:ModelArgs.from_dict", ("params",)),
+    Need("mlx_lm.models.qwen3_next:Qwen3NextDecoderLayer", ("args", "layer_idx")),
+    Need("mlx_lm.models.qwen3_next:Qwen3NextGatedDeltaNet.__call__",
+         ("self", "inputs", "mask", "cache")),
 ]
 
 
