@@ -34,11 +34,42 @@ from mlx_lm.server import (  # noqa: F401  (re-exported)
     GenerationContext,  # subclassed; we fill its fields and read `_should_stop` (set by stop())
     LogitsProcessorArguments,  # a field of GenerationArguments
     ModelDescription,  # a field of GenerationArguments
-    ModelProvider,  # subclassed: _load, _tokenizer_config, pipeline_group, tensor_group
+    ModelProvider,  # subclassed: _load; reads _tokenizer_config, pipeline_group, tensor_group,
+    #   is_distributed; sets model_key, model, tokenizer, processor, draft_model, is_batchable
     Response,  # built positionally: (text, token, logprob, finish_reason, top_tokens)
     ResponseGenerator,  # subclassed: its generation thread and request queue (RELIED_ON)
     SamplingArguments,  # a field of GenerationArguments
 )
+
+# -- elsewhere in mlx_lm --------------------------------------------------------------------
+# TextStateMachine: make_state(initial) and the static split / flush / discard
+# on its runtime state (see `text_segments`)
+from mlx_lm.generate import TextStateMachine
+# the stream mlx_lm generates on (its generate_step, batch generation, wired_limit)
+from mlx_lm.generate import generation_stream  # noqa: F401
+# wired_limit(model, streams): a context that wires the model's memory (Metal)
+from mlx_lm.generate import wired_limit  # noqa: F401
+# create_attention_mask(h, cache): the causal mask (or "causal") a layer's cache calls for
+from mlx_lm.models.base import create_attention_mask  # noqa: F401
+# gather_last_axis(x, group): a vocabulary-sharded lm_head's logits, gathered
+from mlx_lm.models.base import gather_last_axis  # noqa: F401
+# _BaseCache: the base of mlx_lm's caches (state, meta_state, nbytes, ...)
+from mlx_lm.models.cache import _BaseCache as BaseCache  # noqa: F401
+# LRUPromptCache(max_size, max_bytes): fetch_nearest_cache(key, tokens) ->
+# (cache copy or None, tokens left); insert_cache(key, tokens, cache, cache_type=)
+from mlx_lm.models.cache import LRUPromptCache  # noqa: F401
+# PipelineMixin: pipeline(group) sets start_idx / end_idx over `layers`
+from mlx_lm.models.pipeline import PipelineMixin  # noqa: F401
+# the sampler's steps, for the MTP sampler to run them in mlx_lm's order
+from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p,  # noqa: F401
+                                 greedy_sampler)
+# infer_quant_config(path, module, weights): a weight's quantization settings
+from mlx_lm.utils import infer_quant_config  # noqa: F401
+# load_model(model_path, lazy, strict, model_config, get_model_classes) -> (model, config);
+# load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
+from mlx_lm.utils import load_model, load_tokenizer  # noqa: F401
+# _parse_size("8GB") -> 8 * 10**9: mlx_lm.server's --prompt-cache-bytes type
+from mlx_lm.utils import _parse_size as parse_size
 
 # `_format_top_logprobs(logprobs [V], top_n, tokenizer)`: a tuple of top_n
 # {"id", "token", "logprob"} dicts, the `top_logprobs` of one token
@@ -49,36 +80,6 @@ logits_processors_for = _server._make_logits_processors
 # `_run_http_server(host, port, response_generator, server_class=, handler_class=)`:
 # serves until Ctrl-C, then shuts HTTP down and calls stop_and_join()
 run_http_server = _server._run_http_server
-
-# -- elsewhere in mlx_lm --------------------------------------------------------------------
-# TextStateMachine: make_state(initial) and the static split / flush / discard
-# on its runtime state (see `text_segments`)
-from mlx_lm.generate import TextStateMachine  # noqa: E402
-# the stream mlx_lm generates on (its generate_step, batch generation, wired_limit)
-from mlx_lm.generate import generation_stream  # noqa: E402,F401
-# wired_limit(model, streams): a context that wires the model's memory (Metal)
-from mlx_lm.generate import wired_limit  # noqa: E402,F401
-# create_attention_mask(h, cache): the causal mask (or "causal") a layer's cache calls for
-from mlx_lm.models.base import create_attention_mask  # noqa: E402,F401
-# gather_last_axis(x, group): a vocabulary-sharded lm_head's logits, gathered
-from mlx_lm.models.base import gather_last_axis  # noqa: E402,F401
-# _BaseCache: the base of mlx_lm's caches (state, meta_state, nbytes, ...)
-from mlx_lm.models.cache import _BaseCache as BaseCache  # noqa: E402,F401
-# LRUPromptCache(max_size, max_bytes): fetch_nearest_cache(key, tokens) ->
-# (cache copy or None, tokens left); insert_cache(key, tokens, cache, cache_type=)
-from mlx_lm.models.cache import LRUPromptCache  # noqa: E402,F401
-# PipelineMixin: pipeline(group) sets start_idx / end_idx over `layers`
-from mlx_lm.models.pipeline import PipelineMixin  # noqa: E402,F401
-# the sampler's steps, for the MTP sampler to run them in mlx_lm's order
-from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p,  # noqa: E402,F401
-                                 greedy_sampler)
-# infer_quant_config(path, module, weights): a weight's quantization settings
-from mlx_lm.utils import infer_quant_config  # noqa: E402,F401
-# load_model(model_path, lazy, strict, model_config, get_model_classes) -> (model, config);
-# load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
-from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402,F401
-# _parse_size("8GB") -> 8 * 10**9: mlx_lm.server's --prompt-cache-bytes type
-from mlx_lm.utils import _parse_size as parse_size  # noqa: E402
 
 
 # -- where mlx_lm has no clean override ------------------------------------------------------
@@ -130,6 +131,7 @@ def text_segments(state, text: str, finish_reason: Optional[str]) -> Tuple[tuple
     return state, segments
 
 
+# -- building mlx_lm.server's arguments -------------------------------------------------------
 def generation_arguments(**values) -> GenerationArguments:
     """mlx_lm.server's GenerationArguments from flat values: each field,
     nested dataclasses' too (model, draft, adapter; temperature, top_p, ...;

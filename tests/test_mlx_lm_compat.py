@@ -177,6 +177,19 @@ class _Handler(compat.APIHandler):
         compat.validate_depth(self, super().validate_model_parameters)
 
 
+def test_model_provider_attributes():
+    """What MTPModelProvider reads of mlx_lm's ModelProvider after __init__."""
+    cli = SimpleNamespace(model="m", adapter_path=None, draft_model=None, pipeline=False,
+                          trust_remote_code=False, chat_template="{{x}}")
+    provider = compat.ModelProvider(cli)
+    for name in ("cli_args", "model_key", "model", "tokenizer", "processor", "draft_model",
+                 "is_batchable", "pipeline_group", "tensor_group", "is_distributed"):
+        assert hasattr(provider, name), f"mlx_lm.server.ModelProvider has no attribute {name!r}"
+    assert provider._tokenizer_config == {"trust_remote_code": False, "chat_template": "{{x}}"}, \
+        f"mlx_lm.server.ModelProvider._tokenizer_config is now {provider._tokenizer_config!r} " \
+        "(MTPModelProvider passes it to load as tokenizer_config)"
+
+
 def _handler(body: bytes, cls):
     """An APIHandler (cls) with no socket: the request line and headers read."""
     h = cls.__new__(cls)
