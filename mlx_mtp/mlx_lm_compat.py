@@ -12,7 +12,10 @@ release changes one (pyproject pins `mlx-lm>=0.32.2,<0.33`). docs/design.md,
 "mlx_lm's internals", says why and how to move to a new release.
 
 Where mlx_lm offers no clean override, server.py works around it, and says so
-below (`hand_body_to`, `validate_depth`, `text_segments`).
+below (`hand_body_to`, `validate_depth`, `text_segments`). Not reused, for the
+same reason: mlx_lm.server's `_make_sampler` (it calls mlx_lm's make_sampler;
+server.py's `_sampler` makes the same call with mlx_mtp's, which also tells
+the decoder its settings).
 """
 
 from __future__ import annotations
@@ -238,7 +241,8 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.server:ResponseGenerator._generate", ("self",),
          why="the generation loop; overridden (MTP batches)"),
     Need("mlx_lm.server:ResponseGenerator._tokenize", ("self", "tokenizer", "request", "args"),
-         why="returns (prompt, segments, segment_types, initial_state, vision)"),
+         why="returns (prompt, segments, segment_types, initial_state, vision); of args "
+             "reads only chat_template_kwargs (the handler's preflight passes just that)"),
     Need("mlx_lm.server:ResponseGenerator._make_state_machine",
          ("self", "model_key", "tokenizer", "stop_words"),
          why="returns (StopSequences, TextStateMachine)"),
