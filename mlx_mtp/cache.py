@@ -28,7 +28,9 @@ from __future__ import annotations
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .mlx_lm_compat import BaseCache as _BaseCache
 
 BLOCK = 256  # smallest capacity step of a PaddedKVCache
 

@@ -59,7 +59,7 @@ def agree(value: int, group: Optional[mx.distributed.Group]) -> int:
 def stage_layers(num_layers: int, group) -> tuple:
     """The layers [start, end) this rank runs as a pipeline stage, by mlx_lm's
     own split (`PipelineMixin.pipeline`), before any model is built."""
-    from mlx_lm.models.pipeline import PipelineMixin
+    from .mlx_lm_compat import PipelineMixin
 
     stage = PipelineMixin()
     stage.layers = [None] * num_layers

@@ -35,7 +35,6 @@ from typing import Callable, Dict, Generator, List, NamedTuple, Optional, Tuple,
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 from . import checks
@@ -45,6 +44,7 @@ from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, 
                     ring_order, unpack)
 from .depth import DepthController
 from .distributed import agree, first_stage
+from .mlx_lm_compat import generation_stream
 from .sampling import Filters, MTPSampler, RowSampling, is_greedy, row_arrays
 
 

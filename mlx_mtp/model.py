@@ -223,7 +223,7 @@ class MTPModel:
             return self.text_model.embed_tokens.as_linear(hidden)
         logits = self.untied_lm_head(hidden)
         if self.lm_head_group is not None:  # each rank holds a slice of the vocabulary
-            from mlx_lm.models.base import gather_last_axis
+            from .mlx_lm_compat import gather_last_axis
 
             logits = gather_last_axis(logits, self.lm_head_group)
         return logits
