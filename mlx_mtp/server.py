@@ -63,11 +63,10 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import _parse_size
 
 from . import anthropic, params
-from .distributed import sharded_load
+from .distributed import sharded_load, trunk_length
 from .load import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
-from .cache import cache_length
 from .loop import MTPStats
 from .sampling import RowSampling, make_sampler
 
@@ -561,7 +560,7 @@ class _Lane:
         with mx.stream(generation_stream):  # the row's prompt cache written back as
             self.batch.finish(row, feed_tail=False)  # it stands, no forward (mlx_lm.server's way)
         model = self.gen.model_provider.model
-        held = cache_length(state.cache, model.is_linear)
+        held = trunk_length(state.cache, model)
         self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
                                            state.key_tokens[:held], state.cache)
         return True
