@@ -75,6 +75,22 @@ def trunk_length(prompt_cache: list, model) -> int:
         return int(agreed.item())
 
 
+def kept_on_every_stage(hiddens: list, model) -> list:
+    """Trunk hiddens kept in prompt caches (`cache.last_hidden`, one per
+    cache), each dropped on every rank where one rank dropped it. A stage
+    holding only GDN layers cannot tell that mlx_lm decoded on a cache since
+    its hidden was kept (it counts no tokens); the stages with attention
+    layers can. The heads must stay alike on all ranks: rank 0 accepts the
+    first stage's drafts by its own head's probabilities. Every rank calls it
+    at the same point (one all_min)."""
+    if model.length_group is None:
+        return hiddens
+    with mx.stream(generation_stream):  # (see trunk_length)
+        kept = mx.array([h is not None for h in hiddens], dtype=mx.int32)
+        kept = mx.distributed.all_min(kept, group=model.length_group).tolist()
+    return [h if k else None for h, k in zip(hiddens, kept)]
+
+
 def stage_layers(num_layers: int, group) -> tuple:
     """The layers [start, end) this rank runs as a pipeline stage, by mlx_lm's
     own split (`PipelineMixin.pipeline`), before any model is built."""

@@ -22,6 +22,7 @@ import pytest
 
 import mlx_mtp
 from mlx_mtp.synthetic import write_checkpoint
+from distributed_worker import mixed_turns
 from serving import chat_text
 from util import reference
 
@@ -114,7 +115,8 @@ def test_pipeline_stage_without_attention(tmp_path):
     runs layers 0-1 and holds no attention layer, so no KV offset to count
     the tokens by. It decodes as mlx_lm's pipeline does and as one process
     does, with drafts rolled back on its GDN layers, and a second turn on one
-    prompt cache (the trunk length the loop starts from, agreed by the ranks)."""
+    prompt cache (the trunk length the loop starts from, agreed by the ranks),
+    also after an mlx_lm turn on that cache."""
     path = write_checkpoint(tmp_path / "gdn_stage")
     config = json.loads((path / "config.json").read_text())["text_config"]
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
@@ -123,7 +125,8 @@ def test_pipeline_stage_without_attention(tmp_path):
     assert [[int(t) for t, _ in mlx_mtp.generate_step(
         mx.array(p), model, max_tokens=MAX_TOKENS, draft_tokens=3)] for p in PROMPTS] == greedy
     plan = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "depths": [3], "head_depths": [2],
-            "continuations": [p[-1:] + g for p, g in zip(PROMPTS, greedy)]}
+            "continuations": [p[-1:] + g for p, g in zip(PROMPTS, greedy)],
+            "mixed_turns": True}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     code, out = launch([str(WORKER), str(path), "pipeline", str(tmp_path / "plan.json"),
                         str(tmp_path / "out.json")])
@@ -136,6 +139,11 @@ def test_pipeline_stage_without_attention(tmp_path):
     assert got["head_2"] == greedy
     assert got["sampled"] == sampled
     assert got["turns"] == turns
+    # after an mlx_lm turn the stage without attention drops the head's kept
+    # hidden too (the stages agree): every rank's head is one process's
+    tokens, head_length = mixed_turns(model, PROMPTS, MAX_TOKENS)
+    assert got["mixed_turns"] == tokens
+    assert got["mixed_head_lengths"] == [head_length] * 2
 
 
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
