@@ -2,8 +2,9 @@
 and pipeline parallel, dense and MoE: every rank decodes in lockstep and
 rank 0's tokens equal one process's (mlx_lm's and mlx_mtp's), at depths 1-3
 and auto, in batches whose rows accept drafts partially, with the head's own
-drafts, seeded sampling and two turns on one prompt cache. Each launch is
-bounded by a timeout, so a hang fails instead of blocking."""
+drafts, seeded sampling and two turns on one prompt cache; also a pipeline
+stage that holds no attention layer. Each launch is bounded by a timeout, so
+a hang fails instead of blocking."""
 
 import functools
 import json
