@@ -394,7 +394,9 @@ def fill_empty(prompt_cache: list, model, n_layers: int):
 
 
 def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:
-    """Tokens in a prompt cache's trunk (0 when fresh)."""
+    """Tokens in a prompt cache's trunk (0 when fresh), as this rank's
+    attention layers count them: 0 on a pipeline stage holding only GDN
+    layers (distributed.trunk_length asks the other stages)."""
     for c, linear in zip(prompt_cache, is_linear):
         if not linear:
             return c.offset

@@ -43,7 +43,7 @@ from .cache import (MTPCache, cache_length, check_prompt_cache, fill_empty, head
 from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, prefill,
                     ring_order, unpack)
 from .depth import DepthController
-from .distributed import agree, first_stage
+from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
 from .sampling import Filters, MTPSampler, RowSampling, is_greedy, row_arrays
 
@@ -479,7 +479,7 @@ class Batch:
                     mx.eval([c.state for c in r.prompt_cache])
                 rows.append(None)
                 continue
-            lens = Lengths(_trunk_length(r.prompt_cache, model),
+            lens = Lengths(trunk_length(r.prompt_cache, model),
                            head_caches(r.prompt_cache, n_trunk)[0].offset if use_head else 0)
             # the decoding form; the prompt cache's objects let go of the buffers,
             # so the cycles update them in place
@@ -545,7 +545,7 @@ class Batch:
         feed_tail=False (the server's prefix cache, as mlx_lm.server keeps
         it): the cache keeps the state before the row's last read cycle as it
         is, without the tokens emitted since (no trunk forward when a row
-        leaves); `cache_length` of its prompt cache says how far it goes."""
+        leaves); `trunk_length` of its prompt cache says how far it goes."""
         if row.done:
             return
         row.done = True
@@ -742,11 +742,6 @@ def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
 
 def _arrays(state: DecodeState) -> list:
     return [x for _, x in tree_flatten(state.tree()) if x is not None]
-
-
-def _trunk_length(prompt_cache: list, model) -> int:
-    # (sharded_load refuses a pipeline stage without an attention layer)
-    return next(c.offset for c, lin in zip(prompt_cache, model.is_linear) if not lin)
 
 
 def _check_sampled(tokens: List[int], vocab: int):

@@ -194,6 +194,9 @@ class MTPModel:
 
     # set by distributed.sharded_load: the ranks that decode this model in lockstep
     distributed_group = None
+    # set by distributed.sharded_load when a pipeline stage holds no attention
+    # layer: the stages that agree on the trunk's length (distributed.trunk_length)
+    length_group = None
 
     @property
     def lm_head_group(self):

@@ -62,11 +62,10 @@ from .mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, GenerationCo
                             format_top_logprobs, generation_arguments, generation_stream,
                             hand_body_to, logits_processors_for, parse_size, run_http_server,
                             text_segments, validate_depth)
-from .distributed import sharded_load
+from .distributed import sharded_load, trunk_length
 from .load import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
-from .cache import cache_length
 from .loop import MTPStats
 from .sampling import RowSampling, make_sampler
 
@@ -560,7 +559,7 @@ class _Lane:
         with mx.stream(generation_stream):  # the row's prompt cache written back as
             self.batch.finish(row, feed_tail=False)  # it stands, no forward (mlx_lm.server's way)
         model = self.gen.model_provider.model
-        held = cache_length(state.cache, model.is_linear)
+        held = trunk_length(state.cache, model)
         self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
                                            state.key_tokens[:held], state.cache)
         return True
