@@ -34,7 +34,9 @@ from __future__ import annotations
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+
+from .mlx_lm_compat import BaseCache as _BaseCache
 
 BLOCK = 256  # smallest capacity step of a PaddedKVCache
 
@@ -552,7 +554,9 @@ def _fill(c, t, model):
 
 
 def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:
-    """Tokens in a prompt cache's trunk (0 when fresh)."""
+    """Tokens in a prompt cache's trunk (0 when fresh), as this rank's
+    attention layers count them: 0 on a pipeline stage holding only GDN
+    layers (distributed.trunk_length asks the other stages)."""
     for c, linear in zip(prompt_cache, is_linear):
         if not linear:
             return entry_length(c)

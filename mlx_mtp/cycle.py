@@ -50,7 +50,7 @@ import numpy as np
 from . import metal as kernels
 from .cache import CaptureCache, MTPCache, head_caches, last_hidden
 from .cache import set_last_hidden
-from .distributed import share
+from .distributed import kept_on_every_stage, share
 from .sampling import Filters, accept_rows, draft_rows, is_greedy, sample_rows, split_rows
 
 # the per-row sampler arrays of a DecodeState (sampling.row_arrays)
@@ -588,8 +588,9 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
     n_rows = len(prompts)
     stops = stops or [()] * n_rows
     # the trunk's hidden at each row's last fed position, once it is known
-    last: List[Optional[mx.array]] = [
-        last_hidden(c, model.is_linear) if spec.use_head else None for c in caches]
+    last: List[Optional[mx.array]] = (
+        kept_on_every_stage([last_hidden(c, model.is_linear) for c in caches], model)
+        if spec.use_head else [None] * len(caches))
     pieces = [_pieces(len(p) - 1, prefill_step_size, s) for p, s in zip(prompts, stops)]
     done = [0] * n_rows
     g: List[Optional[mx.array]] = [None] * n_rows

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
+from .cache import cache_length
 from .load import DOWNLOAD_PATTERNS, load
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -56,10 +58,43 @@ def agree(value: int, group: Optional[mx.distributed.Group]) -> int:
     return int(share(mx.array(value, dtype=mx.int32), group).item())
 
 
+def trunk_length(prompt_cache: list, model) -> int:
+    """Tokens in a prompt cache's trunk, the same on every rank. A pipeline
+    stage holding only GDN layers has no KV offset to read it from (a GDN
+    state does not count its tokens), so on a model with such a stage
+    (`model.length_group`, set by `sharded_load`) the stages take the largest
+    of their counts: every stage's cache has seen the same tokens, and each
+    stage with an attention layer counts them (one blocking all_max)."""
+    length = cache_length(prompt_cache, model.is_linear)
+    if model.length_group is None:
+        return length
+    # on the generation stream, after the loop's queued collectives: one order on all ranks
+    with mx.stream(generation_stream):
+        agreed = mx.distributed.all_max(mx.array(length, dtype=mx.int32),
+                                        group=model.length_group)
+        return int(agreed.item())
+
+
+def kept_on_every_stage(hiddens: list, model) -> list:
+    """Trunk hiddens kept in prompt caches (`cache.last_hidden`, one per
+    cache), each dropped on every rank where one rank dropped it. A stage
+    holding only GDN layers cannot tell that mlx_lm decoded on a cache since
+    its hidden was kept (it counts no tokens); the stages with attention
+    layers can. The heads must stay alike on all ranks: rank 0 accepts the
+    first stage's drafts by its own head's probabilities. Every rank calls it
+    at the same point (one all_min)."""
+    if model.length_group is None:
+        return hiddens
+    with mx.stream(generation_stream):  # (see trunk_length)
+        kept = mx.array([h is not None for h in hiddens], dtype=mx.int32)
+        kept = mx.distributed.all_min(kept, group=model.length_group).tolist()
+    return [h if k else None for h, k in zip(hiddens, kept)]
+
+
 def stage_layers(num_layers: int, group) -> tuple:
     """The layers [start, end) this rank runs as a pipeline stage, by mlx_lm's
     own split (`PipelineMixin.pipeline`), before any model is built."""
-    from mlx_lm.models.pipeline import PipelineMixin
+    from .mlx_lm_compat import PipelineMixin
 
     stage = PipelineMixin()
     stage.layers = [None] * num_layers
@@ -108,11 +143,12 @@ def sharded_load(
         model.shard(tensor_group)
     if pipeline_group is not None and pipeline_group.size() > 1:
         model.text_model.pipeline(pipeline_group)
-        if all(model.is_linear):
-            raise ValueError(
-                f"pipeline rank {pipeline_group.rank()} holds no attention layer "
-                f"(layers {model.text_model.start_idx}..{model.text_model.end_idx - 1}); "
-                "use fewer ranks")
+        # a stage holding only GDN layers keeps no count of its tokens (see
+        # trunk_length); every rank learns whether any stage is such a one
+        without_attention = mx.distributed.all_sum(
+            mx.array(int(all(model.is_linear))), group=pipeline_group, stream=mx.cpu)
+        if without_attention.item():
+            model.length_group = pipeline_group
     model.distributed_group = world()
     mx.eval(model.parameters())
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # every rank loaded

@@ -178,7 +178,7 @@ def attach_head(model, head: DraftHead, lazy: bool = False, quiet: bool = False)
     """Build the model family's head from `head` and make it the model's."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.utils import infer_quant_config
+    from .mlx_lm_compat import infer_quant_config
 
     from .model import check_head_weights
 

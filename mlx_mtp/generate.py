@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.generate import (BatchResponse, BatchStats, GenerationResponse, generation_stream,
-                             wired_limit)
+from mlx_lm.generate import BatchResponse, BatchStats, GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import checks, params
 from .loop import MTPStats, Request, decode_rows, generate_tokens, make_batch
+from .mlx_lm_compat import generation_stream, wired_limit
 from .sampling import RowSampling
 
 # mlx_lm options that would change what is computed, refused with one line

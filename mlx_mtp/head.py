@@ -16,8 +16,9 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
+
+from .mlx_lm_compat import create_attention_mask
 
 # Zero-centred RMSNorm weights of the head (stored as w, applied as 1+w in HF).
 HEAD_NORM_SUFFIXES = (

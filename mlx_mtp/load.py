@@ -168,7 +168,7 @@ def load(
     trunk (mlx-vlm's split drafter, or `mtp.*` safetensors with their
     config; see mlx_mtp/draft.py), drafted with instead of the checkpoint's own.
     """
-    from mlx_lm.utils import load_model, load_tokenizer
+    from .mlx_lm_compat import load_model, load_tokenizer
 
     model_path = resolve_model_path(path_or_hf_repo, revision)
     config = read_config(model_path)

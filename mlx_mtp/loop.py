@@ -35,7 +35,6 @@ from typing import Callable, Dict, Generator, List, NamedTuple, Optional, Tuple,
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import CacheList, KVCache
 
 from . import checks
@@ -44,7 +43,8 @@ from .cache import (MTPCache, cache_length, check_prompt_cache, entry_length, fi
 from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, prefill,
                     ring_order, unpack)
 from .depth import DepthController
-from .distributed import agree, first_stage
+from .distributed import agree, first_stage, trunk_length
+from .mlx_lm_compat import generation_stream
 from .sampling import Filters, MTPSampler, RowSampling, is_greedy, row_arrays
 
 
@@ -481,7 +481,7 @@ class Batch:
                     mx.eval([c.state for c in r.prompt_cache])
                 rows.append(None)
                 continue
-            lens = Lengths(_trunk_length(r.prompt_cache, model),
+            lens = Lengths(trunk_length(r.prompt_cache, model),
                            entry_length(head_caches(r.prompt_cache, n_trunk)[0]) if use_head else 0)
             # the decoding form; the prompt cache's objects let go of the buffers,
             # so the cycles update them in place
@@ -547,7 +547,7 @@ class Batch:
         feed_tail=False (the server's prefix cache, as mlx_lm.server keeps
         it): the cache keeps the state before the row's last read cycle as it
         is, without the tokens emitted since (no trunk forward when a row
-        leaves); `cache_length` of its prompt cache says how far it goes."""
+        leaves); `trunk_length` of its prompt cache says how far it goes."""
         if row.done:
             return
         row.done = True
@@ -661,7 +661,10 @@ class Batch:
                                                    cycle.k)
         toc = time.perf_counter()
         k, out, accepted = cycle.k, [], []
-        ctl = self._controller()
+        # the controller of the batch size the cycle was launched with (rows
+        # may have joined or left since): a cheaper cycle of fewer rows must
+        # not count as a sample of a larger batch's probe, nor the reverse
+        ctl = self._controller(len(cycle.rows))
         for i, row in enumerate(cycle.rows):
             if row.done:
                 continue
@@ -693,7 +696,8 @@ class Batch:
             waited_on = launched if self.lookahead and t1 - t0 > toc - t1 else cycle
             if self.spec.group is not None:  # which depth gets the sample must not differ by rank
                 waited_on = cycle
-            if not (cycle.traced or launched.traced):
+            # the interval spans both cycles: a sample only when they ran the same rows
+            if not (cycle.traced or launched.traced) and len(launched.rows) == len(cycle.rows):
                 ctl.update_cost(waited_on.k, toc - self._tic)
         self._tic = toc
         if self.timeline is not None:
@@ -740,11 +744,6 @@ def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
 
 def _arrays(state: DecodeState) -> list:
     return [x for _, x in tree_flatten(state.tree()) if x is not None]
-
-
-def _trunk_length(prompt_cache: list, model) -> int:
-    # (sharded_load refuses a pipeline stage without an attention layer)
-    return next(entry_length(c) for c, lin in zip(prompt_cache, model.is_linear) if not lin)
 
 
 def _check_sampled(tokens: List[int], vocab: int):

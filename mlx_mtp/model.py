@@ -195,6 +195,9 @@ class MTPModel:
 
     # set by distributed.sharded_load: the ranks that decode this model in lockstep
     distributed_group = None
+    # set by distributed.sharded_load when a pipeline stage holds no attention
+    # layer: the stages that agree on the trunk's length (distributed.trunk_length)
+    length_group = None
 
     @property
     def lm_head_group(self):
@@ -240,7 +243,7 @@ class MTPModel:
             return self.text_model.embed_tokens.as_linear(hidden)
         logits = self.untied_lm_head(hidden)
         if self.lm_head_group is not None:  # each rank holds a slice of the vocabulary
-            from mlx_lm.models.base import gather_last_axis
+            from .mlx_lm_compat import gather_last_axis
 
             logits = gather_last_axis(logits, self.lm_head_group)
         return logits

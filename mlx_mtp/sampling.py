@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
+
+from .mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
 __all__ = ["MTPSampler", "make_sampler", "speculative_sample", "is_greedy", "RowSampling"]
 

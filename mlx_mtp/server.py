@@ -37,7 +37,6 @@ import contextlib
 import copy
 import functools
 import gc
-import io
 import itertools
 import json
 import logging
@@ -50,24 +49,23 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from collections import deque
 from queue import Empty as QueueEmpty, Queue
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Optional
 
 import jsonschema
 import mlx.core as mx
-from mlx_lm import server as lm_server
-from mlx_lm.generate import TextStateMachine, generation_stream
-from mlx_lm.models.cache import LRUPromptCache
-from mlx_lm.sample_utils import make_logits_processors
-from mlx_lm.utils import _parse_size
 
 from . import anthropic, params
-from .distributed import sharded_load
+from .mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, GenerationContext,
+                            LRUPromptCache, ModelProvider, Response, ResponseGenerator,
+                            format_top_logprobs, generation_arguments, generation_stream,
+                            hand_body_to, logits_processors_for, parse_size, run_http_server,
+                            text_segments, validate_depth)
+from .distributed import sharded_load, trunk_length
 from .load import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
-from .cache import cache_length
 from .loop import MTPStats
 from .sampling import RowSampling, make_sampler
 
@@ -163,7 +161,7 @@ def validate(body: dict, schema: dict, surface: str):
 
 
 # -- model -----------------------------------------------------------------------------------
-class MTPModelProvider(lm_server.ModelProvider):
+class MTPModelProvider(ModelProvider):
     """Loads with mlx_mtp.load (the MTP head attached) and serves that model only."""
 
     def __init__(self, cli_args, served_id: str):
@@ -203,7 +201,7 @@ class MTPModelProvider(lm_server.ModelProvider):
 
 
 # -- generation ---------------------------------------------------------------------------------
-class MTPGenerationContext(lm_server.GenerationContext):
+class MTPGenerationContext(GenerationContext):
     stats: Optional[MTPStats] = None  # filled as the generation runs
 
 
@@ -215,7 +213,7 @@ def _sampler(args, tokenizer):
                         xtc_special_tokens=_xtc_special(tokenizer))
 
 
-class MTPResponseGenerator(lm_server.ResponseGenerator):
+class MTPResponseGenerator(ResponseGenerator):
     """mlx_lm's generation thread, decoding requests in MTP batches (`_Lane`)."""
 
     def __init__(self, model_provider, prompt_cache):
@@ -396,10 +394,9 @@ class _Settings:
         sampling = RowSampling.of(sampler, lg.logit_bias)
         opaque = None if sampling is not None else (
             s.temperature, s.top_p, s.min_p, s.top_k, s.xtc_probability, s.xtc_threshold)
-        processors = tuple(make_logits_processors(
-            None if sampling is not None else lg.logit_bias, lg.repetition_penalty,
-            lg.repetition_context_size, lg.presence_penalty, lg.presence_context_size,
-            lg.frequency_penalty, lg.frequency_context_size))
+        if sampling is not None:  # the logit bias is added in-graph (RowSampling)
+            args = replace(args, logits=replace(lg, logit_bias=None))
+        processors = tuple(logits_processors_for(args))
         return cls(depth, opaque, sampling, processors)
 
 
@@ -494,7 +491,8 @@ class _Lane:
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm,
             initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
-        ctx.stats = MTPStats()
+        stats = getattr(request, "mtp_stats", None)  # the handler's (`handle_completion`)
+        ctx.stats = MTPStats() if stats is None else stats
         rqueue.put(ctx)
         if cache is None:
             cache = model.make_cache()
@@ -549,9 +547,9 @@ class _Lane:
         if finish is not None:
             state.detokenizer.finalize()
         top = state.args.top_logprobs
-        state.rqueue.put(lm_server.Response(
+        state.rqueue.put(Response(
             state.detokenizer.last_segment, token, logprob, finish,
-            lm_server._format_top_logprobs(logprobs, top, tokenizer) if top > 0 else ()))
+            format_top_logprobs(logprobs, top, tokenizer) if top > 0 else ()))
         state.key_tokens.append(token)
         if finish is None and not state.left:
             return False
@@ -561,7 +559,7 @@ class _Lane:
         with mx.stream(generation_stream):  # the row's prompt cache written back as
             self.batch.finish(row, feed_tail=False)  # it stands, no forward (mlx_lm.server's way)
         model = self.gen.model_provider.model
-        held = cache_length(state.cache, model.is_linear)
+        held = trunk_length(state.cache, model)
         self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
                                            state.key_tokens[:held], state.cache)
         return True
@@ -595,26 +593,10 @@ def _xtc_special(tokenizer) -> list:
 
 
 # -- HTTP --------------------------------------------------------------------------------------
-class _RequestView:
-    """The shared response generator as one request sees it: it keeps the
-    request's generation context (for the MTP statistics in `usage`)."""
-
-    def __init__(self, shared: MTPResponseGenerator, handler):
-        self._shared, self._handler = shared, handler
-
-    def __getattr__(self, name):
-        return getattr(self._shared, name)
-
-    def generate(self, *args, **kwargs):
-        ctx, response = self._shared.generate(*args, **kwargs)
-        self._handler.ctx = ctx
-        return ctx, response
-
-
-class MTPAPIHandler(lm_server.APIHandler):
+class MTPAPIHandler(APIHandler):
     """mlx_lm's request handler, with requests checked before it sees them."""
 
-    ctx = None
+    stats: Optional[MTPStats] = None  # the request's, filled by the generation thread
     routes = {"/v1/completions": COMPLETION_SCHEMA, "/v1/chat/completions": CHAT_SCHEMA,
               "/chat/completions": CHAT_SCHEMA}
 
@@ -711,10 +693,7 @@ class MTPAPIHandler(lm_server.APIHandler):
                 raise ApiError(404, f"no endpoint {self.path}", code="not_found")
             body = self._read_json()
             self._check(body, self.routes[self.path])
-            # mlx_lm's handler parses the (checked) body again from here on
-            data = json.dumps(body).encode()
-            self.headers.replace_header("Content-Length", str(len(data)))
-            self.rfile = io.BytesIO(data)
+            hand_body_to(self, body)  # mlx_lm's handler parses it again from here on
             super().do_POST()
         except ApiError as e:
             self.send_api_error(e, style)
@@ -733,13 +712,8 @@ class MTPAPIHandler(lm_server.APIHandler):
         self.send_api_error(ApiError(404, f"no endpoint {self.path}", code="not_found"))
 
     def validate_model_parameters(self):
-        depth = self.num_draft_tokens  # mlx_lm's check wants an int; "auto" and None are ours
-        if depth is None or depth == "auto":
-            self.num_draft_tokens = 0
-            super().validate_model_parameters()
-            self.num_draft_tokens = depth
-        else:
-            super().validate_model_parameters()
+        # mlx_lm's check wants an int; "auto" and None (the server's default) are ours
+        validate_depth(self, super().validate_model_parameters)
 
     def handle_completion(self, request, stop_words):
         rg = self.response_generator
@@ -749,7 +723,8 @@ class MTPAPIHandler(lm_server.APIHandler):
                 rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
             except ApiError as e:
                 return self.send_api_error(e)
-            self.response_generator = _RequestView(rg, self)
+            # the generation thread counts into these (`_prepare`); `usage` reports them
+            self.stats = request.mtp_stats = MTPStats()
             super().handle_completion(request, stop_words)  # answers its own errors
 
     def handle_models_request(self):
@@ -760,7 +735,7 @@ class MTPAPIHandler(lm_server.APIHandler):
 
     # -- usage with MTP statistics ------------------------------------------------------------
     def _mtp_usage(self, response: dict) -> dict:
-        stats = getattr(self.ctx, "stats", None)
+        stats = self.stats
         if stats is not None and "usage" in response:
             response["usage"]["mtp"] = {
                 "drafted": stats.drafted, "accepted": stats.accepted,
@@ -794,24 +769,17 @@ class MTPAPIHandler(lm_server.APIHandler):
             messages, tools, stop_words, template_args = anthropic.to_chat(body)
         except anthropic.RequestError as e:
             raise ApiError(400, str(e)) from None
-        request = lm_server.CompletionRequest("chat", "", messages, tools, None)
+        request = CompletionRequest("chat", "", messages, tools, None)
         max_tokens = body.get("max_tokens", 1)
         prompt = rg.preflight(request, template_args, max_tokens)
         if count_only:
             return self._send_json(200, {"input_tokens": len(prompt)})
-        args = lm_server.GenerationArguments(
-            model=lm_server.ModelDescription(model="default_model", draft="default_model",
-                                             adapter=None),
-            sampling=lm_server.SamplingArguments(
-                temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
-                top_k=body.get("top_k", cli.top_k), min_p=cli.min_p, xtc_probability=0.0,
-                xtc_threshold=0.1),
-            logits=lm_server.LogitsProcessorArguments(
-                logit_bias=None, repetition_penalty=0.0, repetition_context_size=20,
-                presence_penalty=0.0, presence_context_size=20, frequency_penalty=0.0,
-                frequency_context_size=20),
-            stop_words=stop_words, max_tokens=max_tokens, num_draft_tokens=None, logprobs=False,
-            top_logprobs=-1, seed=None, chat_template_kwargs=template_args)
+        # the fields the Messages API does not have take mlx_lm.server's defaults
+        args = generation_arguments(
+            **NEUTRAL, model="default_model", draft="default_model",
+            temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
+            top_k=body.get("top_k", cli.top_k), min_p=cli.min_p, stop_words=stop_words,
+            max_tokens=max_tokens, chat_template_kwargs=template_args)
         stream = body.get("stream", False)
 
         def keepalive(done, total):
@@ -830,15 +798,7 @@ class MTPAPIHandler(lm_server.APIHandler):
         tokens, finish = [], "stop"
         try:
             for gen in response:
-                if gen.finish_reason == "stop":
-                    state, current = TextStateMachine.discard(state)
-                    segments = [(current, "")]
-                elif gen.finish_reason == "length":
-                    state, segments = TextStateMachine.split(state, gen.text)
-                    state, flushed, current = TextStateMachine.flush(state)
-                    segments.append((current, flushed))
-                else:
-                    state, segments = TextStateMachine.split(state, gen.text)
+                state, segments = text_segments(state, gen.text, gen.finish_reason)
                 for kind, text in segments:
                     msg.feed(kind, text)
                 tokens.append(gen.token)
@@ -924,7 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=flag("prefill_step_size"), default=2048)
     p.add_argument("--prompt-cache-size", type=flag("prompt_cache_size"), default=10,
                    help="prompt cache entries kept (least recently used dropped first)")
-    p.add_argument("--prompt-cache-bytes", type=_parse_size, default=None,
+    p.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
                    help="prompt cache size limit, e.g. 8GB")
     p.add_argument("--prompt-snapshots", choices=["segments", "end"], default="segments",
                    help="cache snapshots at message boundaries too (default), or only after "
@@ -1033,8 +993,8 @@ def main(argv=None) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             logging.warning("serving on %s without --api-key: anyone who can reach the port "
                             "can use the model", args.host)
-        lm_server._run_http_server(args.host, args.port, generator, server_class=_HTTPServer,
-                                   handler_class=MTPAPIHandler)
+        run_http_server(args.host, args.port, generator, server_class=_HTTPServer,
+                        handler_class=MTPAPIHandler)
     except OSError as e:  # the port is taken, the address is not this machine's
         print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}",
               file=sys.stderr)

@@ -82,11 +82,14 @@ def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt, q4_ckpt):
 
 @pytest.fixture
 def count_host_syncs(monkeypatch):
-    """Start counting mx.eval / mx.async_eval calls made by the decode loop;
-    returns the list of their names, one per call."""
+    """Start counting mx.eval / mx.async_eval calls made by any mlx_mtp module
+    (loop, cycle, cache, sampling, families, kernels, ...); returns the list
+    of their names, one per call."""
+    import sys
+
     import mlx.core as mx
 
-    import mlx_mtp.loop as decode
+    import mlx_mtp.loop  # noqa: F401  (the decode path's modules are imported)
 
     def start():
         calls = []
@@ -103,7 +106,10 @@ def count_host_syncs(monkeypatch):
                 calls.append("async_eval")
                 return mx.async_eval(*a, **k)
 
-        monkeypatch.setattr(decode, "mx", CountingMX())
+        counting = CountingMX()
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] == "mlx_mtp" and getattr(module, "mx", None) is mx:
+                monkeypatch.setattr(module, "mx", counting)
         return calls
 
     return start

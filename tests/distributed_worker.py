@@ -7,7 +7,8 @@ asks: mlx_lm's own generate_step on the sharded model (its sharded
 decoding), MTP greedy at each depth (one batch of all prompts, drafts from a
 bigram table built from known continuations, so rows accept partially), MTP
 with the model's own head, seeded sampling, and two turns on one prompt
-cache. Rank 0 writes the tokens to OUT; every rank must finish.
+cache (and, with "mixed_turns", an mlx_lm turn between two MTP ones). Rank 0
+writes the tokens to OUT; every rank must finish.
 """
 
 import json
@@ -18,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step as lm_generate_step
 
 import mlx_mtp
+from mlx_mtp.cache import head_caches
 from mlx_mtp.distributed import sharded_load
 from mlx_mtp.drafters import BigramDrafter
 from mlx_mtp.loop import Request, decode_rows, make_batch
@@ -31,6 +33,21 @@ def batch_tokens(model, prompts, n, depth, drafter):
         got[i].append(t)
         accepted += bool(from_draft)
     return got, accepted
+
+
+def mixed_turns(model, prompts, n):
+    """Three turns on one prompt cache: MTP, then mlx_lm (the trunk moves on
+    without the head), then MTP sampling. Returns the tokens and the length
+    of the head's cache at the end."""
+    cache = model.make_cache()
+    first = [int(t) for t, _ in mlx_mtp.generate_step(
+        mx.array(prompts[0]), model, max_tokens=n, draft_tokens=2, prompt_cache=cache)]
+    second = [int(t) for t, _ in lm_generate_step(mx.array(prompts[1]), model, max_tokens=n,
+                                                  prompt_cache=cache)]
+    third = [int(t) for t, _ in mlx_mtp.generate_step(
+        mx.array(prompts[2]), model, max_tokens=n, draft_tokens=2, prompt_cache=cache,
+        sampler=mlx_mtp.make_sampler(1.0, top_p=0.95), seed=7)]
+    return [first, second, third], head_caches(cache, len(model.is_linear))[0].offset
 
 
 def main():
@@ -67,6 +84,13 @@ def main():
             mx.array(p), model, max_tokens=n, draft_tokens=2, prompt_cache=cache)])
     out["turns"] = turns
     mark("turns")
+    if plan.get("mixed_turns"):
+        out["mixed_turns"], head_length = mixed_turns(model, prompts, n)
+        # every rank's: the heads must stay alike (rank 0 accepts the first
+        # stage's drafts with its own head's probabilities)
+        out["mixed_head_lengths"] = mx.distributed.all_gather(
+            mx.array([head_length]), group=group).tolist()
+        mark("mixed turns")
     if group.rank() == 0:
         with open(out_file, "w") as f:
             json.dump(out, f)

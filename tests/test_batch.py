@@ -250,6 +250,29 @@ def test_depth_learned_per_batch_size(loaded):
     assert sum(four.accept_n) >= four.cycles
 
 
+def test_cycles_count_for_the_batch_size_they_ran(loaded):
+    """A cycle launched with two rows and read after one left is the two-row
+    controller's sample: a cycle's cost and acceptance go to the controller of
+    the rows it ran, never to the size the batch has when it is read."""
+    from mlx_mtp.loop import controller_for
+
+    model, _, tok = loaded("dense")
+    model.runtime.controllers.clear()
+    batch = make_batch(model, draft_tokens="auto")
+    rows = batch.add([batch.prepare(tok.encode(p), None, 30, None) for p in PROMPTS[:2]])
+    for _ in range(4):
+        batch.step()
+    two, one = (controller_for(batch.spec, batch.max_depth, n) for n in (2, 1))
+    assert [len(c.rows) for c in batch.inflight] == [2]  # queued before the row leaves
+    batch.finish(rows[0])
+    before = (two.cycles, one.cycles, dict(one.cost_n))
+    batch.step()  # reads the two-row cycle; launches a one-row one
+    assert (two.cycles, one.cycles, one.cost_n) == (before[0] + 1, before[1], before[2])
+    batch.step()
+    assert one.cycles == before[1] + 1
+    batch.finish(rows[1])
+
+
 def test_memory_flat_across_batches(loaded):
     """Rows joining and leaving leave nothing behind: active memory is flat
     over batch_generate calls with gc off."""

@@ -2,8 +2,9 @@
 and pipeline parallel, dense and MoE: every rank decodes in lockstep and
 rank 0's tokens equal one process's (mlx_lm's and mlx_mtp's), at depths 1-3
 and auto, in batches whose rows accept drafts partially, with the head's own
-drafts, seeded sampling and two turns on one prompt cache. Each launch is
-bounded by a timeout, so a hang fails instead of blocking."""
+drafts, seeded sampling and two turns on one prompt cache; also a pipeline
+stage that holds no attention layer. Each launch is bounded by a timeout, so
+a hang fails instead of blocking."""
 
 import functools
 import json
@@ -22,6 +23,7 @@ import pytest
 
 import mlx_mtp
 from mlx_mtp.synthetic import write_checkpoint
+from distributed_worker import mixed_turns
 from serving import chat_text
 from util import reference
 
@@ -109,6 +111,42 @@ def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
     assert got["turns"] == turns
 
 
+def test_pipeline_stage_without_attention(tmp_path):
+    """Layers 0-2 GDN, layer 3 attention, over two pipeline stages: rank 1
+    runs layers 0-1 and holds no attention layer, so no KV offset to count
+    the tokens by. It decodes as mlx_lm's pipeline does and as one process
+    does, with drafts rolled back on its GDN layers, and a second turn on one
+    prompt cache (the trunk length the loop starts from, agreed by the ranks),
+    also after an mlx_lm turn on that cache."""
+    path = write_checkpoint(tmp_path / "gdn_stage")
+    config = json.loads((path / "config.json").read_text())["text_config"]
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    greedy, sampled, turns = one_process(path)
+    model, _ = mlx_mtp.load(path)
+    assert [[int(t) for t, _ in mlx_mtp.generate_step(
+        mx.array(p), model, max_tokens=MAX_TOKENS, draft_tokens=3)] for p in PROMPTS] == greedy
+    plan = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "depths": [3], "head_depths": [2],
+            "continuations": [p[-1:] + g for p, g in zip(PROMPTS, greedy)],
+            "mixed_turns": True}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    code, out = launch([str(WORKER), str(path), "pipeline", str(tmp_path / "plan.json"),
+                        str(tmp_path / "out.json")])
+    assert code == 0, out[-3000:]
+    assert out.count("done") == 2, out[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["mlx_lm"] == greedy  # mlx_lm's own pipeline decodes this split
+    assert got["bigram_3"] == greedy
+    assert got["bigram_3_accepted"] > 0  # partial acceptance: GDN rollback on both stages
+    assert got["head_2"] == greedy
+    assert got["sampled"] == sampled
+    assert got["turns"] == turns
+    # after an mlx_lm turn the stage without attention drops the head's kept
+    # hidden too (the stages agree): every rank's head is one process's
+    tokens, head_length = mixed_turns(model, PROMPTS, MAX_TOKENS)
+    assert got["mixed_turns"] == tokens
+    assert got["mixed_head_lengths"] == [head_length] * 2
+
+
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     """`mlx.launch ... -m mlx_mtp.generate --model M` prints rank 0's text once;
     a rank that cannot load stops the launch (generate or server) with one
@@ -122,20 +160,22 @@ def test_cli_and_a_failing_rank(checkpoints, tmp_path):
                             "--draft-tokens", "2", *mode], timeout=180)
         assert code == 0, out[-3000:]
         assert out.count(want) == 1, (want, out[-2000:])
-    # 4 layers over 2 pipeline stages: the first stage has no attention layer
-    small = write_checkpoint(tmp_path / "small")
+    # one layer cannot make two pipeline stages (mlx_lm's pipeline() refuses)
+    small = write_checkpoint(tmp_path / "small", text_overrides=dict(
+        num_hidden_layers=1, full_attention_interval=1))
+    refused = "must be positive and sum to 1 layers"
     code, out = launch(["-m", "mlx_mtp.generate", "--model", str(small), "--pipeline",
                         "--max-tokens", "4"], timeout=120)
-    # (mlx.launch itself exits 0 and reports each rank's exit code: the failing
-    # rank 1, or rank 0 losing its peer, exits 1 first and the other is stopped)
+    # (mlx.launch itself exits 0 and reports each rank's exit code: a failing
+    # rank, or one losing its peer, exits 1 first and the other is stopped)
     assert "exited with code 1" in out and "exited with code 0" not in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
-    assert "error: rank 1: pipeline rank 1 holds no attention layer" in out, out[-2000:]
+    assert "error: rank 1: split [1, 0] " + refused in out, out[-2000:]
     # the server: the same line, and no port left bound
     code, out = launch(["-m", "mlx_mtp.server", "--model", str(small), "--pipeline"],
                        timeout=120)
     assert "exited with code 1" in out and "Traceback" not in out, out[-2000:]
-    assert "error: rank 1: pipeline rank 1 holds no attention layer" in out, out[-2000:]
+    assert "error: rank 1: split [1, 0] " + refused in out, out[-2000:]
 
 
 # -- the server over two ranks -------------------------------------------------------------
