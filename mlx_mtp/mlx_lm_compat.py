@@ -301,6 +301,16 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.qwen3_next:Qwen3NextDecoderLayer", ("args", "layer_idx")),
     Need("mlx_lm.models.qwen3_next:Qwen3NextGatedDeltaNet.__call__",
          ("self", "inputs", "mask", "cache")),
+    # what families/qwen4_exp.py builds its trunk and head from (docs/qwen4_exp.md),
+    # and the cache kind its attention layers use (`.caches` read by cache.py)
+    Need("mlx_lm.models.qwen3_5:GatedDeltaNet", ("config",)),
+    Need("mlx_lm.models.qwen3_next:Qwen3NextAttention", ("args",)),
+    Need("mlx_lm.models.qwen3_next:Qwen3NextAttention.__call__", ("self", "x", "mask", "cache")),
+    Need("mlx_lm.models.qwen3_next:Qwen3NextSparseMoeBlock", ("args",)),
+    Need("mlx_lm.models.qwen3_next:Qwen3NextRMSNormGated", ("hidden_size", "eps")),
+    Need("mlx_lm.models.qwen3_next:Qwen3NextRMSNormGated.__call__",
+         ("self", "hidden_states", "gate")),
+    Need("mlx_lm.models.cache:CacheList", ("caches",)),
 ]
 
 
