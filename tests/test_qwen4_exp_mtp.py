@@ -305,3 +305,23 @@ def test_head_cache_kinds_and_checks(ckpt):
     # a one-token prompt on a fresh cache: the decoding form starts from what
     # the layers start from (the n-gram context is EOS, not token 0)
     assert mtp(model, [5], 2, 8) == reference(model, [5], 8)
+
+
+def test_without_head_decodes_plainly(tmp_path):
+    """A checkpoint without `mtp.*` loads (one notice) and decodes plainly;
+    a head tensor missing from a checkpoint that has the others is refused,
+    naming it."""
+    from mlx_mtp.model import MTPWeightError
+
+    path = write_qwen4_exp_checkpoint(tmp_path / "plain", seed=2, mtp=False)
+    model, _ = mlx_mtp.load(path, quiet=True)
+    assert not model.has_mtp and model.mtp_missing
+    assert mtp(model, PROMPT, 2, 6) == reference(model, PROMPT, 6)
+
+    path = write_qwen4_exp_checkpoint(tmp_path / "cut", seed=2)
+    f = path / "model.safetensors"
+    w = mx.load(str(f))
+    del w["mtp.fc_hidden.weight"]
+    mx.save_safetensors(str(f), w, metadata={"format": "pt"})
+    with pytest.raises(MTPWeightError, match="mtp.fc_hidden.weight is missing"):
+        mlx_mtp.load(path, quiet=True)
