@@ -331,7 +331,6 @@ class Row:
     last: Optional[Finish] = None  # its finishing point
     used: int = 0
     history: Optional[mx.array] = None  # the row's tokens (logits processors)
-    generated: Optional[List[int]] = None  # host-side drafters (one row)
     bias: Optional[mx.array] = None  # [V]: its logit bias, built once
     done: bool = False
 
@@ -501,7 +500,7 @@ class Batch:
             if r.processors:
                 row.history = mx.array(r.prompt, dtype=mx.int32)
             if spec.drafter is not None and spec.drafter.host_side:
-                row.generated = []
+                spec.drafter.start()  # such a drafter has one row
             if r.sampling is not None and r.sampling.logit_bias:
                 bias = [0.0] * model.vocab_size
                 for t, v in r.sampling.logit_bias:
@@ -631,8 +630,6 @@ class Batch:
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
                        for r in self.rows]
-        if spec.drafter is not None and spec.drafter.host_side:
-            spec.drafter.generated = self.rows[0].generated
         keep = any(r.keep_cache for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
@@ -681,8 +678,8 @@ class Batch:
             accepted.append(a)
             if row.history is not None:
                 row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])
-            if row.generated is not None:
-                row.generated.extend(tokens)
+            if self.spec.drafter is not None and self.spec.drafter.host_side:
+                self.spec.drafter.observe(tokens)
             out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
         if ctl is not None and accepted:
             ctl.update_acceptance(k, accepted)
