@@ -14,6 +14,8 @@ from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
+from mlx_mtp.checkpoint import CheckpointError, safetensors_header, weight_files
+
 # Files a text-only conversion needs from a Hugging Face repository. The
 # vision tower's preprocessor files and anything else are never downloaded.
 CONFIG_FILES = ["config.json", "generation_config.json"]
@@ -93,14 +95,8 @@ def read_json(path: Path) -> Dict[str, Any]:
         raise ConvertError(f"{path} is not valid JSON: {e}") from None
 
 
-def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    return config.get("text_config", config)
-
-
 def check_headers(files: Iterable[Path]) -> Dict[str, Tuple[Path, Dict[str, Any]]]:
     """Header of every tensor (name -> (file, entry)); corrupt files raise naming the file."""
-    from mlx_mtp.load import safetensors_header
-
     out: Dict[str, Tuple[Path, Dict[str, Any]]] = {}
     for f in files:
         for name, info in safetensors_header(Path(f)).items():
@@ -128,7 +124,7 @@ def st_dtype_name(st_dtype: str) -> Optional[str]:
 def read_model_config(folder: Path) -> Dict[str, Any]:
     """config.json of a model folder, checked to be a JSON object (text_config too),
     then mlx_mtp's own checks (model_type). One-line errors naming the file."""
-    from mlx_mtp.load import CheckpointError, read_config
+    from mlx_mtp.load import read_config
 
     folder = Path(folder)
     cfg_file = folder / "config.json"
@@ -168,8 +164,6 @@ def read_index_file(path: Path) -> Dict[str, Any]:
 
 def model_weight_files(folder: Path) -> List[Path]:
     """The safetensors files of a checkpoint (index checked first), all of them existing."""
-    from mlx_mtp.load import weight_files
-
     read_index(folder)
     try:
         return weight_files(Path(folder))

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
+from mlx_mtp.checkpoint import text_config
+
 from . import interrupts
 from .common import (
     DEFAULT_MTP_BITS_QUANTIZED,
@@ -29,7 +31,6 @@ from .common import (
     publish,
     read_model_config,
     staging_folder,
-    text_config,
     warn,
 )
 
@@ -38,7 +39,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 def _source_dtype(config: Dict[str, Any]) -> Optional[str]:
     """The dtype mlx_lm.convert would pick: torch_dtype / dtype, top level or text_config."""
-    tc = config.get("text_config", {})
+    tc = text_config(config)
     for d in (config.get("torch_dtype"), config.get("dtype"), tc.get("torch_dtype"), tc.get("dtype")):
         if d in DTYPES:
             return d
@@ -208,8 +209,7 @@ def convert(
     if has_head and not model.has_mtp:
         warn(f"{src} has mtp.* tensors but its config declares no MTP layers: head dropped")
     if model.has_mtp and model.mtp_layers_declared is None:  # found from the tensors: record it
-        tc = config.get("text_config", config)
-        tc[model.mtp_layers_key] = model.mtp_layers
+        text_config(config)[model.mtp_layers_key] = model.mtp_layers
     head_q_before = _head_quant(model)
     if head_q_before and not mtp_bits_given:
         mtp_bits = head_q_before["bits"]  # an already-quantized head stays as it is

@@ -14,6 +14,8 @@ import stat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from mlx_mtp.checkpoint import text_config
+
 from . import interrupts
 from .common import (
     DEFAULT_MTP_BITS_QUANTIZED,
@@ -36,7 +38,6 @@ from .common import (
     read_model_config,
     st_dtype_name,
     staging_folder,
-    text_config,
 )
 
 HEAD_FILE = "model-mtp.safetensors"
@@ -281,7 +282,7 @@ def graft(
 
     # -- new config and index ---------------------------------------------------------
     cfg = read_json(target / "config.json")  # as written, not as read_config normalised it
-    where = cfg.get("text_config", cfg)
+    where = text_config(cfg)
     if not declared_mtp_layers(where):
         where[family.mtp_layers_key] = layers
     for key in ("quantization", "quantization_config"):

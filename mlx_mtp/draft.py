@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .load import read_config_file, safetensors_header, weight_files
+from .checkpoint import read_config_file, safetensors_header, text_config, weight_files
 
 HEAD_PREFIX = "mtp."
 MLX_VLM_DRAFTER = "qwen3_5_mtp"
@@ -42,10 +42,6 @@ _HF_EXPERTS = re.compile(r"\.experts\.(\d+\.(gate|up|down)_proj|gate_up_proj|dow
 
 class DraftError(ValueError):
     """A drafter folder that cannot be attached; the message is one line."""
-
-
-def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    return config.get("text_config") or config
 
 
 def _kind(config: Dict[str, Any]) -> str:

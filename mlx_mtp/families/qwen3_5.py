@@ -18,6 +18,7 @@ from mlx_lm.models import qwen3_5, qwen3_5_moe
 
 from .. import metal as kernels
 from ..cache import CaptureCache
+from ..checkpoint import text_config
 from ..head import HEAD_NORM_SUFFIXES
 from ..model import MTPModel, MTPWeightError
 
@@ -156,7 +157,7 @@ class _Qwen35(MTPModel):
 
     @classmethod
     def args_from_config(cls, config: dict):
-        return qwen3_5.TextModelArgs.from_dict(config.get("text_config", config))
+        return qwen3_5.TextModelArgs.from_dict(text_config(config))
 
     @staticmethod
     def sanitize_trunk_experts(weights: dict) -> dict:
