@@ -105,15 +105,9 @@ def check_headers(files: Iterable[Path]) -> Dict[str, Tuple[Path, Dict[str, Any]
     return out
 
 
-def is_unconverted(headers: Dict[str, Tuple[Path, Dict[str, Any]]]) -> bool:
-    """True for the HF layout (conv1d [C, 1, K], zero-centred norms not yet shifted).
-
-    The same rule mlx_lm's qwen3_5 sanitize and mlx_mtp's use to decide whether to
-    shift the norms by +1: after conversion conv1d is stored [C, K, 1]."""
-    for name, (_, info) in headers.items():
-        if "conv1d.weight" in name:
-            return info["shape"][-1] != 1
-    return True
+def tensor_shapes(headers: Dict[str, Tuple[Path, Dict[str, Any]]]) -> Dict[str, Tuple[int, ...]]:
+    """name -> shape, from `check_headers` (what a family's `is_unconverted` reads)."""
+    return {name: tuple(info["shape"]) for name, (_, info) in headers.items()}
 
 
 def st_dtype_name(st_dtype: str) -> Optional[str]:

@@ -23,7 +23,6 @@ from .common import (
     folder_size,
     head_quant_params,
     human_size,
-    is_unconverted,
     local_source,
     check_replace,
     log,
@@ -31,6 +30,7 @@ from .common import (
     publish,
     read_model_config,
     staging_folder,
+    tensor_shapes,
     warn,
 )
 
@@ -135,7 +135,7 @@ def convert(
     from mlx_lm.utils import load_model, quantize_model
 
     from mlx_mtp import __version__
-    from mlx_mtp.families import MODEL_CLASSES
+    from mlx_mtp.families import MODEL_CLASSES, family_of
 
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}")
@@ -159,7 +159,7 @@ def convert(
         )
     files = model_weight_files(src)  # index checked, every shard present
     headers = check_headers(files)
-    unconverted = is_unconverted(headers)
+    unconverted = family_of(config["model_type"]).is_unconverted(tensor_shapes(headers))
     has_head = any(k.startswith(HEAD_PREFIX) for k in headers)
     if unconverted:
         log(f"source {src} is in Hugging Face layout: norms are shifted (+1) once")

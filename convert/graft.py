@@ -27,7 +27,6 @@ from .common import (
     describe_quant,
     head_quant_params,
     human_size,
-    is_unconverted,
     local_source,
     log,
     model_weight_files,
@@ -38,6 +37,7 @@ from .common import (
     read_model_config,
     st_dtype_name,
     staging_folder,
+    tensor_shapes,
 )
 
 HEAD_FILE = "model-mtp.safetensors"
@@ -194,7 +194,8 @@ def graft(
     tcfg = read_model_config(target)
     t_files = model_weight_files(target)
     t_headers = check_headers(t_files)
-    if is_unconverted(t_headers):
+    family = family_of(tcfg.get("model_type"))
+    if family.is_unconverted(tensor_shapes(t_headers)):
         raise ConvertError(
             f"{target} is in Hugging Face layout, not an MLX conversion; "
             "use `python -m mlx_mtp.convert --hf-path ... --mlx-path ...` instead"
@@ -219,7 +220,6 @@ def graft(
     # -- source: config + index, then only the head's shards -----------------------
     scfg, weight_map, fetch, hub = _source_files(hf_path, revision)
     _check_match(tcfg, scfg, target, str(hf_path))
-    family = family_of(tcfg.get("model_type"))
     head_keys = sorted(k for k in weight_map if k.startswith(HEAD_PREFIX))
     if not head_keys:
         raise ConvertError(f"{hf_path} has no mtp.* tensors: there is no MTP head to graft")
@@ -242,8 +242,9 @@ def graft(
         raise ConvertError(f"{missing[0]} is listed in the source index but not in its shard")
     if any(k.endswith(".scales") for k in weights):
         raise ConvertError(f"the head in {hf_path} is already quantized; graft from the unquantized checkpoint")
-    # HF-named sources hold zero-centred norms; MLX-named ones are shifted (the family's rule).
-    shift = family.hf_layout(weight_map)
+    # An unconverted source holds zero-centred norms, a conversion shifted ones
+    # (the family's rule, from the index's names: the trunk's shards are not read).
+    shift = family.is_unconverted(dict.fromkeys(weight_map))
     interrupts.pause_point("loaded")
 
     # -- build and quantize the head ------------------------------------------------

@@ -98,7 +98,7 @@ def norms_shifted(config: Dict, names: List[str], all_names: List[str],
         return True, "mlx-vlm split drafter (its splitter shifts them)"
     trunk = [n for n in all_names if not n.startswith(HEAD_PREFIX)]
     if trunk and family is not None:
-        hf = family.hf_layout(trunk)
+        hf = family.is_unconverted(dict.fromkeys(trunk))  # names: part of a trunk may be here
         return (not hf), ("HF" if hf else "MLX") + " tensor names of the trunk beside it"
     if config.get("quantization") or any(n.endswith(".scales") for n in names):
         return True, "MLX-quantized head"

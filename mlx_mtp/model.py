@@ -136,15 +136,12 @@ class MTPModel:
         return weights
 
     @staticmethod
-    def trunk_norms_unshifted(weights: dict) -> bool:
-        """mlx_lm's own rule for shifting the trunk's zero-centred norms (+1)
-        at load: the head's norms follow it, so both are shifted exactly once."""
-        raise NotImplementedError
-
-    @staticmethod
-    def hf_layout(names) -> bool:
-        """Whether a full checkpoint's tensor names are the HF release's
-        (norms zero-centred) rather than an MLX conversion's, from names alone."""
+    def is_unconverted(tensors: dict) -> bool:
+        """Whether a checkpoint is an unconverted HF release, whose zero-centred
+        norms mlx_lm shifts (+1) at load: mlx_lm's own rule for the family, which
+        the head's norms follow so both are shifted exactly once. `tensors` maps
+        the checkpoint's tensor names to their shapes, or every name to None
+        where only the names are at hand (an index, part of a checkpoint)."""
         raise NotImplementedError
 
     @staticmethod
@@ -262,7 +259,7 @@ class MTPModel:
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         # mlx_lm shifts zero-centred norms iff it sees an unconverted checkpoint;
         # the head's norms follow the same rule so they are shifted exactly once.
-        unconverted = self.trunk_norms_unshifted(trunk)
+        unconverted = self.is_unconverted({k: v.shape for k, v in trunk.items()})
         trunk = super().sanitize(self.sanitize_trunk_experts(trunk))
         if not mtp:
             self.drop_mtp()

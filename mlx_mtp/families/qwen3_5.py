@@ -65,9 +65,13 @@ def head_layer(args, index: int):
     return qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
 
 
-def trunk_norms_unshifted(weights: dict) -> bool:
-    """mlx_lm's qwen3_5 rule: an unconverted checkpoint has conv1d [C, 1, K]."""
-    return any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
+def is_unconverted(tensors: dict) -> bool:
+    """mlx_lm's qwen3_5 rule: an unconverted checkpoint has conv1d [C, 1, K]
+    (mlx_lm stores it [C, K, 1]). From names alone: mlx_lm's conversions name
+    every trunk tensor `language_model.*`, the HF release `model.language_model.*`."""
+    if all(shape is None for shape in tensors.values()):
+        return not any(k.startswith("language_model.") for k in tensors)
+    return any("conv1d.weight" in k and shape[-1] != 1 for k, shape in tensors.items())
 
 
 def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
@@ -163,13 +167,8 @@ class _Qwen35(MTPModel):
     def sanitize_trunk_experts(weights: dict) -> dict:
         return stack_expert_tensors(weights, TRUNK_PREFIX)
 
-    @staticmethod
-    def hf_layout(names) -> bool:
-        # mlx_lm's conversions name every trunk tensor `language_model.*`
-        return not any(k.startswith("language_model.") for k in names)
-
     head_layer = staticmethod(head_layer)
-    trunk_norms_unshifted = staticmethod(trunk_norms_unshifted)
+    is_unconverted = staticmethod(is_unconverted)
     sanitize_head = staticmethod(sanitize_head)
 
 
