@@ -127,6 +127,12 @@ def unpack(values: np.ndarray, k: int):
             values[:, k + 2:].copy().view(np.float32))
 
 
+def is_host_side(drafter) -> bool:
+    """A drafter whose proposals need the host (drafters.py, `host_side`): its
+    batch decodes one row, eagerly, each cycle read before the next."""
+    return drafter is not None and drafter.host_side
+
+
 @dataclass
 class Spec:
     """What a batch's graphs depend on: the model, how it drafts, samples and
@@ -185,7 +191,7 @@ class Spec:
     def host_history(self) -> bool:
         """Its steps need the rows' tokens on the host (processors, host-side
         drafters): each cycle read before the next."""
-        return self.processors or (self.drafter is not None and self.drafter.host_side)
+        return self.processors or is_host_side(self.drafter)
 
     @property
     def compilable(self) -> bool:
