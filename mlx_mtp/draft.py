@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .checkpoint import read_config_file, safetensors_header, text_config, weight_files
+from .families import MODEL_CLASSES, family_of
+from .model import check_head_config, check_head_weights, declared_mtp_layers, head_layers_in
 
 HEAD_PREFIX = "mtp."
 MLX_VLM_DRAFTER = "qwen3_5_mtp"
@@ -122,9 +124,6 @@ def read_draft_folder(folder, trunk_family=None, trunk_config: Optional[Dict] = 
     checking it against `trunk_config` when given."""
     import mlx.core as mx
 
-    from .families import MODEL_CLASSES
-    from .model import check_head_config, declared_mtp_layers, head_layers_in
-
     folder = Path(folder)
     config = read_config_file(folder)
     drafter = config.get("model_type") == MLX_VLM_DRAFTER
@@ -176,8 +175,6 @@ def attach_head(model, head: DraftHead, lazy: bool = False, quiet: bool = False)
     import mlx.nn as nn
     from .mlx_lm_compat import infer_quant_config
 
-    from .model import check_head_weights
-
     family = type(model)
     weights = family.sanitize_head(dict(head.weights), head.layers, not head.norms_shifted)
     new = family.make_head(model.text_args, head.layers)
@@ -208,8 +205,6 @@ def attach_head(model, head: DraftHead, lazy: bool = False, quiet: bool = False)
 def read_draft(draft, trunk_config: Dict, trunk_name) -> DraftHead:
     """Read the drafter folder `draft` for the trunk of `trunk_config`
     (checked before any tensor is read)."""
-    from .families import family_of
-
     folder = Path(draft).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"draft folder {draft} does not exist")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from .checkpoint import (CheckpointError, read_config_file,  # noqa: F401 (CheckpointError: re-exported)
                          safetensors_header, weight_files)
+from .draft import attach_head, read_draft
 from .families import MODEL_CLASSES, family_of
 
 if TYPE_CHECKING:
@@ -94,8 +95,6 @@ def load(
     check_tokenizer_files(model_path)
     head = None
     if draft is not None:
-        from .draft import read_draft
-
         head = read_draft(draft, config, model_path)
 
     model, config = load_model(
@@ -107,8 +106,6 @@ def load(
     )
     model.model_path = str(model_path)
     if head is not None:
-        from .draft import attach_head
-
         attach_head(model, head, lazy=lazy, quiet=quiet)
     if not model.has_mtp and not quiet:
         reason = (

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import metal as kernels
 from .head import MTPHead
 
 
@@ -241,8 +242,6 @@ class MTPModel:
     def draft_tokens_from_hidden(self, g: mx.array, vocab_ids: Optional[mx.array] = None) -> mx.array:
         """Greedy draft ids [N] from head hiddens [..., H]: the lm_head
         projection fused with arg-max, over `vocab_ids` rows only when given."""
-        from . import metal as kernels
-
         h = g.reshape(-1, g.shape[-1])
         if self.lm_head_group is not None:  # a vocabulary slice per rank: gathered logits
             logits = self.logits_from_hidden(h)
