@@ -115,6 +115,16 @@ def st_dtype_name(st_dtype: str) -> Optional[str]:
 
 
 # -- model folders --------------------------------------------------------------
+def config_object(config: Any, where) -> Dict[str, Any]:
+    """A config.json's contents, checked to be a JSON object whose
+    text_config, when there is one, is a JSON object too."""
+    if not isinstance(config, dict):
+        raise ConvertError(f"{where} is not a JSON object (found {type(config).__name__})")
+    if "text_config" in config and not isinstance(config["text_config"], dict):
+        raise ConvertError(f"{where}: text_config is not a JSON object")
+    return config
+
+
 def read_model_config(folder: Path) -> Dict[str, Any]:
     """config.json of a model folder, checked to be a JSON object (text_config too),
     then mlx_mtp's own checks (model_type). One-line errors naming the file."""
@@ -124,11 +134,7 @@ def read_model_config(folder: Path) -> Dict[str, Any]:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ConvertError(f"{folder} has no config.json: not a model folder")
-    config = read_json(cfg_file)
-    if not isinstance(config, dict):
-        raise ConvertError(f"{cfg_file} is not a JSON object (found {type(config).__name__})")
-    if "text_config" in config and not isinstance(config["text_config"], dict):
-        raise ConvertError(f"{cfg_file}: text_config is not a JSON object")
+    config_object(read_json(cfg_file), cfg_file)
     try:
         return read_config(folder)
     except (CheckpointError, ValueError) as e:

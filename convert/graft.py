@@ -24,6 +24,7 @@ from .common import (
     MTP_BITS_CHOICES,
     ConvertError,
     check_headers,
+    config_object,
     describe_quant,
     head_quant_params,
     human_size,
@@ -49,7 +50,7 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
     if src is not None:
         if not (src / "config.json").is_file():
             raise ConvertError(f"{src} has no config.json: not a model folder")
-        config = _json_object(read_json(src / "config.json"), src / "config.json")
+        config = config_object(read_json(src / "config.json"), src / "config.json")
         index = read_index(src)
         weight_map = index["weight_map"] if index else {}
 
@@ -76,7 +77,7 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
         except Exception as e:
             raise ConvertError(f"could not download {name} from {repo}: {type(e).__name__}: {e}") from None
 
-    config = _json_object(read_json(fetch("config.json")), f"{repo}/config.json")
+    config = config_object(read_json(fetch("config.json")), f"{repo}/config.json")
     try:
         index_path = Path(hf_hub_download(repo, INDEX_FILE, revision=revision))
         weight_map = read_index_file(index_path)["weight_map"]
@@ -88,14 +89,6 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
         path = fetch("model.safetensors")  # single-file repo: the only shard holds the head
         weight_map = {k: "model.safetensors" for k in check_headers([path])}
     return config, weight_map, fetch, True
-
-
-def _json_object(obj: Any, where) -> Dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ConvertError(f"{where} is not a JSON object (found {type(obj).__name__})")
-    if "text_config" in obj and not isinstance(obj["text_config"], dict):
-        raise ConvertError(f"{where}: text_config is not a JSON object")
-    return obj
 
 
 def _tree_state(folder: Path) -> Dict[str, Tuple]:
