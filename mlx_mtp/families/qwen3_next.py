@@ -25,7 +25,7 @@ from mlx_lm.models import qwen3_next
 
 from ..cache import CaptureCache
 from ..model import MTPModel
-from .qwen3_5 import sanitize_head, verify_capturing
+from .common import sanitize_head, verify_capturing
 
 
 @dataclasses.dataclass
