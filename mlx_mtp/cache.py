@@ -369,7 +369,6 @@ def fill_empty(prompt_cache: list, model, n_layers: int):
     template = getattr(model.runtime, "cache_template", None)
     if template is None:
         probe = model.make_cache()
-        n_trunk = len(probe)
         heads = model.mtp.make_cache() if model.has_mtp else []
         h = model.trunk_hidden(mx.array([[0]], dtype=mx.int32), probe)
         if heads:

@@ -167,12 +167,12 @@ def _resolve_for(path_or_hf_repo, pipeline_group) -> Path:
         return resolve_model_path(path_or_hf_repo)
     from huggingface_hub import snapshot_download
 
+    from .checkpoint import text_config
     from .load import read_config
 
     patterns = [p for p in DOWNLOAD_PATTERNS if p != "*.safetensors"]
     model_path = Path(snapshot_download(str(path_or_hf_repo), allow_patterns=patterns))
-    text = read_config(model_path)
-    text = text.get("text_config", text)
+    text = text_config(read_config(model_path))
     files = _local_files(model_path, *stage_layers(text["num_hidden_layers"], pipeline_group))
     return Path(snapshot_download(str(path_or_hf_repo),
                                   allow_patterns=sorted(files) if files else ["*.safetensors"]))

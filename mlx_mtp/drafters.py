@@ -39,6 +39,12 @@ class Drafter(Protocol):
         """Host-side drafters: tokens the row emitted, as each cycle is read."""
 
 
+def is_host_side(drafter: Optional[Drafter]) -> bool:
+    """A drafter whose proposals need the host: its batch decodes one row,
+    eagerly, each cycle read before the next."""
+    return drafter is not None and drafter.host_side
+
+
 class OracleDrafter:
     """Proposes the known continuation `sequence` (e.g. the trunk's own greedy
     output), each draft right with probability `accept_rate` and otherwise

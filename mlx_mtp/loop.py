@@ -38,14 +38,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from . import checks
-from .cache import (MTPCache, cache_length, check_prompt_cache, fill_empty, head_caches,
-                    set_last_hidden)
-from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, prefill,
-                    ring_order, unpack)
+from .cache import MTPCache, cache_length, check_prompt_cache, fill_empty, head_caches
+from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring,
+                    prefill, ring_order, unpack)
 from .depth import DepthController
+from .drafters import is_host_side
 from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
-from .sampling import Filters, MTPSampler, RowSampling, is_greedy, row_arrays
+from .sampling import Filters, MTPSampler, RowSampling, row_arrays
 
 
 def mtp_disabled_by_env() -> bool:
@@ -201,7 +201,7 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
     if draft_vocab is not None and model.lm_head_group is not None:
         raise ValueError("a draft vocabulary needs the whole lm_head on each rank; this "
                          "model's is sharded over the vocabulary (tensor parallel)")
-    if drafter is not None and drafter.host_side and not (
+    if is_host_side(drafter) and not (
             isinstance(sampler, MTPSampler) and sampler.speculative):
         raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
     spec = Spec(model, opaque, use_head=use_head,
@@ -432,7 +432,7 @@ class Batch:
                 raise ValueError("this row's sampler cannot share the batch (top_k and "
                                  "min_tokens_to_keep differ from its sampled rows)")
         drafter = self.spec.drafter
-        if drafter is not None and drafter.host_side and (self.rows or len(requests) > 1):
+        if is_host_side(drafter) and (self.rows or len(requests) > 1):
             raise ValueError("a host-side drafter decodes one row at a time")
         short = [r for r in requests if len(r.prompt) - 1 <= prefill_step_size]
         groups = [short[i:i + self.prefill_batch]
@@ -499,7 +499,7 @@ class Batch:
                               lens, y, [])
             if r.processors:
                 row.history = mx.array(r.prompt, dtype=mx.int32)
-            if spec.drafter is not None and spec.drafter.host_side:
+            if is_host_side(spec.drafter):
                 spec.drafter.start()  # such a drafter has one row
             if r.sampling is not None and r.sampling.logit_bias:
                 bias = [0.0] * model.vocab_size
@@ -678,7 +678,7 @@ class Batch:
             accepted.append(a)
             if row.history is not None:
                 row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])
-            if self.spec.drafter is not None and self.spec.drafter.host_side:
+            if is_host_side(self.spec.drafter):
                 self.spec.drafter.observe(tokens)
             out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
         if ctl is not None and accepted:

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import metal as kernels
 from .head import MTPHead
 
 
@@ -136,15 +137,12 @@ class MTPModel:
         return weights
 
     @staticmethod
-    def trunk_norms_unshifted(weights: dict) -> bool:
-        """mlx_lm's own rule for shifting the trunk's zero-centred norms (+1)
-        at load: the head's norms follow it, so both are shifted exactly once."""
-        raise NotImplementedError
-
-    @staticmethod
-    def hf_layout(names) -> bool:
-        """Whether a full checkpoint's tensor names are the HF release's
-        (norms zero-centred) rather than an MLX conversion's, from names alone."""
+    def is_unconverted(tensors: dict) -> bool:
+        """Whether a checkpoint is an unconverted HF release, whose zero-centred
+        norms mlx_lm shifts (+1) at load: mlx_lm's own rule for the family, which
+        the head's norms follow so both are shifted exactly once. `tensors` maps
+        the checkpoint's tensor names to their shapes, or every name to None
+        where only the names are at hand (an index, part of a checkpoint)."""
         raise NotImplementedError
 
     @staticmethod
@@ -244,8 +242,6 @@ class MTPModel:
     def draft_tokens_from_hidden(self, g: mx.array, vocab_ids: Optional[mx.array] = None) -> mx.array:
         """Greedy draft ids [N] from head hiddens [..., H]: the lm_head
         projection fused with arg-max, over `vocab_ids` rows only when given."""
-        from . import metal as kernels
-
         h = g.reshape(-1, g.shape[-1])
         if self.lm_head_group is not None:  # a vocabulary slice per rank: gathered logits
             logits = self.logits_from_hidden(h)
@@ -262,7 +258,7 @@ class MTPModel:
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         # mlx_lm shifts zero-centred norms iff it sees an unconverted checkpoint;
         # the head's norms follow the same rule so they are shifted exactly once.
-        unconverted = self.trunk_norms_unshifted(trunk)
+        unconverted = self.is_unconverted({k: v.shape for k, v in trunk.items()})
         trunk = super().sanitize(self.sanitize_trunk_experts(trunk))
         if not mtp:
             self.drop_mtp()
