@@ -9,6 +9,7 @@ a hang fails instead of blocking."""
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +23,8 @@ import mlx.core as mx
 import pytest
 
 import mlx_mtp
+from mlx_mtp.distributed import check_files, check_loaded, sharded_load
+from mlx_mtp.load import CheckpointError
 from mlx_mtp.synthetic import write_checkpoint
 from distributed_worker import mixed_turns
 from serving import chat_text
@@ -145,6 +148,86 @@ def test_pipeline_stage_without_attention(tmp_path):
     tokens, head_length = mixed_turns(model, PROMPTS, MAX_TOKENS)
     assert got["mixed_turns"] == tokens
     assert got["mixed_head_lengths"] == [head_length] * 2
+
+
+def _one_stage_file(path: Path, layers: range) -> tuple:
+    """A weight file of a checkpoint that holds only tensors of `layers`
+    (no other stage reads it), and its first tensor."""
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    for file in sorted(set(weight_map.values())):
+        names = sorted(n for n, f in weight_map.items() if f == file)
+        found = [re.search(r"(?:^|\.)layers\.(\d+)\.", n) for n in names]
+        if all(m and int(m.group(1)) in layers for m in found):
+            return path / file, names[0]
+    raise AssertionError(f"no weight file of {path} holds only layers {layers}")
+
+
+class _Stage:
+    """What mlx_lm's pipeline() reads of a group: this rank of two."""
+
+    def __init__(self, rank):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return 2
+
+
+def test_a_rank_checks_its_share(tmp_path):
+    """The sharded load is lenient (a pipeline stage has only its own files),
+    so a rank checks what its share reads: a missing or truncated file, a
+    tensor missing from the checkpoint or of the wrong shape fails it with one
+    line naming the file and the tensor, instead of leaving random weights.
+    In one process here (the ranks' own lines: test_cli_and_a_failing_rank)."""
+    six = write_checkpoint(tmp_path / "six", shards=6,
+                           text_overrides=dict(num_hidden_layers=8, vocab_size=260))
+    file, tensor = _one_stage_file(six, range(0, 4))
+    data = file.read_bytes()
+    file.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"{file} (listed in model.safetensors.index.json) is missing: this rank's "
+            f"tensor-parallel share needs its tensor {tensor}")):
+        sharded_load(six)
+    check_files(six, 4, 8, "pipeline stage")  # the other stage does not read it
+    # the lenient load leaves the file's weights at random; only the stage
+    # keeping them refuses
+    for rank, fails in ((0, False), (1, True)):
+        model, _ = mlx_mtp.load(six, lazy=True, strict=False)
+        assert model.unset_weights
+        model.text_model.pipeline(_Stage(rank))
+        if fails:
+            with pytest.raises(CheckpointError, match=r"weight \S+layers\.[12]\.\S+ is missing "
+                                                      r"from the checkpoint \(this rank's x"):
+                check_loaded(model, six, "x")
+        else:
+            check_loaded(model, six, "x")
+    file.write_bytes(data[:-5000])
+    with pytest.raises(CheckpointError, match=re.escape(f"{file}: tensor ") + r"\S+ is truncated"):
+        sharded_load(six)
+    # one file, no index: a tensor missing, or of the wrong shape
+    one = write_checkpoint(tmp_path / "one")
+    weights = mx.load(str(one / "model.safetensors"))
+    name = "model.language_model.layers.1.linear_attn.dt_bias"
+    shape = tuple(weights[name].shape)
+    for broken, why in (({k: v for k, v in weights.items() if k != name},
+                         "is missing from the checkpoint"),
+                        ({**weights, name: weights[name][:-1]},
+                         f"has shape {(shape[0] - 1,)}, expected {shape}")):
+        mx.save_safetensors(str(one / "model.safetensors"), broken)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{one / 'model.safetensors'}: weight language_model.model.layers.1."
+                f"linear_attn.dt_bias {why} (this rank's tensor-parallel share needs it)")):
+            sharded_load(one)
+    model, _ = mlx_mtp.load(write_checkpoint(tmp_path / "whole"))
+    assert model.unset_weights is None  # a strict load checks all itself
+    # one layer cannot make two pipeline stages: mlx_lm's pipeline() refuses
+    # before anything loads
+    small = write_checkpoint(tmp_path / "small", text_overrides=dict(
+        num_hidden_layers=1, full_attention_interval=1))
+    with pytest.raises(ValueError, match=re.escape("split [1, 0] must be positive and sum to 1")):
+        sharded_load(small, pipeline_group=_Stage(1))
 
 
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
