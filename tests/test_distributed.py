@@ -3,8 +3,9 @@ and pipeline parallel, dense and MoE: every rank decodes in lockstep and
 rank 0's tokens equal one process's (mlx_lm's and mlx_mtp's), at depths 1-3
 and auto, in batches whose rows accept drafts partially, with the head's own
 drafts, seeded sampling and two turns on one prompt cache; also a pipeline
-stage that holds no attention layer. Each launch is bounded by a timeout, so
-a hang fails instead of blocking."""
+stage that holds no attention layer, and a rank whose share of the weights is
+incomplete (it fails alone, with one line). Each launch is bounded by a
+timeout, so a hang fails instead of blocking."""
 
 import functools
 import json
@@ -27,7 +28,7 @@ from mlx_mtp.distributed import check_files, check_loaded, sharded_load
 from mlx_mtp.load import CheckpointError
 from mlx_mtp.synthetic import write_checkpoint
 from distributed_worker import mixed_turns
-from serving import chat_text
+from serving import chat_text, free_port
 from util import reference
 
 LAUNCH = shutil.which("mlx.launch")
@@ -232,8 +233,10 @@ def test_a_rank_checks_its_share(tmp_path):
 
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     """`mlx.launch ... -m mlx_mtp.generate --model M` prints rank 0's text once;
-    a rank that cannot load stops the launch (generate or server) with one
-    line, not a hang."""
+    a rank that cannot load its share (a weight file only its pipeline stage
+    reads is missing) stops the launch (generate or server) with its one line
+    naming the file and a tensor, while the other rank waits at the load
+    barrier: no hang, no traceback, no port left bound."""
     path = checkpoints["dense"]
     model, tok = mlx_mtp.load(path)
     want = mlx_mtp.generate(model, tok, "hello", max_tokens=10, draft_tokens=2)
@@ -243,22 +246,31 @@ def test_cli_and_a_failing_rank(checkpoints, tmp_path):
                             "--draft-tokens", "2", *mode], timeout=180)
         assert code == 0, out[-3000:]
         assert out.count(want) == 1, (want, out[-2000:])
-    # one layer cannot make two pipeline stages (mlx_lm's pipeline() refuses)
-    small = write_checkpoint(tmp_path / "small", text_overrides=dict(
-        num_hidden_layers=1, full_attention_interval=1))
-    refused = "must be positive and sum to 1 layers"
-    code, out = launch(["-m", "mlx_mtp.generate", "--model", str(small), "--pipeline",
+    # 8 layers in six files: rank 1's stage runs layers 0-3 (mlx_lm gives the
+    # first layers to the last rank), and one file holds only some of those
+    six = write_checkpoint(tmp_path / "six", shards=6,
+                           text_overrides=dict(num_hidden_layers=8, vocab_size=260))
+    file, tensor = _one_stage_file(six, range(0, 4))
+    file.unlink()
+    line = (f"error: rank 1: {file} (listed in model.safetensors.index.json) is missing: "
+            f"this rank's pipeline stage (layers 0-3) needs its tensor {tensor}\n")
+    code, out = launch(["-m", "mlx_mtp.generate", "--model", str(six), "--pipeline",
                         "--max-tokens", "4"], timeout=120)
-    # (mlx.launch itself exits 0 and reports each rank's exit code: a failing
-    # rank, or one losing its peer, exits 1 first and the other is stopped)
+    # (mlx.launch itself exits 0 and reports each rank's exit code: the failing
+    # rank 1, or rank 0 losing its peer, exits 1 first and the other is stopped)
     assert "exited with code 1" in out and "exited with code 0" not in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
-    assert "error: rank 1: split [1, 0] " + refused in out, out[-2000:]
-    # the server: the same line, and no port left bound
-    code, out = launch(["-m", "mlx_mtp.server", "--model", str(small), "--pipeline"],
-                       timeout=120)
-    assert "exited with code 1" in out and "Traceback" not in out, out[-2000:]
-    assert "error: rank 1: split [1, 0] " + refused in out, out[-2000:]
+    assert line in out, out[-2000:]
+    assert "error: rank 0: " + str(file) not in out, out[-2000:]  # rank 0 does not read it
+    # the server: the same line, and the port free again
+    port = free_port()
+    code, out = launch(["-m", "mlx_mtp.server", "--model", str(six), "--pipeline",
+                        "--port", str(port)], timeout=120)
+    assert "exited with code 1" in out and "exited with code 0" not in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+    assert line in out, out[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
 
 
 # -- the server over two ranks -------------------------------------------------------------
