@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
@@ -75,25 +75,38 @@ def safetensors_header(file: Path) -> Dict[str, Any]:
     return header
 
 
+WEIGHT_INDEX = "model.safetensors.index.json"
+
+
+def read_weight_map(model_path: Path) -> Optional[Dict[str, str]]:
+    """A checkpoint index's tensor name -> file map; None without an index."""
+    index = model_path / WEIGHT_INDEX
+    if not index.exists():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not all(isinstance(f, str) for f in weight_map.values()):
+            raise TypeError
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{index} has no weight_map object") from None
+    return weight_map
+
+
 def weight_files(model_path: Path, pattern: str = "model*.safetensors",
                  must_exist: bool = True) -> list:
     """The safetensors files of a checkpoint (its index's, else those matching
     `pattern`), all of them checked to exist (or those present, when not
     `must_exist`: a pipeline stage downloads only its own)."""
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
-        except (KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index} has no weight_map object") from None
+    weight_map = read_weight_map(model_path)
+    if weight_map is not None:
+        shards = sorted(set(weight_map.values()))
         if not must_exist:
             shards = [s for s in shards if (model_path / s).exists()]
         for s in shards:
             if not (model_path / s).exists():
-                raise FileNotFoundError(f"{model_path / s} (listed in {index.name}) is missing")
+                raise FileNotFoundError(f"{model_path / s} (listed in {WEIGHT_INDEX}) is missing")
         return [model_path / s for s in shards]
     files = sorted(model_path.glob(pattern))
     if not files:

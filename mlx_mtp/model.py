@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from types import MappingProxyType
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -253,6 +254,29 @@ class MTPModel:
         return ids[:, 0]
 
     # -- weights ------------------------------------------------------------------
+    # after a lenient load (strict=False: a sharded one), each parameter it left
+    # unset, with why (see load_weights); None after a strict one
+    unset_weights = None
+
+    def load_weights(self, file_or_weights, strict: bool = True):
+        """nn.Module's, remembering what a lenient load left unset: mlx_lm's
+        load_model calls it with the sanitized (and, quantized, packed)
+        weights, and without `strict` nn.Module keeps a missing or
+        wrong-shaped parameter's random init silently. sharded_load checks the
+        parameters its rank keeps against this (distributed.check_loaded)."""
+        if not strict and not isinstance(file_or_weights, str):
+            file_or_weights = list(file_or_weights)
+            given = {k: tuple(v.shape) for k, v in file_or_weights}
+            unset = {}
+            for name, param in tree_flatten(self.parameters()):
+                if name not in given:
+                    unset[name] = "is missing from the checkpoint"
+                elif given[name] != tuple(param.shape):
+                    unset[name] = f"has shape {given[name]}, expected {tuple(param.shape)}"
+            # (read-only, and not a dict: an nn.Module keeps dict attributes as children)
+            self.unset_weights = MappingProxyType(unset)
+        return super().load_weights(file_or_weights, strict=strict)
+
     def sanitize(self, weights):
         mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
