@@ -14,6 +14,8 @@ from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
+from mlx_mtp.checkpoint import CheckpointError, safetensors_header, weight_files
+
 # Files a text-only conversion needs from a Hugging Face repository. The
 # vision tower's preprocessor files and anything else are never downloaded.
 CONFIG_FILES = ["config.json", "generation_config.json"]
@@ -93,14 +95,8 @@ def read_json(path: Path) -> Dict[str, Any]:
         raise ConvertError(f"{path} is not valid JSON: {e}") from None
 
 
-def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    return config.get("text_config", config)
-
-
 def check_headers(files: Iterable[Path]) -> Dict[str, Tuple[Path, Dict[str, Any]]]:
     """Header of every tensor (name -> (file, entry)); corrupt files raise naming the file."""
-    from mlx_mtp.load import safetensors_header
-
     out: Dict[str, Tuple[Path, Dict[str, Any]]] = {}
     for f in files:
         for name, info in safetensors_header(Path(f)).items():
@@ -109,15 +105,9 @@ def check_headers(files: Iterable[Path]) -> Dict[str, Tuple[Path, Dict[str, Any]
     return out
 
 
-def is_unconverted(headers: Dict[str, Tuple[Path, Dict[str, Any]]]) -> bool:
-    """True for the HF layout (conv1d [C, 1, K], zero-centred norms not yet shifted).
-
-    The same rule mlx_lm's qwen3_5 sanitize and mlx_mtp's use to decide whether to
-    shift the norms by +1: after conversion conv1d is stored [C, K, 1]."""
-    for name, (_, info) in headers.items():
-        if "conv1d.weight" in name:
-            return info["shape"][-1] != 1
-    return True
+def tensor_shapes(headers: Dict[str, Tuple[Path, Dict[str, Any]]]) -> Dict[str, Tuple[int, ...]]:
+    """name -> shape, from `check_headers` (what a family's `is_unconverted` reads)."""
+    return {name: tuple(info["shape"]) for name, (_, info) in headers.items()}
 
 
 def st_dtype_name(st_dtype: str) -> Optional[str]:
@@ -125,20 +115,26 @@ def st_dtype_name(st_dtype: str) -> Optional[str]:
 
 
 # -- model folders --------------------------------------------------------------
+def config_object(config: Any, where) -> Dict[str, Any]:
+    """A config.json's contents, checked to be a JSON object whose
+    text_config, when there is one, is a JSON object too."""
+    if not isinstance(config, dict):
+        raise ConvertError(f"{where} is not a JSON object (found {type(config).__name__})")
+    if "text_config" in config and not isinstance(config["text_config"], dict):
+        raise ConvertError(f"{where}: text_config is not a JSON object")
+    return config
+
+
 def read_model_config(folder: Path) -> Dict[str, Any]:
     """config.json of a model folder, checked to be a JSON object (text_config too),
     then mlx_mtp's own checks (model_type). One-line errors naming the file."""
-    from mlx_mtp.load import CheckpointError, read_config
+    from mlx_mtp.load import read_config
 
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ConvertError(f"{folder} has no config.json: not a model folder")
-    config = read_json(cfg_file)
-    if not isinstance(config, dict):
-        raise ConvertError(f"{cfg_file} is not a JSON object (found {type(config).__name__})")
-    if "text_config" in config and not isinstance(config["text_config"], dict):
-        raise ConvertError(f"{cfg_file}: text_config is not a JSON object")
+    config_object(read_json(cfg_file), cfg_file)
     try:
         return read_config(folder)
     except (CheckpointError, ValueError) as e:
@@ -168,8 +164,6 @@ def read_index_file(path: Path) -> Dict[str, Any]:
 
 def model_weight_files(folder: Path) -> List[Path]:
     """The safetensors files of a checkpoint (index checked first), all of them existing."""
-    from mlx_mtp.load import weight_files
-
     read_index(folder)
     try:
         return weight_files(Path(folder))

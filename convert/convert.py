@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
+from mlx_mtp.checkpoint import text_config
+
 from . import interrupts
 from .common import (
     DEFAULT_MTP_BITS_QUANTIZED,
@@ -21,7 +23,6 @@ from .common import (
     folder_size,
     head_quant_params,
     human_size,
-    is_unconverted,
     local_source,
     check_replace,
     log,
@@ -29,7 +30,7 @@ from .common import (
     publish,
     read_model_config,
     staging_folder,
-    text_config,
+    tensor_shapes,
     warn,
 )
 
@@ -38,7 +39,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 def _source_dtype(config: Dict[str, Any]) -> Optional[str]:
     """The dtype mlx_lm.convert would pick: torch_dtype / dtype, top level or text_config."""
-    tc = config.get("text_config", {})
+    tc = text_config(config)
     for d in (config.get("torch_dtype"), config.get("dtype"), tc.get("torch_dtype"), tc.get("dtype")):
         if d in DTYPES:
             return d
@@ -134,7 +135,7 @@ def convert(
     from mlx_lm.utils import load_model, quantize_model
 
     from mlx_mtp import __version__
-    from mlx_mtp.families import MODEL_CLASSES
+    from mlx_mtp.families import MODEL_CLASSES, family_of
 
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}")
@@ -158,7 +159,7 @@ def convert(
         )
     files = model_weight_files(src)  # index checked, every shard present
     headers = check_headers(files)
-    unconverted = is_unconverted(headers)
+    unconverted = family_of(config["model_type"]).is_unconverted(tensor_shapes(headers))
     has_head = any(k.startswith(HEAD_PREFIX) for k in headers)
     if unconverted:
         log(f"source {src} is in Hugging Face layout: norms are shifted (+1) once")
@@ -208,8 +209,7 @@ def convert(
     if has_head and not model.has_mtp:
         warn(f"{src} has mtp.* tensors but its config declares no MTP layers: head dropped")
     if model.has_mtp and model.mtp_layers_declared is None:  # found from the tensors: record it
-        tc = config.get("text_config", config)
-        tc[model.mtp_layers_key] = model.mtp_layers
+        text_config(config)[model.mtp_layers_key] = model.mtp_layers
     head_q_before = _head_quant(model)
     if head_q_before and not mtp_bits_given:
         mtp_bits = head_q_before["bits"]  # an already-quantized head stays as it is

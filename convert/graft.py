@@ -14,6 +14,8 @@ import stat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from mlx_mtp.checkpoint import text_config
+
 from . import interrupts
 from .common import (
     DEFAULT_MTP_BITS_QUANTIZED,
@@ -22,10 +24,10 @@ from .common import (
     MTP_BITS_CHOICES,
     ConvertError,
     check_headers,
+    config_object,
     describe_quant,
     head_quant_params,
     human_size,
-    is_unconverted,
     local_source,
     log,
     model_weight_files,
@@ -36,7 +38,7 @@ from .common import (
     read_model_config,
     st_dtype_name,
     staging_folder,
-    text_config,
+    tensor_shapes,
 )
 
 HEAD_FILE = "model-mtp.safetensors"
@@ -48,7 +50,7 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
     if src is not None:
         if not (src / "config.json").is_file():
             raise ConvertError(f"{src} has no config.json: not a model folder")
-        config = _json_object(read_json(src / "config.json"), src / "config.json")
+        config = config_object(read_json(src / "config.json"), src / "config.json")
         index = read_index(src)
         weight_map = index["weight_map"] if index else {}
 
@@ -75,7 +77,7 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
         except Exception as e:
             raise ConvertError(f"could not download {name} from {repo}: {type(e).__name__}: {e}") from None
 
-    config = _json_object(read_json(fetch("config.json")), f"{repo}/config.json")
+    config = config_object(read_json(fetch("config.json")), f"{repo}/config.json")
     try:
         index_path = Path(hf_hub_download(repo, INDEX_FILE, revision=revision))
         weight_map = read_index_file(index_path)["weight_map"]
@@ -87,14 +89,6 @@ def _source_files(hf_path: Union[str, Path], revision: Optional[str]) -> Tuple[D
         path = fetch("model.safetensors")  # single-file repo: the only shard holds the head
         weight_map = {k: "model.safetensors" for k in check_headers([path])}
     return config, weight_map, fetch, True
-
-
-def _json_object(obj: Any, where) -> Dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ConvertError(f"{where} is not a JSON object (found {type(obj).__name__})")
-    if "text_config" in obj and not isinstance(obj["text_config"], dict):
-        raise ConvertError(f"{where}: text_config is not a JSON object")
-    return obj
 
 
 def _tree_state(folder: Path) -> Dict[str, Tuple]:
@@ -193,7 +187,8 @@ def graft(
     tcfg = read_model_config(target)
     t_files = model_weight_files(target)
     t_headers = check_headers(t_files)
-    if is_unconverted(t_headers):
+    family = family_of(tcfg.get("model_type"))
+    if family.is_unconverted(tensor_shapes(t_headers)):
         raise ConvertError(
             f"{target} is in Hugging Face layout, not an MLX conversion; "
             "use `python -m mlx_mtp.convert --hf-path ... --mlx-path ...` instead"
@@ -218,7 +213,6 @@ def graft(
     # -- source: config + index, then only the head's shards -----------------------
     scfg, weight_map, fetch, hub = _source_files(hf_path, revision)
     _check_match(tcfg, scfg, target, str(hf_path))
-    family = family_of(tcfg.get("model_type"))
     head_keys = sorted(k for k in weight_map if k.startswith(HEAD_PREFIX))
     if not head_keys:
         raise ConvertError(f"{hf_path} has no mtp.* tensors: there is no MTP head to graft")
@@ -241,8 +235,9 @@ def graft(
         raise ConvertError(f"{missing[0]} is listed in the source index but not in its shard")
     if any(k.endswith(".scales") for k in weights):
         raise ConvertError(f"the head in {hf_path} is already quantized; graft from the unquantized checkpoint")
-    # HF-named sources hold zero-centred norms; MLX-named ones are shifted (the family's rule).
-    shift = family.hf_layout(weight_map)
+    # An unconverted source holds zero-centred norms, a conversion shifted ones
+    # (the family's rule, from the index's names: the trunk's shards are not read).
+    shift = family.is_unconverted(dict.fromkeys(weight_map))
     interrupts.pause_point("loaded")
 
     # -- build and quantize the head ------------------------------------------------
@@ -281,7 +276,7 @@ def graft(
 
     # -- new config and index ---------------------------------------------------------
     cfg = read_json(target / "config.json")  # as written, not as read_config normalised it
-    where = cfg.get("text_config", cfg)
+    where = text_config(cfg)
     if not declared_mtp_layers(where):
         where[family.mtp_layers_key] = layers
     for key in ("quantization", "quantization_config"):

@@ -51,6 +51,7 @@ from . import metal as kernels
 from .cache import CaptureCache, MTPCache, head_caches, last_hidden
 from .cache import set_last_hidden
 from .distributed import kept_on_every_stage, share
+from .drafters import Drafter, is_host_side
 from .sampling import Filters, accept_rows, draft_rows, is_greedy, sample_rows, split_rows
 
 # the per-row sampler arrays of a DecodeState (sampling.row_arrays)
@@ -139,7 +140,7 @@ class Spec:
     use_head: bool = True
     processors: bool = False  # some row has logits processors (host history)
     draft_vocab: Optional[mx.array] = None  # greedy/sampled drafts over these ids only
-    drafter: Any = None  # tests and benchmarks (drafters.py)
+    drafter: Optional[Drafter] = None  # tests and benchmarks (drafters.py)
     draft_rows: Optional[dict] = field(default=None, repr=False)
     group: Any = None  # sharded model: the ranks that take rank 0's decisions
     first_stage: Optional[int] = None  # pipeline: the rank that embeds the tokens
@@ -185,7 +186,7 @@ class Spec:
     def host_history(self) -> bool:
         """Its steps need the rows' tokens on the host (processors, host-side
         drafters): each cycle read before the next."""
-        return self.processors or (self.drafter is not None and self.drafter.host_side)
+        return self.processors or is_host_side(self.drafter)
 
     @property
     def compilable(self) -> bool:

@@ -13,16 +13,18 @@ agreed the same way (`agree`). See docs/distributed.md.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
 from .cache import cache_length
-from .load import DOWNLOAD_PATTERNS, load
+from .checkpoint import (WEIGHT_INDEX, CheckpointError, read_weight_map, safetensors_header,
+                         text_config, weight_files)
+from .load import DOWNLOAD_PATTERNS, load, read_config, resolve_model_path
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -102,19 +104,73 @@ def stage_layers(num_layers: int, group) -> tuple:
     return stage.start_idx, stage.end_idx
 
 
-def _local_files(model_path: Path, start: int, end: int) -> Optional[set]:
-    """The safetensors files pipeline stage [start, end) needs: its layers,
-    the embeddings / norm / lm_head, and the MTP head (`mtp.*`, which every
-    rank keeps). None when the checkpoint has no index (one file)."""
-    index = model_path / "model.safetensors.index.json"
-    if not index.exists():
-        return None
-    files = set()
-    for name, file in json.loads(index.read_text())["weight_map"].items():
+def _stage_tensors(weight_map: Dict[str, str], start: int, end: int) -> Dict[str, list]:
+    """The tensors pipeline stage [start, end) reads, by file: its layers',
+    the embeddings / norm / lm_head, and the MTP head's (`mtp.*`, which every
+    rank keeps). Layers are matched by number, as mlx_lm's sharded_load
+    does: sanitize may rename tensors, never renumber a layer."""
+    files: Dict[str, list] = {}
+    for name, file in weight_map.items():
         m = None if name.startswith("mtp.") else _LAYER.search(name)
         if m is None or start <= int(m.group(1)) < end:
-            files.add(file)
+            files.setdefault(file, []).append(name)
     return files
+
+
+def _local_files(model_path: Path, start: int, end: int) -> Optional[set]:
+    """The safetensors files pipeline stage [start, end) needs (see
+    _stage_tensors). None when the checkpoint has no index (one file)."""
+    weight_map = read_weight_map(model_path)
+    if weight_map is None:
+        return None
+    return set(_stage_tensors(weight_map, start, end))
+
+
+def _num_layers(model_path: Path) -> int:
+    """The trunk's layer count from a model folder's config."""
+    config = read_config(model_path)
+    n = text_config(config).get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise CheckpointError(f"{model_path / 'config.json'}: num_hidden_layers must be a "
+                              f"positive integer, not {n!r}")
+    return n
+
+
+def check_files(model_path: Path, start: int, end: int, share: str) -> None:
+    """Before a lenient load: every file of the checkpoint's index that this
+    rank's share (layers [start, end)) reads is there, whole, and holds the
+    tensors the index puts in it. Raises one line naming the file and a
+    tensor (FileNotFoundError, or CheckpointError as `load` does)."""
+    weight_map = read_weight_map(model_path)
+    if weight_map is None:  # one file: `load` requires it (its glob finds none otherwise)
+        return
+    for file, names in sorted(_stage_tensors(weight_map, start, end).items()):
+        path = model_path / file
+        if not path.exists():
+            raise FileNotFoundError(f"{path} (listed in {WEIGHT_INDEX}) is missing: this "
+                                    f"rank's {share} needs its tensor {sorted(names)[0]}")
+        header = safetensors_header(path)  # truncated: names the file and the tensor
+        absent = sorted(set(names) - header.keys())
+        if absent:
+            raise CheckpointError(f"{path}: tensor {absent[0]} (listed in {WEIGHT_INDEX}) is "
+                                  "missing from the file")
+
+
+def check_loaded(model, model_path: Path, share: str) -> None:
+    """After a lenient load and the split: every parameter this rank keeps was
+    set from the checkpoint with its shape (`model.unset_weights`); one that
+    kept its random init raises one line naming it (and the file, when the
+    checkpoint is one file)."""
+    kept = tree_flatten(model.parameters(), destination={})
+    unset = sorted(name for name in model.unset_weights or {} if name in kept)
+    if unset:
+        # the file when the checkpoint is one; with an index, the folder (sanitize
+        # renames tensors, so which file held this weight is not known here)
+        files = [] if read_weight_map(model_path) is not None else weight_files(model_path)
+        where = files[0] if len(files) == 1 else model_path
+        name = unset[0]
+        raise CheckpointError(f"{where}: weight {name} {model.unset_weights[name]} (this "
+                              f"rank's {share} needs it)")
 
 
 def sharded_load(
@@ -134,6 +190,17 @@ def sharded_load(
     if pipeline_group is None and tensor_group is None:
         tensor_group = mx.distributed.init()
     model_path = _resolve_for(path_or_hf_repo, pipeline_group)
+    pipelined = pipeline_group is not None and pipeline_group.size() > 1
+    # The load is lenient (a pipeline stage has only its own files from the
+    # Hub), so this rank checks that its share is all there: the files it
+    # reads before, and every parameter it keeps after (a missing one would
+    # silently keep its random init).
+    if pipelined:
+        start, end = stage_layers(_num_layers(model_path), pipeline_group)
+        share = f"pipeline stage (layers {start}-{end - 1})"
+    else:
+        start, end, share = 0, _num_layers(model_path), "tensor-parallel share"
+    check_files(model_path, start, end, share)
     model, tokenizer, config = load(model_path, tokenizer_config, lazy=True, return_config=True,
                                     strict=False, quiet=mx.distributed.init().rank() != 0)
     if tensor_group is not None and tensor_group.size() > 1:
@@ -141,8 +208,10 @@ def sharded_load(
             raise ValueError(f"{config['model_type']} models have no tensor parallelism in "
                              "mlx_lm; launch with --pipeline")
         model.shard(tensor_group)
-    if pipeline_group is not None and pipeline_group.size() > 1:
+    if pipelined:
         model.text_model.pipeline(pipeline_group)
+    check_loaded(model, model_path, share)  # before any collective: a failing rank stops alone
+    if pipelined:
         # a stage holding only GDN layers keeps no count of its tokens (see
         # trunk_length); every rank learns whether any stage is such a one
         without_attention = mx.distributed.all_sum(
@@ -160,19 +229,13 @@ def sharded_load(
 def _resolve_for(path_or_hf_repo, pipeline_group) -> Path:
     """A local folder as it is; a Hub repo downloaded without the weight
     files other pipeline stages keep."""
-    from .load import resolve_model_path
-
     local = Path(str(path_or_hf_repo)).expanduser()
     if path_or_hf_repo is None or local.exists() or pipeline_group is None:
         return resolve_model_path(path_or_hf_repo)
     from huggingface_hub import snapshot_download
 
-    from .load import read_config
-
     patterns = [p for p in DOWNLOAD_PATTERNS if p != "*.safetensors"]
     model_path = Path(snapshot_download(str(path_or_hf_repo), allow_patterns=patterns))
-    text = read_config(model_path)
-    text = text.get("text_config", text)
-    files = _local_files(model_path, *stage_layers(text["num_hidden_layers"], pipeline_group))
+    files = _local_files(model_path, *stage_layers(_num_layers(model_path), pipeline_group))
     return Path(snapshot_download(str(path_or_hf_repo),
                                   allow_patterns=sorted(files) if files else ["*.safetensors"]))

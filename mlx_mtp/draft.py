@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .load import read_config_file, safetensors_header, weight_files
+from .checkpoint import read_config_file, safetensors_header, text_config, weight_files
+from .families import MODEL_CLASSES, family_of
+from .model import check_head_config, check_head_weights, declared_mtp_layers, head_layers_in
 
 HEAD_PREFIX = "mtp."
 MLX_VLM_DRAFTER = "qwen3_5_mtp"
@@ -42,10 +44,6 @@ _HF_EXPERTS = re.compile(r"\.experts\.(\d+\.(gate|up|down)_proj|gate_up_proj|dow
 
 class DraftError(ValueError):
     """A drafter folder that cannot be attached; the message is one line."""
-
-
-def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    return config.get("text_config") or config
 
 
 def _kind(config: Dict[str, Any]) -> str:
@@ -102,7 +100,7 @@ def norms_shifted(config: Dict, names: List[str], all_names: List[str],
         return True, "mlx-vlm split drafter (its splitter shifts them)"
     trunk = [n for n in all_names if not n.startswith(HEAD_PREFIX)]
     if trunk and family is not None:
-        hf = family.hf_layout(trunk)
+        hf = family.is_unconverted(dict.fromkeys(trunk))  # names: part of a trunk may be here
         return (not hf), ("HF" if hf else "MLX") + " tensor names of the trunk beside it"
     if config.get("quantization") or any(n.endswith(".scales") for n in names):
         return True, "MLX-quantized head"
@@ -125,9 +123,6 @@ def read_draft_folder(folder, trunk_family=None, trunk_config: Optional[Dict] = 
     """Read a drafter folder's head (only the shards holding it), after
     checking it against `trunk_config` when given."""
     import mlx.core as mx
-
-    from .families import MODEL_CLASSES
-    from .model import check_head_config, declared_mtp_layers, head_layers_in
 
     folder = Path(folder)
     config = read_config_file(folder)
@@ -180,8 +175,6 @@ def attach_head(model, head: DraftHead, lazy: bool = False, quiet: bool = False)
     import mlx.nn as nn
     from .mlx_lm_compat import infer_quant_config
 
-    from .model import check_head_weights
-
     family = type(model)
     weights = family.sanitize_head(dict(head.weights), head.layers, not head.norms_shifted)
     new = family.make_head(model.text_args, head.layers)
@@ -212,8 +205,6 @@ def attach_head(model, head: DraftHead, lazy: bool = False, quiet: bool = False)
 def read_draft(draft, trunk_config: Dict, trunk_name) -> DraftHead:
     """Read the drafter folder `draft` for the trunk of `trunk_config`
     (checked before any tensor is read)."""
-    from .families import family_of
-
     folder = Path(draft).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"draft folder {draft} does not exist")

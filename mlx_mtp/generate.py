@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchResponse, BatchStats, GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import checks, params
-from .loop import MTPStats, Request, decode_rows, generate_tokens, make_batch
+from .loop import MTPStats, decode_rows, generate_tokens, make_batch
 from .mlx_lm_compat import generation_stream, wired_limit
 from .sampling import RowSampling
 

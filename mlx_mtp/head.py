@@ -7,7 +7,7 @@ Forward (docs/design.md, "Models"), at position t:
     logits = lm_head(g)                    # shared with the trunk
 h_t is the trunk's final hidden after its final norm. Embedding and lm_head are
 the trunk's; the head owns none. The decoder layer is built by the family
-(`head_layer`, docs/design.md "Families"): Qwen3.5's by default.
+(`head_layer`, docs/design.md "Families").
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ HEAD_NORM_SUFFIXES = (
 
 
 class MTPHead(nn.Module):
-    def __init__(self, args, num_layers: int = 1,
-                 make_layer: Optional[Callable[[object, int], nn.Module]] = None):
+    def __init__(self, args, num_layers: int,
+                 make_layer: Callable[[object, int], nn.Module]):
         """args: the trunk's text args; make_layer(args, i): head layer i, a
-        full-attention decoder layer of the family (Qwen3.5's when not given)."""
+        full-attention decoder layer of the family (its `head_layer`)."""
         super().__init__()
-        if make_layer is None:
-            from .families.qwen3_5 import head_layer as make_layer
         H = args.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=args.rms_norm_eps)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import struct
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
+from .checkpoint import (CheckpointError, read_config_file,  # noqa: F401 (CheckpointError: re-exported)
+                         safetensors_header, weight_files)
+from .draft import attach_head, read_draft
 from .families import MODEL_CLASSES, family_of
 
 if TYPE_CHECKING:
@@ -20,16 +21,6 @@ DEMO_MODEL_DIR = Path(__file__).parent / "demo"
 DOWNLOAD_PATTERNS = [
     "*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model", "*.tiktoken",
 ]
-
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
-    "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that is missing, truncated or corrupt."""
-
 
 def demo_model_path() -> Optional[Path]:
     return DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "config.json").exists() else None
@@ -55,86 +46,11 @@ def resolve_model_path(path_or_hf_repo: Optional[Union[str, Path]], revision=Non
     )
 
 
-def read_config_file(folder: Path) -> Dict[str, Any]:
-    """A folder's config.json as a dict; one line naming the file otherwise."""
-    cfg_file = Path(folder) / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} is missing")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{cfg_file} must hold a JSON object, not {type(config).__name__}")
-    return config
-
-
 def read_config(model_path: Path) -> Dict[str, Any]:
     """A model folder's config; its model_type must be a supported family."""
     config = read_config_file(model_path)
     family_of(config.get("model_type"))  # one line naming the supported types
     return config
-
-
-def safetensors_header(file: Path) -> Dict[str, Any]:
-    """Parse and sanity-check a safetensors header; raises naming file and tensor."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{file}: truncated safetensors file (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{file}: truncated safetensors file (header runs past the end)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"{file}: corrupt safetensors header") from None
-    data = size - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, end = info["data_offsets"]
-            count = 1
-            for d in info["shape"]:
-                count *= d
-            want = count * _DTYPE_BYTES.get(info["dtype"], 0)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: tensor {name}: corrupt header entry") from None
-        if end > data:
-            raise CheckpointError(
-                f"{file}: tensor {name} is truncated (needs bytes up to {end}, file has {data})"
-            )
-        if info["dtype"] in _DTYPE_BYTES and end - start != want:
-            raise CheckpointError(f"{file}: tensor {name}: size does not match its shape")
-    return header
-
-
-def weight_files(model_path: Path, pattern: str = "model*.safetensors",
-                 must_exist: bool = True) -> list:
-    """The safetensors files of a checkpoint (its index's, else those matching
-    `pattern`), all of them checked to exist (or those present, when not
-    `must_exist`: a pipeline stage downloads only its own)."""
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
-        except (KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index} has no weight_map object") from None
-        if not must_exist:
-            shards = [s for s in shards if (model_path / s).exists()]
-        for s in shards:
-            if not (model_path / s).exists():
-                raise FileNotFoundError(f"{model_path / s} (listed in {index.name}) is missing")
-        return [model_path / s for s in shards]
-    files = sorted(model_path.glob(pattern))
-    if not files:
-        raise FileNotFoundError(f"no {pattern} files in {model_path}")
-    return files
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -179,8 +95,6 @@ def load(
     check_tokenizer_files(model_path)
     head = None
     if draft is not None:
-        from .draft import read_draft
-
         head = read_draft(draft, config, model_path)
 
     model, config = load_model(
@@ -192,8 +106,6 @@ def load(
     )
     model.model_path = str(model_path)
     if head is not None:
-        from .draft import attach_head
-
         attach_head(model, head, lazy=lazy, quiet=quiet)
     if not model.has_mtp and not quiet:
         reason = (

@@ -39,13 +39,14 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 from . import checks
 from .cache import (MTPCache, cache_length, check_prompt_cache, entry_length, fill_empty,
-                    head_caches, set_last_hidden)
-from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, prefill,
-                    ring_order, unpack)
+                    head_caches)
+from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring,
+                    prefill, ring_order, unpack)
 from .depth import DepthController
+from .drafters import is_host_side
 from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
-from .sampling import Filters, MTPSampler, RowSampling, is_greedy, row_arrays
+from .sampling import Filters, MTPSampler, RowSampling, row_arrays
 
 
 def mtp_disabled_by_env() -> bool:
@@ -201,7 +202,7 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
     if draft_vocab is not None and model.lm_head_group is not None:
         raise ValueError("a draft vocabulary needs the whole lm_head on each rank; this "
                          "model's is sharded over the vocabulary (tensor parallel)")
-    if drafter is not None and drafter.host_side and not (
+    if is_host_side(drafter) and not (
             isinstance(sampler, MTPSampler) and sampler.speculative):
         raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
     spec = Spec(model, opaque, use_head=use_head,
@@ -331,7 +332,6 @@ class Row:
     last: Optional[Finish] = None  # its finishing point
     used: int = 0
     history: Optional[mx.array] = None  # the row's tokens (logits processors)
-    generated: Optional[List[int]] = None  # host-side drafters (one row)
     bias: Optional[mx.array] = None  # [V]: its logit bias, built once
     done: bool = False
 
@@ -435,7 +435,7 @@ class Batch:
                 raise ValueError("this row's sampler cannot share the batch (top_k and "
                                  "min_tokens_to_keep differ from its sampled rows)")
         drafter = self.spec.drafter
-        if drafter is not None and drafter.host_side and (self.rows or len(requests) > 1):
+        if is_host_side(drafter) and (self.rows or len(requests) > 1):
             raise ValueError("a host-side drafter decodes one row at a time")
         short = [r for r in requests if len(r.prompt) - 1 <= prefill_step_size]
         groups = [short[i:i + self.prefill_batch]
@@ -502,8 +502,8 @@ class Batch:
                               lens, y, [])
             if r.processors:
                 row.history = mx.array(r.prompt, dtype=mx.int32)
-            if spec.drafter is not None and spec.drafter.host_side:
-                row.generated = []
+            if is_host_side(spec.drafter):
+                spec.drafter.start()  # such a drafter has one row
             if r.sampling is not None and r.sampling.logit_bias:
                 bias = [0.0] * model.vocab_size
                 for t, v in r.sampling.logit_bias:
@@ -633,8 +633,6 @@ class Batch:
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
                        for r in self.rows]
-        if spec.drafter is not None and spec.drafter.host_side:
-            spec.drafter.generated = self.rows[0].generated
         keep = any(r.keep_cache for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
@@ -683,8 +681,8 @@ class Batch:
             accepted.append(a)
             if row.history is not None:
                 row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])
-            if row.generated is not None:
-                row.generated.extend(tokens)
+            if is_host_side(self.spec.drafter):
+                self.spec.drafter.observe(tokens)
             out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
         if ctl is not None and accepted:
             ctl.update_acceptance(k, accepted)

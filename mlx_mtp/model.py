@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from types import MappingProxyType
 from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import metal as kernels
 from .head import MTPHead
 
 
@@ -137,15 +139,12 @@ class MTPModel:
         return weights
 
     @staticmethod
-    def trunk_norms_unshifted(weights: dict) -> bool:
-        """mlx_lm's own rule for shifting the trunk's zero-centred norms (+1)
-        at load: the head's norms follow it, so both are shifted exactly once."""
-        raise NotImplementedError
-
-    @staticmethod
-    def hf_layout(names) -> bool:
-        """Whether a full checkpoint's tensor names are the HF release's
-        (norms zero-centred) rather than an MLX conversion's, from names alone."""
+    def is_unconverted(tensors: dict) -> bool:
+        """Whether a checkpoint is an unconverted HF release, whose zero-centred
+        norms mlx_lm shifts (+1) at load: mlx_lm's own rule for the family, which
+        the head's norms follow so both are shifted exactly once. `tensors` maps
+        the checkpoint's tensor names to their shapes, or every name to None
+        where only the names are at hand (an index, part of a checkpoint)."""
         raise NotImplementedError
 
     @staticmethod
@@ -261,8 +260,6 @@ class MTPModel:
     def draft_tokens_from_hidden(self, g: mx.array, vocab_ids: Optional[mx.array] = None) -> mx.array:
         """Greedy draft ids [N] from head hiddens [..., H]: the lm_head
         projection fused with arg-max, over `vocab_ids` rows only when given."""
-        from . import metal as kernels
-
         g = self.lm_input(g)
         h = g.reshape(-1, g.shape[-1])
         if self.lm_head_group is not None:  # a vocabulary slice per rank: gathered logits
@@ -275,12 +272,35 @@ class MTPModel:
         return ids[:, 0]
 
     # -- weights ------------------------------------------------------------------
+    # after a lenient load (strict=False: a sharded one), each parameter it left
+    # unset, with why (see load_weights); None after a strict one
+    unset_weights = None
+
+    def load_weights(self, file_or_weights, strict: bool = True):
+        """nn.Module's, remembering what a lenient load left unset: mlx_lm's
+        load_model calls it with the sanitized (and, quantized, packed)
+        weights, and without `strict` nn.Module keeps a missing or
+        wrong-shaped parameter's random init silently. sharded_load checks the
+        parameters its rank keeps against this (distributed.check_loaded)."""
+        if not strict and not isinstance(file_or_weights, str):
+            file_or_weights = list(file_or_weights)
+            given = {k: tuple(v.shape) for k, v in file_or_weights}
+            unset = {}
+            for name, param in tree_flatten(self.parameters()):
+                if name not in given:
+                    unset[name] = "is missing from the checkpoint"
+                elif given[name] != tuple(param.shape):
+                    unset[name] = f"has shape {given[name]}, expected {tuple(param.shape)}"
+            # (read-only, and not a dict: an nn.Module keeps dict attributes as children)
+            self.unset_weights = MappingProxyType(unset)
+        return super().load_weights(file_or_weights, strict=strict)
+
     def sanitize(self, weights):
         mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         # mlx_lm shifts zero-centred norms iff it sees an unconverted checkpoint;
         # the head's norms follow the same rule so they are shifted exactly once.
-        unconverted = self.trunk_norms_unshifted(trunk)
+        unconverted = self.is_unconverted({k: v.shape for k, v in trunk.items()})
         trunk = super().sanitize(self.sanitize_trunk_experts(trunk))
         if not mtp:
             self.drop_mtp()

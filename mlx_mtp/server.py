@@ -447,8 +447,7 @@ class _Lane:
         """Prefill the requests' new tokens together (each from its nearest
         stored prefix, snapshots stored at its message boundaries) and add them
         as rows; their first tokens come with the next cycle."""
-        gen, mp = self.gen, self.gen.model_provider
-        model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
+        gen = self.gen
         collectives = gen._is_distributed
         joined = []
         for (rqueue, request, args), settings in requests:

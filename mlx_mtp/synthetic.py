@@ -18,6 +18,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from .checkpoint import text_config
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -314,7 +316,7 @@ def write_mlx_vlm_drafter(source, out, *, bits: Optional[int] = None, group_size
     source, out = Path(source), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((source / "config.json").read_text())
-    tc = config.get("text_config") or config
+    tc = text_config(config)
     heads = {}
     for f in sorted(source.glob("*.safetensors")):
         heads.update({k[len("mtp."):]: v for k, v in mx.load(str(f)).items() if k.startswith("mtp.")})

@@ -173,6 +173,23 @@ def test_double_conversion_does_not_shift_twice(hf, tmp_path, capsys):
         convert(via, tmp_path / "again", quantize=True, q_bits=4)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_family_says_whether_a_checkpoint_is_unconverted(family, tmp_path):
+    """One rule per family (`is_unconverted`), asked by the loader, convert,
+    graft and draft folders: an HF release is unconverted and its conversion
+    is not, from the tensors' shapes and from their names alone."""
+    from mlx_mtp.convert.common import check_headers, tensor_shapes
+    from mlx_mtp.families import family_of
+
+    hf_path = write_checkpoint(tmp_path / "hf", family=family)
+    mlx_path = Path(convert(hf_path, tmp_path / "mlx")["output"])
+    rule = family_of(family).is_unconverted
+    for folder, unconverted in ((hf_path, True), (mlx_path, False)):
+        shapes = tensor_shapes(check_headers(sorted(folder.glob("*.safetensors"))))
+        assert rule(shapes) is unconverted, folder.name
+        assert rule(dict.fromkeys(shapes)) is unconverted, folder.name
+
+
 # -- hub path (mocked) --------------------------------------------------------------
 def test_convert_from_hub_downloads_only_needed_files(hf, tmp_path, monkeypatch):
     import huggingface_hub

@@ -3,12 +3,14 @@ and pipeline parallel, dense and MoE: every rank decodes in lockstep and
 rank 0's tokens equal one process's (mlx_lm's and mlx_mtp's), at depths 1-3
 and auto, in batches whose rows accept drafts partially, with the head's own
 drafts, seeded sampling and two turns on one prompt cache; also a pipeline
-stage that holds no attention layer. Each launch is bounded by a timeout, so
-a hang fails instead of blocking."""
+stage that holds no attention layer, and a rank whose share of the weights is
+incomplete (it fails alone, with one line). Each launch is bounded by a
+timeout, so a hang fails instead of blocking."""
 
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,9 +24,11 @@ import mlx.core as mx
 import pytest
 
 import mlx_mtp
+from mlx_mtp.distributed import check_files, check_loaded, sharded_load
+from mlx_mtp.load import CheckpointError
 from mlx_mtp.synthetic import write_checkpoint
 from distributed_worker import mixed_turns
-from serving import chat_text
+from serving import chat_text, free_port
 from util import reference
 
 LAUNCH = shutil.which("mlx.launch")
@@ -147,10 +151,92 @@ def test_pipeline_stage_without_attention(tmp_path):
     assert got["mixed_head_lengths"] == [head_length] * 2
 
 
+def _one_stage_file(path: Path, layers: range) -> tuple:
+    """A weight file of a checkpoint that holds only tensors of `layers`
+    (no other stage reads it), and its first tensor."""
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    for file in sorted(set(weight_map.values())):
+        names = sorted(n for n, f in weight_map.items() if f == file)
+        found = [re.search(r"(?:^|\.)layers\.(\d+)\.", n) for n in names]
+        if all(m and int(m.group(1)) in layers for m in found):
+            return path / file, names[0]
+    raise AssertionError(f"no weight file of {path} holds only layers {layers}")
+
+
+class _Stage:
+    """What mlx_lm's pipeline() reads of a group: this rank of two."""
+
+    def __init__(self, rank):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return 2
+
+
+def test_a_rank_checks_its_share(tmp_path):
+    """The sharded load is lenient (a pipeline stage has only its own files),
+    so a rank checks what its share reads: a missing or truncated file, a
+    tensor missing from the checkpoint or of the wrong shape fails it with one
+    line naming the file and the tensor, instead of leaving random weights.
+    In one process here (the ranks' own lines: test_cli_and_a_failing_rank)."""
+    six = write_checkpoint(tmp_path / "six", shards=6,
+                           text_overrides=dict(num_hidden_layers=8, vocab_size=260))
+    file, tensor = _one_stage_file(six, range(0, 4))
+    data = file.read_bytes()
+    file.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"{file} (listed in model.safetensors.index.json) is missing: this rank's "
+            f"tensor-parallel share needs its tensor {tensor}")):
+        sharded_load(six)
+    check_files(six, 4, 8, "pipeline stage")  # the other stage does not read it
+    # the lenient load leaves the file's weights at random; only the stage
+    # keeping them refuses
+    for rank, fails in ((0, False), (1, True)):
+        model, _ = mlx_mtp.load(six, lazy=True, strict=False)
+        assert model.unset_weights
+        model.text_model.pipeline(_Stage(rank))
+        if fails:
+            with pytest.raises(CheckpointError, match=r"weight \S+layers\.[12]\.\S+ is missing "
+                                                      r"from the checkpoint \(this rank's x"):
+                check_loaded(model, six, "x")
+        else:
+            check_loaded(model, six, "x")
+    file.write_bytes(data[:-5000])
+    with pytest.raises(CheckpointError, match=re.escape(f"{file}: tensor ") + r"\S+ is truncated"):
+        sharded_load(six)
+    # one file, no index: a tensor missing, or of the wrong shape
+    one = write_checkpoint(tmp_path / "one")
+    weights = mx.load(str(one / "model.safetensors"))
+    name = "model.language_model.layers.1.linear_attn.dt_bias"
+    shape = tuple(weights[name].shape)
+    for broken, why in (({k: v for k, v in weights.items() if k != name},
+                         "is missing from the checkpoint"),
+                        ({**weights, name: weights[name][:-1]},
+                         f"has shape {(shape[0] - 1,)}, expected {shape}")):
+        mx.save_safetensors(str(one / "model.safetensors"), broken)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{one / 'model.safetensors'}: weight language_model.model.layers.1."
+                f"linear_attn.dt_bias {why} (this rank's tensor-parallel share needs it)")):
+            sharded_load(one)
+    model, _ = mlx_mtp.load(write_checkpoint(tmp_path / "whole"))
+    assert model.unset_weights is None  # a strict load checks all itself
+    # one layer cannot make two pipeline stages: mlx_lm's pipeline() refuses
+    # before anything loads
+    small = write_checkpoint(tmp_path / "small", text_overrides=dict(
+        num_hidden_layers=1, full_attention_interval=1))
+    with pytest.raises(ValueError, match=re.escape("split [1, 0] must be positive and sum to 1")):
+        sharded_load(small, pipeline_group=_Stage(1))
+
+
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     """`mlx.launch ... -m mlx_mtp.generate --model M` prints rank 0's text once;
-    a rank that cannot load stops the launch (generate or server) with one
-    line, not a hang."""
+    a rank that cannot load its share (a weight file only its pipeline stage
+    reads is missing) stops the launch (generate or server) with its one line
+    naming the file and a tensor, while the other rank waits at the load
+    barrier: no hang, no traceback, no port left bound."""
     path = checkpoints["dense"]
     model, tok = mlx_mtp.load(path)
     want = mlx_mtp.generate(model, tok, "hello", max_tokens=10, draft_tokens=2)
@@ -160,22 +246,31 @@ def test_cli_and_a_failing_rank(checkpoints, tmp_path):
                             "--draft-tokens", "2", *mode], timeout=180)
         assert code == 0, out[-3000:]
         assert out.count(want) == 1, (want, out[-2000:])
-    # one layer cannot make two pipeline stages (mlx_lm's pipeline() refuses)
-    small = write_checkpoint(tmp_path / "small", text_overrides=dict(
-        num_hidden_layers=1, full_attention_interval=1))
-    refused = "must be positive and sum to 1 layers"
-    code, out = launch(["-m", "mlx_mtp.generate", "--model", str(small), "--pipeline",
+    # 8 layers in six files: rank 1's stage runs layers 0-3 (mlx_lm gives the
+    # first layers to the last rank), and one file holds only some of those
+    six = write_checkpoint(tmp_path / "six", shards=6,
+                           text_overrides=dict(num_hidden_layers=8, vocab_size=260))
+    file, tensor = _one_stage_file(six, range(0, 4))
+    file.unlink()
+    line = (f"error: rank 1: {file} (listed in model.safetensors.index.json) is missing: "
+            f"this rank's pipeline stage (layers 0-3) needs its tensor {tensor}\n")
+    code, out = launch(["-m", "mlx_mtp.generate", "--model", str(six), "--pipeline",
                         "--max-tokens", "4"], timeout=120)
-    # (mlx.launch itself exits 0 and reports each rank's exit code: a failing
-    # rank, or one losing its peer, exits 1 first and the other is stopped)
+    # (mlx.launch itself exits 0 and reports each rank's exit code: the failing
+    # rank 1, or rank 0 losing its peer, exits 1 first and the other is stopped)
     assert "exited with code 1" in out and "exited with code 0" not in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
-    assert "error: rank 1: split [1, 0] " + refused in out, out[-2000:]
-    # the server: the same line, and no port left bound
-    code, out = launch(["-m", "mlx_mtp.server", "--model", str(small), "--pipeline"],
-                       timeout=120)
-    assert "exited with code 1" in out and "Traceback" not in out, out[-2000:]
-    assert "error: rank 1: split [1, 0] " + refused in out, out[-2000:]
+    assert line in out, out[-2000:]
+    assert "error: rank 0: " + str(file) not in out, out[-2000:]  # rank 0 does not read it
+    # the server: the same line, and the port free again
+    port = free_port()
+    code, out = launch(["-m", "mlx_mtp.server", "--model", str(six), "--pipeline",
+                        "--port", str(port)], timeout=120)
+    assert "exited with code 1" in out and "exited with code 0" not in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+    assert line in out, out[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
 
 
 # -- the server over two ranks -------------------------------------------------------------

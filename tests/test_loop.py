@@ -76,3 +76,28 @@ def test_old_lookahead_spelling_still_works(loaded, dense_ckpt, capsys):
     main(["--model", str(dense_ckpt), "--prompt", SHORT, "--max-tokens", "4",
           "--no-pipeline", "--ignore-chat-template"])
     assert "--no-pipeline is deprecated; use --no-lookahead" in capsys.readouterr().err
+
+
+def test_host_side_drafter_sees_the_rows_tokens(loaded):
+    """A host-side drafter drafts from the tokens emitted so far: the loop
+    reports them (`Drafter.observe`) as each cycle is read, and `start`s it
+    for a new row."""
+    from mlx_mtp.drafters import DistributionDrafter
+
+    model, _, tok = loaded("dense")
+    V = model.vocab_size
+    prefixes = []
+
+    def dist(prefix):
+        prefixes.append(prefix)
+        return [1.0 / V] * V
+
+    drafter = DistributionDrafter(dist, V, seed=1)
+    sampler = mlx_mtp.make_sampler(temp=1.0)
+    for seed in (1, 2):  # the second generation starts from an empty history
+        prefixes.clear()
+        got = mtp(model, tok.encode(SHORT), 2, 12, sampler=sampler, seed=seed, drafter=drafter)
+        assert drafter.generated == got
+        # each cycle's first draft comes from exactly the tokens emitted before it
+        firsts = [p for p in prefixes if got[:len(p)] == list(p)]
+        assert firsts[0] == () and len(set(map(len, firsts))) > 3

@@ -1,5 +1,5 @@
 """Model families: one file each (see mlx_mtp/model.py for what a family says,
-docs/design.md "Families")."""
+docs/design.md "Families"), what they share in common.py."""
 
 from . import qwen3_5, qwen3_next, qwen4_exp
 

@@ -25,7 +25,7 @@ from mlx_lm.models import qwen3_next
 
 from ..cache import CaptureCache
 from ..model import MTPModel
-from .qwen3_5 import sanitize_head, verify_capturing
+from .common import sanitize_head, verify_capturing
 
 
 @dataclasses.dataclass
@@ -51,11 +51,11 @@ def head_layer(args, index: int):
         dataclasses.replace(args, full_attention_interval=1), index)
 
 
-def trunk_norms_unshifted(weights: dict) -> bool:
-    """mlx_lm's qwen3_next rule: it shifts the norms (and re-lays conv1d) when
-    the trunk stores one tensor per expert, i.e. an unconverted checkpoint."""
+def is_unconverted(tensors: dict) -> bool:
+    """mlx_lm's qwen3_next rule, from names alone: it shifts the norms (and
+    re-lays conv1d) when the trunk stores one tensor per expert."""
     return any(k.startswith("model.layers.") and k.endswith(".mlp.experts.0.up_proj.weight")
-               for k in weights)
+               for k in tensors)
 
 
 class VerifyingGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
@@ -102,12 +102,8 @@ class Model(MTPModel, qwen3_next.Model):
     def args_from_config(cls, config: dict):
         return ModelArgs.from_dict(config)
 
-    @staticmethod
-    def hf_layout(names) -> bool:
-        return trunk_norms_unshifted(dict.fromkeys(names))
-
     head_layer = staticmethod(head_layer)
-    trunk_norms_unshifted = staticmethod(trunk_norms_unshifted)
+    is_unconverted = staticmethod(is_unconverted)
     sanitize_head = staticmethod(sanitize_head)
 
 

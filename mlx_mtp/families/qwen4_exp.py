@@ -46,7 +46,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 from ..cache import CaptureCache
 from ..model import MTPModel, MTPWeightError
-from .qwen3_5 import split_fused_experts, stack_expert_tensors, verify_capturing
+from .common import split_fused_experts, stack_expert_tensors, verify_capturing
 
 # ------------------------------------------------------------------ config
 
@@ -651,9 +651,13 @@ _HEAD_ZERO_CENTRED = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight
     n[1:] for n in _ZERO_CENTRED)
 
 
-def trunk_norms_unshifted(weights: dict) -> bool:
-    """`Model.sanitize`'s rule: an HF checkpoint has torch conv layout [C, 1, K]."""
-    return any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+def is_unconverted(tensors: dict) -> bool:
+    """`Model.sanitize`'s rule: an HF checkpoint has torch conv layout [C, 1, K].
+    From names alone (shapes None): this MLX layout names the trunk
+    `language_model.*`, the HF release `model.language_model.*`."""
+    if all(shape is None for shape in tensors.values()):
+        return not any(k.startswith("language_model.") for k in tensors)
+    return any(k.endswith("conv1d.weight") and shape[-1] != 1 for k, shape in tensors.items())
 
 
 def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
@@ -721,11 +725,7 @@ class Qwen4ExpMTPModel(MTPModel, Model):
             return mx.full(shape, self.text_args.eos_token_id, dtype)
         return mx.zeros(shape, dtype)
 
-    @staticmethod
-    def hf_layout(names) -> bool:
-        return not any(k.startswith("language_model.") for k in names)
-
-    trunk_norms_unshifted = staticmethod(trunk_norms_unshifted)
+    is_unconverted = staticmethod(is_unconverted)
     sanitize_head = staticmethod(sanitize_head)
 
 

@@ -1,0 +1,102 @@
+"""The package's module layout: no import cycles among mlx_mtp's modules.
+
+Every import counts, at the top of a module or inside a function: an import
+moved into a function to dodge a cycle still ties the two modules together
+(docs/design.md, "Layout"). metal/ and convert/ are mlx_mtp.metal and
+mlx_mtp.convert (pyproject's package-dir).
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"mlx_mtp": ROOT / "mlx_mtp", "mlx_mtp.metal": ROOT / "metal",
+            "mlx_mtp.convert": ROOT / "convert"}
+
+
+def project_modules() -> dict:
+    """Dotted module name -> source file, for every module of the package."""
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _imported(module: str, is_package: bool, node, modules) -> set:
+    """The project modules one import statement names."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module if is_package else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{base}" if base else package
+        # `from pkg import name`: the submodule pkg.name when there is one, else pkg
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                   for a in node.names]
+    found = set()
+    for target in targets:
+        while target and target not in modules:  # `import a.b.c` of a non-module c
+            target = target.rpartition(".")[0]
+        if target:
+            found.add(target)
+    return found
+
+
+def import_graph() -> dict:
+    """Module -> the project modules it imports anywhere in its source."""
+    modules = project_modules()
+    graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module] |= _imported(module, is_package, node, modules) - {module}
+    return graph
+
+
+def find_cycle(graph: dict):
+    """One import cycle as a list of modules (first == last), or None."""
+    state = {}  # module -> "open" while on the path, "done" after
+    path = []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                cycle = visit(dep)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_graph_sees_known_imports():
+    graph = import_graph()
+    assert "mlx_mtp.cache" in graph["mlx_mtp.cycle"]
+    assert "mlx_mtp.metal" in graph["mlx_mtp.cycle"]  # `from . import metal`
+    assert "mlx_mtp.convert.interrupts" in graph["mlx_mtp.convert.common"]  # in functions
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
