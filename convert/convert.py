@@ -135,7 +135,7 @@ def convert(
     from mlx_lm.utils import load_model, quantize_model
 
     from mlx_mtp import __version__
-    from mlx_mtp.families import MODEL_CLASSES, family_of
+    from mlx_mtp.families import MODEL_CLASSES, family_of, not_yet
 
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}")
@@ -159,7 +159,10 @@ def convert(
         )
     files = model_weight_files(src)  # index checked, every shard present
     headers = check_headers(files)
-    unconverted = family_of(config["model_type"]).is_unconverted(tensor_shapes(headers))
+    family = family_of(config["model_type"])
+    if not_yet(family, "convert"):
+        raise ConvertError(not_yet(family, "convert"))
+    unconverted = family.is_unconverted(tensor_shapes(headers))
     has_head = any(k.startswith(HEAD_PREFIX) for k in headers)
     if unconverted:
         log(f"source {src} is in Hugging Face layout: norms are shifted (+1) once")

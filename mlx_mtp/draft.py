@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .checkpoint import read_config_file, safetensors_header, text_config, weight_files
-from .families import MODEL_CLASSES, family_of
+from .families import MODEL_CLASSES, family_of, not_yet
 from .model import check_head_config, check_head_weights, declared_mtp_layers, head_layers_in
 
 HEAD_PREFIX = "mtp."
@@ -208,5 +208,7 @@ def read_draft(draft, trunk_config: Dict, trunk_name) -> DraftHead:
     folder = Path(draft).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"draft folder {draft} does not exist")
-    return read_draft_folder(folder, family_of(trunk_config.get("model_type")), trunk_config,
-                             trunk_name)
+    family = family_of(trunk_config.get("model_type"))
+    if not_yet(family, "draft folders"):
+        raise DraftError(not_yet(family, "draft folders"))
+    return read_draft_folder(folder, family, trunk_config, trunk_name)
