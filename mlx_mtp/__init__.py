@@ -16,12 +16,12 @@ __version__ = "0.1.0"
 # for its `generate` function; runpy's warning about that is harmless.
 warnings.filterwarnings("ignore", message=r"'mlx_mtp\.\w+' found in sys.modules", category=RuntimeWarning)
 
-# In a source checkout metal/ and convert/ sit beside this folder (the layout
+# In a source checkout kernels/ and convert/ sit beside this folder (the layout
 # shows the pipeline); an installed wheel puts them inside it (pyproject
 # package-dir). Let a plain checkout on sys.path find them too.
 _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not os.path.isdir(os.path.join(os.path.dirname(__file__), "metal")) and os.path.isfile(
-    os.path.join(_root, "metal", "__init__.py")
+if not os.path.isdir(os.path.join(os.path.dirname(__file__), "kernels")) and os.path.isfile(
+    os.path.join(_root, "kernels", "__init__.py")
 ):
     __path__.append(_root)  # noqa: F821
 

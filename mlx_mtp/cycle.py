@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import metal as kernels
+from . import kernels
 from .cache import CaptureCache, MTPCache, head_caches, last_hidden
 from .cache import set_last_hidden
 from .distributed import kept_on_every_stage, share

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import metal as kernels
+from . import kernels
 from .head import MTPHead
 
 

@@ -4,7 +4,7 @@ each runs a kernel on a backend and compares it with the ops reference."""
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.metal import kernels, reference as R
+from mlx_mtp.kernels import launch, reference as R
 
 def _np(a):
     return np.array(a.astype(mx.float32))
@@ -54,7 +54,7 @@ def check_gdn(case, backend, fused=False):
     B, T, Hk, Hv, Dk, Dv, dt = case
     args = gdn_inputs(B, T, Hk, Hv, Dk, Dv, dt)
     yr, sr = R.gdn_verify(*args)
-    y, s = kernels.gdn_verify(*args, backend=backend, fused=fused)
+    y, s = launch.gdn_verify(*args, backend=backend, fused=fused)
     assert y.dtype == yr.dtype and s.dtype == mx.float32
     close(y, yr, TOL[dt])
     close(s, sr, TOL[dt])
@@ -70,7 +70,7 @@ def check_conv(case, backend):
     x = mx.random.normal((B, T, C)).astype(dt)
     w = mx.random.normal((C, Kw, 1)).astype(dt)
     o_r, ci_r = R.conv_verify(cs, x, w)
-    o, ci = kernels.conv_verify(cs, x, w, backend=backend)
+    o, ci = launch.conv_verify(cs, x, w, backend=backend)
     assert o.dtype == o_r.dtype and ci.dtype == ci_r.dtype
     assert np.array_equal(_np(ci), _np(ci_r))
     close(o, o_r, TOL[dt])
@@ -82,7 +82,7 @@ def check_commit(backend, L, B, T, Hv, D, C, Kw, consumed, dt=mx.bfloat16):
     convs = [mx.random.normal((B, Kw - 1 + T, C)).astype(dt) for _ in range(L)]
     n = mx.array(consumed, dtype=mx.int32)
     ref = R.commit(states, convs, n, Kw)
-    got = kernels.commit(states, convs, n, Kw, backend=backend)
+    got = launch.commit(states, convs, n, Kw, backend=backend)
     assert len(got) == L
     for (w1, s1), (w2, s2) in zip(ref, got):
         assert w1.dtype == w2.dtype and s1.shape == s2.shape
@@ -110,7 +110,7 @@ def check_draft(backend, N, H, V, dt, bits, n_ids, top_k, gs=64, seed=4):
         args = (w, None, None)
         oracle = (h, w, None, None)
     kw = dict(group_size=gs, bits=bits, vocab_ids=ids)
-    vals, got = kernels.draft_project(h, *args, top_k=top_k, backend=backend, **kw)
+    vals, got = launch.draft_project(h, *args, top_k=top_k, backend=backend, **kw)
     assert vals.shape == (N, top_k) and got.shape == (N, top_k) and got.dtype == mx.int32
     # full oracle logits over the scored rows, in full-vocabulary ids
     rv, rid = R.draft_project(*oracle, top_k=min(V if ids is None else n_ids, 32), **kw)

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_mtp
 from mlx_mtp.drafters import BigramDrafter
-from mlx_mtp.loop import Request, decode_rows, generate_tokens, make_batch
+from mlx_mtp.loop import decode_rows, generate_tokens, make_batch
 from util import LONG, SHORT, reference
 
 PROMPTS = [SHORT, LONG, "hello world, this is", "a", "x = [1, 2, 3]\nprint(", LONG * 2,
@@ -122,9 +122,9 @@ def test_rows_equal_alone_sampled(loaded, k):
     model, _, tok = loaded("dense")
     ids = [tok.encode(p) for p in PROMPTS[:5]]
     sampler = mlx_mtp.make_sampler(temp=1.0, top_p=0.95)
-    alone = [list(t for t, _, _ in generate_tokens(mx.array(i), model, max_tokens=16,
-                                                     draft_tokens=k, sampler=sampler,
-                                                     seed=100 + r))
+    alone = [list(t for t, _ in mlx_mtp.generate_step(mx.array(i), model, max_tokens=16,
+                                                       draft_tokens=k, sampler=sampler,
+                                                       seed=100 + r))
              for r, i in enumerate(ids)]
     drafter = BigramDrafter(alone, model.vocab_size)
     alone_drafted = [list(t for t, _, _ in generate_tokens(
@@ -158,8 +158,8 @@ def test_batch_generate_api(loaded):
         ref_cache = make_prompt_cache(ref_model)
         reference(ref_model, ids[r], len(out.token_ids[r]), prompt_cache=ref_cache)
         expect = reference(ref_model, follow, 10, prompt_cache=ref_cache)
-        got = list(t for t, _, _ in generate_tokens(mx.array(follow), model, max_tokens=10,
-                                                      draft_tokens=2, prompt_cache=cache))
+        got = list(t for t, _ in mlx_mtp.generate_step(mx.array(follow), model, max_tokens=10,
+                                                        draft_tokens=2, prompt_cache=cache))
         assert got == expect, f"row {r}"
     with pytest.raises(ValueError, match="seeds has 1 entries for 3 prompts"):
         mlx_mtp.batch_generate(model, tok, ids, seeds=[1])
@@ -217,7 +217,6 @@ def test_mixed_samplers_in_one_batch(loaded):
         requests = [batch.prepare(i, None, 16, seed, sampler=s, logit_bias=b)
                     for i, s, b, seed in zip(ids, samplers, biases, seeds)]
         got = [[] for _ in ids]
-        cycles = 0
         for i, t, _, _, _ in decode_rows(batch, requests, (), 6):
             got[i].append(t)
         assert got == alone, f"depth {k}"

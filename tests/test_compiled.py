@@ -167,7 +167,6 @@ def test_memory_kv_held_once_and_released(tmp_path):
     """While decoding, the KV buffers exist once (the prompt cache's objects
     hand them over, no copy stays alive); generations leave nothing behind,
     without gc.collect (no reference cycles keep a finished one's arrays)."""
-    from mlx_mtp.loop import generate_tokens
     from mlx_mtp.synthetic import write_checkpoint
 
     path = write_checkpoint(tmp_path / "kv", seed=4, text_overrides={  # big KV, little else
@@ -175,12 +174,12 @@ def test_memory_kv_held_once_and_released(tmp_path):
         "num_attention_heads": 8, "head_dim": 256})
     model, _ = mlx_mtp.load(path, quiet=True)
     ids = mx.array(list(range(3, 250)) * 2)  # ~500 tokens, 32 KiB of KV each (trunk + head)
-    list(generate_tokens(ids[:20], model, max_tokens=8, draft_tokens=2))  # graphs, allocator
+    list(mlx_mtp.generate_step(ids[:20], model, max_tokens=8, draft_tokens=2))  # graphs, allocator
     mx.clear_cache()
     base = mx.get_active_memory()
     for _ in range(2):
         cache = model.make_cache()
-        gen = generate_tokens(ids, model, max_tokens=40, draft_tokens=2, prompt_cache=cache)
+        gen = mlx_mtp.generate_step(ids, model, max_tokens=40, draft_tokens=2, prompt_cache=cache)
         for _ in range(12):
             next(gen)
         during = mx.get_active_memory() - base

@@ -46,8 +46,8 @@ def test_greedy_parity_with_mlx_lm(converted, name):
     depths = (1, 2, 3) if name != "moe_q4" else (2,)
     for k in depths:
         stats = MTPStats()
-        got = [t for t, _, _ in generate_tokens(mx.array(PROMPT), model, max_tokens=N_TOKENS,
-                                                 draft_tokens=k, stats=stats)]
+        got = [t for t, _ in mlx_mtp.generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS,
+                                                    draft_tokens=k, stats=stats)]
         assert got == ref, f"{name}: head drafts, depth {k}"
         assert stats.drafted > 0
         # drafts that are often right exercise the accept/commit paths (a random

@@ -109,7 +109,7 @@ def test_head_is_trained(demo):
     saved = model.mtp.parameters()
     try:
         mx.random.seed(0)
-        fresh = type(model.mtp)(model.language_model.args, model.mtp_layers)
+        fresh = model.make_head(model.text_args, model.mtp_layers)
         model.mtp.update(fresh.parameters())
         untrained = head_agreement(model, tokens)
         untrained_chained = expected_acceptance(model, tokens, depth=2, max_starts=512)["acceptance"][1]

@@ -17,7 +17,7 @@ import mlx_lm
 from mlx_lm.generate import generate_step
 import mlx_lm.models.gated_delta as gd
 import mlx_lm.models.qwen3_5 as q35
-from mlx_mtp.metal import emu
+from mlx_mtp.kernels import emu
 from mlx_mtp.synthetic import write_checkpoint
 
 
@@ -67,10 +67,10 @@ def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
     monkeypatch.setattr(q35, "gated_delta_update", _emulated_update(calls))
     monkeypatch.setenv("MLX_MTP_KERNELS", "emu-metal")
     verify_calls = []
-    from mlx_mtp.metal import kernels
+    from mlx_mtp.kernels import launch
 
-    real = kernels.gdn_verify
-    monkeypatch.setattr(kernels, "gdn_verify",
+    real = launch.gdn_verify
+    monkeypatch.setattr(launch, "gdn_verify",
                         lambda *a, **k: verify_calls.append(1) or real(*a, **k))
 
     model, tok = mlx_mtp.load(ckpt)

@@ -1,5 +1,5 @@
-"""Every Metal kernel (and its CUDA twin) executed on Linux by metal/emu and
-compared with the ops references in metal/reference.py.
+"""Every Metal kernel (and its CUDA twin) executed on Linux by kernels/emu and
+compared with the ops references in kernels/reference.py.
 
 Emulated twins are selected with `-k twin`; tests on a real CUDA device live in
 test_kernels_cuda.py (`-k cuda`)."""
@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_mtp.metal as K
-from mlx_mtp.metal import emu, kernels, reference as R
+import mlx_mtp.kernels as K
+from mlx_mtp.kernels import emu, launch, reference as R
 
 from kernel_checks import (CONV_CASES, DRAFT_CASES, GDN_CASES, _np, check_commit, check_conv,
                            check_draft, check_gdn, close, gdn_inputs)
@@ -143,7 +143,7 @@ def test_gdn_verify_exact_is_bitwise_plain_decoding(case):
 
     B, T, Hk, Hv, Dk, Dv, dt = case
     q, k, v, a, b, A_log, dt_bias, state = gdn_inputs(*case)
-    y, states = kernels.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=METAL)
+    y, states = launch.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=METAL)
     qn, kn = gd.normalize_qk(q, k, inv_scale=Dk ** -0.5, eps=1e-6)
     g, beta = gd.compute_g(A_log, a, dt_bias), mx.sigmoid(b)
     packed = Dk == 128
@@ -206,7 +206,7 @@ def test_draft_project_twin_emulated(case):
 
 # ------------------------------------------------------------------ mutations
 def _mutate(name, dial, old, new):
-    src = kernels.load_source(name, dial)
+    src = launch.load_source(name, dial)
     assert src.count(old) >= 1, old
     return src.replace(old, new, 1)
 
@@ -218,7 +218,7 @@ def test_mutation_in_delta_update_is_caught(dial, backend, fused):
     """Flip the first '+' of the delta update: the comparison must fail."""
     case = GDN_CASES[1]
     bad = _mutate("gdn_verify", dial, "st[i] = st[i] + kv[i] * delta;", "st[i] = st[i] - kv[i] * delta;")
-    with kernels.override_source("gdn_verify", dial, bad):
+    with launch.override_source("gdn_verify", dial, bad):
         with pytest.raises(AssertionError, match="max err"):
             check_gdn(case, backend, fused)
     check_gdn(case, backend, fused)  # and the real source passes again
@@ -226,11 +226,11 @@ def test_mutation_in_delta_update_is_caught(dial, backend, fused):
 
 def test_mutation_in_conv_and_draft_is_caught():
     bad = _mutate("conv_verify", "metal", "acc += xv *", "acc -= xv *")
-    with kernels.override_source("conv_verify", "metal", bad):
+    with launch.override_source("conv_verify", "metal", bad):
         with pytest.raises(AssertionError, match="max err"):
             check_conv(CONV_CASES[0], METAL)
     bad = _mutate("draft_project", "metal", "acc[n] += s * qx + bb * xs;", "acc[n] += s * qx - bb * xs;")
-    with kernels.override_source("draft_project", "metal", bad):
+    with launch.override_source("draft_project", "metal", bad):
         with pytest.raises(AssertionError):
             check_draft(METAL, *DRAFT_CASES[4])
 
@@ -246,8 +246,8 @@ def test_cpu_dispatches_to_reference(monkeypatch):
     args = gdn_inputs(*case)
     yr, sr = R.gdn_verify(*args)
     calls = []
-    real = kernels.gdn_verify
-    monkeypatch.setattr(kernels, "gdn_verify", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = launch.gdn_verify
+    monkeypatch.setattr(launch, "gdn_verify", lambda *a, **k: calls.append(k) or real(*a, **k))
     y, s = K.gdn_verify(*args)  # via the env switch
     close(y, yr, 2e-5)
     assert calls[-1] == {"backend": METAL, "fused": False}

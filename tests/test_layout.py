@@ -2,7 +2,7 @@
 
 Every import counts, at the top of a module or inside a function: an import
 moved into a function to dodge a cycle still ties the two modules together
-(docs/design.md, "Layout"). metal/ and convert/ are mlx_mtp.metal and
+(docs/design.md, "Layout"). kernels/ and convert/ are mlx_mtp.kernels and
 mlx_mtp.convert (pyproject's package-dir).
 """
 
@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"mlx_mtp": ROOT / "mlx_mtp", "mlx_mtp.metal": ROOT / "metal",
+PACKAGES = {"mlx_mtp": ROOT / "mlx_mtp", "mlx_mtp.kernels": ROOT / "kernels",
             "mlx_mtp.convert": ROOT / "convert"}
 
 
@@ -93,7 +93,7 @@ def find_cycle(graph: dict):
 def test_graph_sees_known_imports():
     graph = import_graph()
     assert "mlx_mtp.cache" in graph["mlx_mtp.cycle"]
-    assert "mlx_mtp.metal" in graph["mlx_mtp.cycle"]  # `from . import metal`
+    assert "mlx_mtp.kernels" in graph["mlx_mtp.cycle"]  # `from . import kernels`
     assert "mlx_mtp.convert.interrupts" in graph["mlx_mtp.convert.common"]  # in functions
 
 

@@ -7,6 +7,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+import mlx_mtp
 from mlx_mtp.cache import head_caches
 from mlx_mtp.loop import generate_tokens
 
@@ -29,13 +30,23 @@ def reference(ref_model, ids, max_tokens=40, step=2048, processors=None, rows=Fa
     return (tokens, mx.stack([r for _, r in out])) if rows else tokens
 
 
+# arguments only the loop takes (tests and benchmarks), not the public generate_step
+HOOKS = ("drafter", "controller", "timeline")
+
+
 def mtp(model, ids, k, max_tokens=40, take=None, rows=False, **kw):
-    """mlx_mtp's tokens (the first `take` when given), optionally with rows."""
-    gen = generate_tokens(mx.array(ids), model, max_tokens=max_tokens, draft_tokens=k, **kw)
+    """mlx_mtp's tokens (the first `take` when given), optionally with rows:
+    through the public `mlx_mtp.generate_step`, or the loop's `generate_tokens`
+    when a test hook (a drafter, a controller) is passed."""
+    if any(h in kw for h in HOOKS):
+        gen = generate_tokens(mx.array(ids), model, max_tokens=max_tokens, draft_tokens=k, **kw)
+    else:
+        gen = mlx_mtp.generate_step(mx.array(ids), model, max_tokens=max_tokens,
+                                    draft_tokens=k, **kw)
     out = list(itertools.islice(gen, take))
     gen.close()
-    tokens = [t for t, _, _ in out]
-    return (tokens, mx.stack([r for _, r, _ in out])) if rows else tokens
+    tokens = [o[0] for o in out]
+    return (tokens, mx.stack([o[1] for o in out])) if rows else tokens
 
 
 def plain_cache(ref_model, fed, step=2048, cache=None):

@@ -364,7 +364,7 @@ def cmd_train(args):
     model.freeze()
     model.mtp.unfreeze()
     if args.reinit:
-        fresh = type(model.mtp)(model.language_model.args, len(model.mtp.layers))
+        fresh = model.make_head(model.text_args, len(model.mtp.layers))
         model.mtp.update(fresh.parameters())
     ntrain = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     log(f"trainable: {ntrain / 1e6:.2f}M (mtp.* only)", logf)

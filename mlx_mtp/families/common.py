@@ -8,7 +8,7 @@ import re
 
 import mlx.core as mx
 
-from .. import metal as kernels
+from .. import kernels
 from ..cache import CaptureCache
 from ..head import HEAD_NORM_SUFFIXES
 from ..model import MTPWeightError

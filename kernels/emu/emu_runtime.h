@@ -1,4 +1,4 @@
-// Linux execution layer for the Metal (and CUDA) kernel bodies in metal/.
+// Linux execution layer for the Metal (and CUDA) kernel bodies in kernels/.
 //
 // Each GPU thread of a threadgroup is a fiber (own stack, cooperative
 // switching on one OS thread). A fiber runs until it reaches a SIMD-group

@@ -1,5 +1,5 @@
 // Shared helpers for the CUDA twins (prepended to each twin's header by
-// kernels.py). Warp reductions use the same xor-butterfly (1,2,4,8,16) as
+// launch.py). Warp reductions use the same xor-butterfly (1,2,4,8,16) as
 // the Linux emulator's simd_sum.
 typedef unsigned int uint;
 namespace mtl {

@@ -3,7 +3,7 @@
 On the CPU backend the ops references in `reference.py` run (they are also the
 oracle for every kernel test). Metal sources (`*.metal`) run through
 `mx.fast.metal_kernel` on Apple GPUs, CUDA twins (`*.cu`) through
-`mx.fast.cuda_kernel` on MLX's CUDA backend; `kernels.py` launches both, and
+`mx.fast.cuda_kernel` on MLX's CUDA backend; `launch.py` launches both, and
 `emu/` runs either on a Linux CPU for the tests. Set MLX_MTP_KERNELS=ref to
 force the references (or =metal / =cuda / =emu-metal / =emu-cuda).
 
@@ -63,9 +63,9 @@ def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None,
     be = backend or globals()["backend"]()
     if be == "ref" or not _fast(fused):
         return reference.conv_verify_compiled(conv_state, qkv, weight)
-    from . import kernels
+    from . import launch
 
-    return kernels.conv_verify(conv_state, qkv, weight, backend=be)
+    return launch.conv_verify(conv_state, qkv, weight, backend=be)
 
 
 def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] = None,
@@ -77,18 +77,18 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] =
     # for Dk % 32 == 0 (its ops path otherwise, and always on CUDA).
     if be == "ref" or (not fast and (be.endswith("cuda") or Dk % 32 != 0)):
         return reference.gdn_verify_compiled(q, k, v, a, b, A_log, dt_bias, state)
-    from . import kernels
+    from . import launch
 
-    return kernels.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be, fused=fast)
+    return launch.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be, fused=fast)
 
 
 def commit(states, conv_inputs, consumed, conv_kernel, *, backend: Optional[str] = None):
     be = backend or globals()["backend"]()
     if be == "ref":
         return reference.commit(states, conv_inputs, consumed, conv_kernel)
-    from . import kernels
+    from . import launch
 
-    return kernels.commit(states, conv_inputs, consumed, conv_kernel, backend=be)
+    return launch.commit(states, conv_inputs, consumed, conv_kernel, backend=be)
 
 
 def draft_project(hidden, weight, scales=None, biases=None, *, group_size: int = 64,
@@ -100,7 +100,7 @@ def draft_project(hidden, weight, scales=None, biases=None, *, group_size: int =
     if be == "ref" or top_k > 32 or not supported:
         return reference.draft_project(hidden, weight, scales, biases, group_size=group_size,
                                        bits=bits, vocab_ids=vocab_ids, top_k=top_k)
-    from . import kernels
+    from . import launch
 
-    return kernels.draft_project(hidden, weight, scales, biases, group_size=group_size,
+    return launch.draft_project(hidden, weight, scales, biases, group_size=group_size,
                                  bits=bits, vocab_ids=vocab_ids, top_k=top_k, backend=be)

@@ -1,7 +1,7 @@
 """Time each kernel against its ops reference on the current GPU backend.
 
-    python -m mlx_mtp.metal.bench_kernels            # Qwen3.6-27B shapes, bf16
-    python -m mlx_mtp.metal.bench_kernels --small --backend emu-metal   # smoke test
+    python -m mlx_mtp.kernels.bench_kernels            # Qwen3.6-27B shapes, bf16
+    python -m mlx_mtp.kernels.bench_kernels --small --backend emu-metal   # smoke test
 
 Prints one row per kernel: ms per call for the kernel and the reference
 (median of --iters, after warm-up) and their ratio. Emulator timings say
@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 
 from . import backend as default_backend
-from . import kernels, reference as R
+from . import launch, reference as R
 
 
 def _time(fn, iters):
@@ -69,19 +69,19 @@ def main(argv=None):
     mx.eval(q, k, v, ga, gb, st, cs, x, w, states, convs, hid, W, qw, sc, bi, ids)
     gdn = (q, k, v, ga, gb, A_log, dtb, st)
     rows = [
-        ("gdn_verify exact", lambda: kernels.gdn_verify(*gdn, backend=be),
+        ("gdn_verify exact", lambda: launch.gdn_verify(*gdn, backend=be),
          lambda: R.gdn_verify(*gdn)),
-        ("gdn_verify fused", lambda: kernels.gdn_verify(*gdn, backend=be, fused=True),
+        ("gdn_verify fused", lambda: launch.gdn_verify(*gdn, backend=be, fused=True),
          lambda: R.gdn_verify(*gdn)),
-        ("conv_verify", lambda: kernels.conv_verify(cs, x, w, backend=be),
+        ("conv_verify", lambda: launch.conv_verify(cs, x, w, backend=be),
          lambda: R.conv_verify(cs, x, w)),
-        (f"commit x{L} layers", lambda: kernels.commit(states, convs, n, Kw, backend=be),
+        (f"commit x{L} layers", lambda: launch.commit(states, convs, n, Kw, backend=be),
          lambda: R.commit(states, convs, n, Kw)),
-        ("draft bf16 argmax", lambda: kernels.draft_project(hid, W, backend=be),
+        ("draft bf16 argmax", lambda: launch.draft_project(hid, W, backend=be),
          lambda: R.draft_project(hid, W)),
-        ("draft 4bit argmax", lambda: kernels.draft_project(hid, qw, sc, bi, bits=4, backend=be),
+        ("draft 4bit argmax", lambda: launch.draft_project(hid, qw, sc, bi, bits=4, backend=be),
          lambda: R.draft_project(hid, qw, sc, bi, bits=4)),
-        ("draft 4bit top8 trimmed", lambda: kernels.draft_project(
+        ("draft 4bit top8 trimmed", lambda: launch.draft_project(
             hid, qw, sc, bi, bits=4, vocab_ids=ids, top_k=8, backend=be),
          lambda: R.draft_project(hid, qw, sc, bi, bits=4, vocab_ids=ids, top_k=8)),
     ]
