@@ -165,7 +165,7 @@ def generate_tokens(
     owner = object()
     gen = _generate(batch, request, prefill_step_size, owner)
     if request.keep_cache:
-        _OWNERS[id(request.prompt_cache)] = (owner, weakref.ref(gen))
+        HeldCache.hold(request.prompt_cache, owner, gen)
     return gen
 
 
@@ -214,11 +214,6 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
                  default_processors=tuple(logits_processors or ()))
 
 
-# id(prompt cache) -> (token, the generator using it): the cache's objects are
-# empty while a generation owns them (see _detach)
-_OWNERS: dict = {}
-
-
 def row_key(sampling: Optional[RowSampling], seed: Optional[int]) -> Optional[mx.array]:
     """A sampled row's key [1, 2] (None when greedy): from the seed, else
     drawn from mx.random (so mx.random.seed makes runs repeatable too)."""
@@ -240,8 +235,8 @@ def _generate(batch: "Batch", request: "Request", prefill_step_size, owner):
                 return
             yield t, logprobs, from_draft
     finally:
-        if _OWNERS.get(id(request.prompt_cache), (None,))[0] is owner:
-            del _OWNERS[id(request.prompt_cache)]
+        if request.keep_cache:
+            HeldCache.release(request.prompt_cache, owner)
 
 
 @dataclass
@@ -321,8 +316,7 @@ class Finish(NamedTuple):
 class Row:
     """What the host keeps for one sequence of a batch."""
 
-    prompt_cache: list
-    keep_cache: bool  # write the cache back when the row finishes
+    held: "HeldCache"  # its prompt cache
     max_tokens: int  # -1: no limit
     stats: MTPStats
     lens: Lengths  # exact, after the cycles read so far
@@ -409,9 +403,7 @@ class Batch:
         if prompt_cache is None:
             prompt_cache = model.make_cache()
         else:  # a generation still open on this cache finishes first (writing it back)
-            owner = _OWNERS.get(id(prompt_cache))
-            if owner is not None and owner[1]() is not None:
-                owner[1]().close()
+            HeldCache.close_open(prompt_cache)
         head_layers = len(model.mtp.layers) if model.has_mtp else 0
         check_prompt_cache(prompt_cache, model.is_linear, head_layers, model.make_cache(),
                            model.mtp.make_cache() if head_layers else None)
@@ -483,22 +475,17 @@ class Batch:
                 continue
             lens = Lengths(trunk_length(r.prompt_cache, model),
                            entry_length(head_caches(r.prompt_cache, n_trunk)[0]) if use_head else 0)
-            # the decoding form; the prompt cache's objects let go of the buffers,
-            # so the cycles update them in place
-            fill_empty(r.prompt_cache, model, n_trunk + (len(model.mtp.layers) if use_head else 0))
-            cache = MTPCache.from_prompt_cache(r.prompt_cache, n_trunk, use_head)
-            _detach(r.prompt_cache, n_trunk, use_head)
-            state = DecodeState(cache, mx.array([y], dtype=mx.int32), mx.zeros((1,), mx.int32),
-                                key=r.key)
+            held = HeldCache(r.prompt_cache, r.keep_cache)
+            state = DecodeState(held.take(model, use_head), mx.array([y], dtype=mx.int32),
+                                mx.zeros((1,), mx.int32), key=r.key)
             if use_head:
                 # a one-token prompt on an empty cache has no trunk hidden yet: its
                 # first drafts come from zeros (rejected; its first cycle fixes that)
                 g = pf.g if pf.g is not None else mx.zeros(
                     (1, 1, model.hidden_width), mx.float32)
                 state = init_ring(state.replace(g=g))
-            row = Row(r.prompt_cache, r.keep_cache, r.max_tokens, r.stats, lens, r.sampling,
-                      r.processors)
-            row.last = Finish(state.without_buffers() if r.keep_cache else None, len(states),
+            row = Row(held, r.max_tokens, r.stats, lens, r.sampling, r.processors)
+            row.last = Finish(state.without_buffers() if held.keep else None, len(states),
                               lens, y, [])
             if r.processors:
                 row.history = mx.array(r.prompt, dtype=mx.int32)
@@ -552,13 +539,13 @@ class Batch:
             return
         row.done = True
         index = self.rows.index(row)
-        if row.keep_cache:
+        if row.held.keep:
             before, i, lens, y, tokens = row.last
             state = before.take_rows([i])
             state = state.replace(cache=state.cache.with_buffers_of(
                 self.state.cache.take_rows(mx.array([index], dtype=mx.int32))))
-            _finish(self.spec, row.prompt_cache, state, lens,
-                    [y] + tokens[:row.used] if feed_tail else [])
+            row.held.give_back(self.spec, state, lens,
+                               [y] + tokens[:row.used] if feed_tail else [])
         self.rows.pop(index)
         keep = [i for i in range(len(self.rows) + 1) if i != index]
         self.state = self.state.take_rows(keep) if self.rows else None
@@ -633,7 +620,7 @@ class Batch:
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
                        for r in self.rows]
-        keep = any(r.keep_cache for r in self.rows)
+        keep = any(r.held.keep for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
         self.state, out = self.graphs.step(self.state, k, catch_up, history)
@@ -760,31 +747,72 @@ def _upper_bound(lens: Lengths, inflight) -> Lengths:
     return lens
 
 
-def _detach(prompt_cache: list, n_trunk: int, use_head: bool):
-    """Empty the prompt cache's objects while the decoding form owns their
-    arrays (a buffer referenced twice would be copied by every write)."""
-    for c in prompt_cache[:n_trunk] + (head_caches(prompt_cache, n_trunk) if use_head else []):
+def _let_go(caches: list):
+    """Empty mlx_lm cache objects (their arrays live in the decoding form)."""
+    for c in caches:
         if isinstance(c, KVCache):
             c.keys = c.values = None
             c.offset = 0
         elif isinstance(c, CacheList):
-            _detach(list(c.caches), len(c.caches), False)
+            _let_go(list(c.caches))
         else:
             c.cache = [None] * len(c.cache)
 
 
-def _finish(spec: Spec, prompt_cache: list, state: DecodeState, lens: Lengths, tail: List[int]):
-    """Write a row's state at its finishing point back into its prompt cache,
-    and feed the tokens it had emitted up to there (the last one used
-    included), or none (tail empty)."""
-    n_trunk = len(spec.model.is_linear)
-    state.cache.write_back(prompt_cache, n_trunk, lens.trunk, lens.head)
-    ring = None
-    if spec.use_head and lens.ring:
-        order = ring_order(lens.ring)
-        ring = (state.ring_h[:, order], state.ring_tok[:, order])
-    if tail:
-        feed(spec, prompt_cache, tail, ring)
-    else:  # the head catches up; the ring's last hidden is the trunk's last one
-        catch_up(spec, prompt_cache, ring)
-    mx.eval([c.state for c in prompt_cache])
+class HeldCache:
+    """A row's prompt cache (mlx_lm's objects) while the row decodes on it
+    (docs/design.md, "Finishing"): the row takes its arrays into the decoding
+    state, leaving the objects empty (an array referenced twice would be
+    copied by every in-place write), and gives back the state at its
+    finishing point. `keep`: the caller holds the cache (else nobody sees it
+    and nothing is given back). One generation at a time holds a caller's
+    cache: a new one first closes the one still open, which gives it back."""
+
+    # the open generation on each cache, keyed weakly by the cache's first
+    # object (a cache its caller dropped drops its entry)
+    _open: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, prompt_cache: list, keep: bool):
+        self.prompt_cache, self.keep = prompt_cache, keep
+
+    @classmethod
+    def hold(cls, prompt_cache: list, owner, gen):
+        cls._open[prompt_cache[0]] = (owner, weakref.ref(gen))
+
+    @classmethod
+    def release(cls, prompt_cache: list, owner):
+        if cls._open.get(prompt_cache[0], (None,))[0] is owner:
+            del cls._open[prompt_cache[0]]
+
+    @classmethod
+    def close_open(cls, prompt_cache: list):
+        entry = cls._open.get(prompt_cache[0]) if prompt_cache else None
+        gen = entry[1]() if entry is not None else None
+        if gen is not None:
+            gen.close()
+
+    def take(self, model, use_head: bool) -> MTPCache:
+        """The decoding form of the cache; its objects let go of the arrays."""
+        n_trunk = len(model.is_linear)
+        fill_empty(self.prompt_cache, model,
+                   n_trunk + (len(model.mtp.layers) if use_head else 0))
+        cache = MTPCache.from_prompt_cache(self.prompt_cache, n_trunk, use_head)
+        _let_go(self.prompt_cache[:n_trunk] + (
+            head_caches(self.prompt_cache, n_trunk) if use_head else []))
+        return cache
+
+    def give_back(self, spec: Spec, state: DecodeState, lens: Lengths, tail: List[int]):
+        """Write the row's state at its finishing point back into the cache,
+        and feed the tokens it had emitted up to there (the last one used
+        included), or none (tail empty)."""
+        prompt_cache, n_trunk = self.prompt_cache, len(spec.model.is_linear)
+        state.cache.write_back(prompt_cache, n_trunk, lens.trunk, lens.head)
+        ring = None
+        if spec.use_head and lens.ring:
+            order = ring_order(lens.ring)
+            ring = (state.ring_h[:, order], state.ring_tok[:, order])
+        if tail:
+            feed(spec, prompt_cache, tail, ring)
+        else:  # the head catches up; the ring's last hidden is the trunk's last one
+            catch_up(spec, prompt_cache, ring)
+        mx.eval([c.state for c in prompt_cache])

@@ -263,6 +263,27 @@ def test_open_generator_is_finished_by_the_next_call(loaded):
         next(gen)
 
 
+def test_open_generations_are_forgotten(loaded):
+    """The loop remembers the generation open on a cache only while both
+    live: a finished one is forgotten, and a cache its caller dropped drops
+    its entry (no registry grows with requests)."""
+    import gc
+
+    from mlx_mtp.loop import HeldCache
+
+    model, _, tok = loaded("dense")
+    ids = mx.array(tok.encode(TURNS[0]))
+    cache = model.make_cache()
+    list(mlx_mtp.generate_step(ids, model, max_tokens=4, prompt_cache=cache))
+    assert cache[0] not in HeldCache._open
+    gen = mlx_mtp.generate_step(ids, model, max_tokens=30, prompt_cache=model.make_cache())
+    next(gen)
+    assert len(HeldCache._open) == 1
+    del gen
+    gc.collect()
+    assert len(HeldCache._open) == 0
+
+
 def test_weights_changed_in_place(dense_ckpt):
     """Compiled graphs read the model's weights at every call: after an
     in-place update, output follows the new weights (as mlx_lm's does)."""
