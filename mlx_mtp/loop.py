@@ -358,6 +358,7 @@ class Batch:
         self.ring = 0  # plain steps' pairs waiting for the head (the same for every row)
         self.cycles = 0
         self._tic = time.perf_counter()
+        self._launched = 0  # cycles launched since the last read
         self._settings()
 
     @property
@@ -630,6 +631,7 @@ class Batch:
         self.inflight.append(Launched(k, out, before, self.graphs.traces > traces,
                                       list(self.rows), dict(build0=t0, build1=built, queued=t1)))
         self.ring = 0 if k else self.ring + int(spec.use_head)
+        self._launched += 1
 
     def step(self) -> List[Tuple[Row, List[int], mx.array, np.ndarray, int]]:
         """Queue cycles up to the lookahead, read the oldest one: per row still
@@ -681,10 +683,13 @@ class Batch:
             waited_on = launched if self.lookahead and t1 - t0 > toc - t1 else cycle
             if self.spec.group is not None:  # which depth gets the sample must not differ by rank
                 waited_on = cycle
-            # the interval spans both cycles: a sample only when they ran the same rows
-            if not (cycle.traced or launched.traced) and len(launched.rows) == len(cycle.rows):
+            # the interval spans both cycles: a sample only when they ran the same
+            # rows, and when it held one launch (a batch's first read follows
+            # two: the lookahead's, and would count as a cycle twice as slow)
+            if not (cycle.traced or launched.traced) and len(launched.rows) == len(cycle.rows) \
+                    and self._launched == 1:
                 ctl.update_cost(waited_on.k, toc - self._tic)
-        self._tic = toc
+        self._tic, self._launched = toc, 0
         if self.timeline is not None:
             stamps = (self.inflight[-1] if self.inflight else cycle).stamps
             self.timeline.append(dict(stamps, wait0=wait0, wait1=toc,

@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_mtp
+from mlx_mtp.depth import DepthController
 from mlx_mtp.drafters import BigramDrafter
 from mlx_mtp.loop import decode_rows, generate_tokens, make_batch
 from util import LONG, SHORT, reference
@@ -67,8 +68,6 @@ def test_rows_with_nothing_to_prefill_join_together(loaded):
     all but the last prompt token stored while parked (the head never
     followed them: its caches are empty). Each row equals mlx_lm's alone."""
     import copy
-
-    from mlx_mtp.depth import DepthController
 
     model, ref_model, tok = loaded("dense")
     ones = [tok.encode("a")[:1], tok.encode("x")[:1]]
@@ -270,6 +269,33 @@ def test_cycles_count_for_the_batch_size_they_ran(loaded):
     batch.step()
     assert one.cycles == before[1] + 1
     batch.finish(rows[1])
+
+
+def test_cost_samples_cover_one_cycle(loaded):
+    """A cost sample is the interval between two reads that held exactly one
+    launch: not a batch's first read (the lookahead launched two cycles
+    before it, which would count as one cycle twice as slow), nor a read at
+    the end when nothing new was launched (a cycle that looks free)."""
+    model, _, tok = loaded("dense")
+    costs = []
+
+    class Recording(DepthController):
+        def update_cost(self, k, seconds):
+            costs.append(seconds)
+            super().update_cost(k, seconds)
+
+    batch = make_batch(model, draft_tokens="auto", controller=Recording(initial=0))
+    [row] = batch.add([batch.prepare(tok.encode(PROMPTS[0]), None, 6, None)])
+    launched = []
+    while batch.rows and row.landed < 6:
+        before = len(costs)
+        n = len(batch.inflight)
+        batch.step()
+        launched.append(len(batch.inflight) - n + 1)  # launches in this step
+        # a sample exactly when this step launched one cycle
+        assert len(costs) - before == int(launched[-1] == 1), launched
+    assert launched[0] == 2 and launched[-1] == 0 and costs  # both edges were seen
+    batch.finish(row)
 
 
 def test_memory_flat_across_batches(loaded):
