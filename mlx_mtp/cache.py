@@ -249,6 +249,14 @@ class CaptureCache(ArraysCache):
         self.capturing = False
         self.captured_states = self.captured_conv_input = self.captured_ple = None
 
+    @staticmethod
+    def start(trunk: list):
+        """The next trunk forward is a verify: its GDN layers keep what `commit`
+        needs (which then clears it)."""
+        for c in trunk:
+            if isinstance(c, CaptureCache):
+                c.capturing = True
+
     @classmethod
     def from_arrays_cache(cls, cache: ArraysCache) -> "CaptureCache":
         return cls(*cache.cache)

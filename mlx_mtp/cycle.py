@@ -370,9 +370,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
 
     # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
     tokens = mx.concatenate([state.y[:, None], drafts], axis=1)  # [B, k+1]
-    for c in cache.trunk:
-        if isinstance(c, CaptureCache):
-            c.capturing = True
+    CaptureCache.start(cache.trunk)
     h = model.trunk_hidden(tokens, cache.trunk)  # [B, k+1, H]
     drafts = spec.verified_drafts(drafts, h)
     logprobs = _logprobs(model.logits_from_hidden(h), state, history, tokens)
