@@ -13,6 +13,23 @@ from ..cache import CaptureCache
 from ..head import HEAD_NORM_SUFFIXES
 from ..model import MTPWeightError
 
+
+class LanguageModelTrunk:
+    """The trunk accessors of a family whose checkpoint nests the text model
+    as `language_model` (Qwen3.5/3.6 and qwen4_exp, as mlx_lm loads them)."""
+
+    @property
+    def text_model(self):
+        return self.language_model.model
+
+    @property
+    def text_args(self):
+        return self.language_model.args
+
+    @property
+    def untied_lm_head(self):
+        return self.language_model.lm_head
+
 _PER_EXPERT = re.compile(
     r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 

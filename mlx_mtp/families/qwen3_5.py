@@ -16,7 +16,7 @@ from mlx_lm.models import qwen3_5, qwen3_5_moe
 from ..cache import CaptureCache
 from ..checkpoint import text_config
 from ..model import MTPModel
-from .common import sanitize_head, stack_expert_tensors, verify_capturing
+from .common import LanguageModelTrunk, sanitize_head, stack_expert_tensors, verify_capturing
 
 TRUNK_PREFIX = "model.language_model."
 
@@ -57,21 +57,9 @@ class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         return verify_capturing(self, cache, inputs, qkv, z, b, a)
 
 
-class _Qwen35(MTPModel):
+class _Qwen35(LanguageModelTrunk, MTPModel):
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "mtp_num_hidden_layers"
-
-    @property
-    def text_model(self):
-        return self.language_model.model
-
-    @property
-    def text_args(self):
-        return self.language_model.args
-
-    @property
-    def untied_lm_head(self):
-        return self.language_model.lm_head
 
     @property
     def lm_head_group(self):

@@ -46,7 +46,8 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 from ..cache import CaptureCache
 from ..model import MTPModel, MTPWeightError
-from .common import split_fused_experts, stack_expert_tensors, verify_capturing
+from .common import (LanguageModelTrunk, split_fused_experts, stack_expert_tensors,
+                     verify_capturing)
 
 # ------------------------------------------------------------------ config
 
@@ -675,7 +676,7 @@ def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
     return weights
 
 
-class Qwen4ExpMTPModel(MTPModel, Model):
+class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
     """The trunk with its MTP head, as `mlx_mtp.load` builds it (model.py's
     family interface; docs/qwen4_exp.md)."""
 
@@ -689,18 +690,6 @@ class Qwen4ExpMTPModel(MTPModel, Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self._init_mtp(args.text_config)
-
-    @property
-    def text_model(self):
-        return self.language_model.model
-
-    @property
-    def text_args(self):
-        return self.language_model.args
-
-    @property
-    def untied_lm_head(self):
-        return self.language_model.lm_head
 
     @property
     def hidden_width(self) -> int:
