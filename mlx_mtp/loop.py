@@ -350,8 +350,7 @@ class Batch:
         self.depth, self.max_depth, self.controller = depth, max_draft_tokens, controller
         self.timeline, self.default_sampler = timeline, default_sampler
         self.default_processors = default_processors
-        # a family whose layers do not take mlx_lm's batch caches prefills rows one by one
-        self.prefill_batch = PREFILL_BATCH if getattr(spec.model, "batched_prefill", True) else 1
+        self.limit_prefill(PREFILL_BATCH)
         self.state: Optional[DecodeState] = None
         self.rows: List[Row] = []
         self.inflight: deque = deque()
@@ -580,6 +579,13 @@ class Batch:
         if f.sampled and key is None:
             key = mx.zeros((len(self.rows), 2), mx.uint32)
         self.state = self.state.replace(key=key if f.sampled else None, **arrays)
+
+    def limit_prefill(self, prompts: int):
+        """Prompts prefilled together (mlx_lm.server's --prompt-concurrency); a
+        family whose layers do not take mlx_lm's batch caches prefills them
+        one by one (`MTPModel.batched_prefill`)."""
+        batched = getattr(self.spec.model, "batched_prefill", True)
+        self.prefill_batch = max(1, prompts) if batched else 1
 
     # -- cycles ------------------------------------------------------------------------------
     def _controller(self, batch_size: Optional[int] = None):

@@ -433,7 +433,7 @@ class _Lane:
                                    xtc_special_tokens=_xtc_special(mp.tokenizer))
         self.batch = make_batch(mp.model, draft_tokens=settings.depth,
                                 max_draft_tokens=gen.cli_args.max_draft_tokens, sampler=sampler)
-        self.batch.prefill_batch = max(1, gen.cli_args.prompt_concurrency)
+        self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
 
