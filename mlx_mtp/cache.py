@@ -261,7 +261,8 @@ class CaptureCache(ArraysCache):
     def from_arrays_cache(cls, cache: ArraysCache) -> "CaptureCache":
         return cls(*cache.cache)
 
-    def write_to(self, cache: ArraysCache):
+    def write_to(self, cache: ArraysCache, length: Optional[int] = None):
+        """(`length` is the attention caches' argument: a GDN state has none.)"""
         cache.cache = list(self.cache)
 
 
@@ -291,12 +292,6 @@ def _decoding(c, batch: int):
         return PaddedCacheList.from_cache_list(c, batch)
     return CaptureCache.from_arrays_cache(c)
 
-
-def _write(c, dst, length):
-    if isinstance(c, CaptureCache):
-        c.write_to(dst)
-    else:
-        c.write_to(dst, length)
 
 
 def entry_length(c) -> int:
@@ -434,10 +429,10 @@ class MTPCache:
         """Store this state in the prompt cache's mlx_lm objects (in place);
         the host knows the exact lengths by then."""
         for c, dst in zip(self.trunk, prompt_cache[:n_trunk]):
-            _write(c, dst, trunk_len)
+            c.write_to(dst, trunk_len)
         if self.head:
             for c, dst in zip(self.head, head_caches(prompt_cache, n_trunk)):
-                _write(c, dst, head_len)
+                c.write_to(dst, head_len)
 
 
 # -- the prompt-cache list (mlx_lm objects) ----------------------------------------

@@ -43,8 +43,8 @@ from .cache import (MTPCache, cache_length, check_prompt_cache, entry_length, fi
 from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring,
                     prefill, ring_order, unpack)
 from .depth import DepthController
-from .drafters import is_host_side
 from .distributed import agree, first_stage, trunk_length
+from .drafters import is_host_side
 from .mlx_lm_compat import generation_stream
 from .sampling import Filters, MTPSampler, RowSampling, row_arrays
 
