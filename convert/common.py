@@ -436,20 +436,38 @@ def human_size(n: float) -> str:
 
 
 # -- head precision -----------------------------------------------------------
+def is_router(path: str) -> bool:
+    """An MoE router gate (`mlp.gate`, `shared_expert_gate`), which the
+    families' quant_predicates (mlx_lm's qwen3_5 / qwen3_next, qwen4_exp's)
+    keep at 8 bits."""
+    return path.endswith(("mlp.gate", "shared_expert_gate"))
+
+
 def head_quant_params(path: str, module, bits: int, group_size: int, mode: str = "affine"):
     """Quantization of one head module (`path` without the `mtp.` prefix).
 
     False keeps it in floating point. Mirrors mlx_lm: only modules with
     `to_quantized` whose input dim divides the group size; MoE router gates
-    (`mlp.gate`, `shared_expert_gate`) at 8 bits at least, as mlx_lm's
-    qwen3_5 quant_predicate does for the trunk."""
+    (`is_router`) at 8 bits at least, as the families' quant_predicates do
+    for the trunk."""
     if bits >= 16 or not hasattr(module, "to_quantized"):
         return False
     if module.weight.shape[-1] % group_size != 0:
         return False
-    if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+    if is_router(path):
         return {"group_size": 64, "bits": max(8, bits), "mode": "affine"} if module.weight.shape[-1] % 64 == 0 else False
     return {"group_size": group_size, "bits": bits, "mode": mode}
+
+
+def head_quant(head) -> Optional[Dict[str, Any]]:
+    """Precision of a built head module (None: floating point): the quant
+    params of its quantized linear layers, routers aside (`is_router`)."""
+    import mlx.nn as nn
+
+    for path, m in head.named_modules():
+        if isinstance(m, nn.QuantizedLinear) and not is_router(path):
+            return {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+    return None
 
 
 def describe_quant(q: Optional[Dict[str, Any]], float_dtype: str) -> str:

@@ -21,6 +21,7 @@ from .common import (
     describe_quant,
     download_source,
     folder_size,
+    head_quant,
     head_quant_params,
     human_size,
     local_source,
@@ -47,16 +48,8 @@ def _source_dtype(config: Dict[str, Any]) -> Optional[str]:
 
 
 def _head_quant(model) -> Optional[Dict[str, Any]]:
-    """Precision of the loaded/quantized head: the quant params of its fc layer."""
-    import mlx.nn as nn
-
-    if not getattr(model, "has_mtp", False):
-        return None
-    mods = [("fc", model.mtp.fc)] + list(model.mtp.named_modules())
-    for path, m in mods:
-        if isinstance(m, nn.QuantizedLinear) and not path.endswith(("mlp.gate", "shared_expert_gate")):
-            return {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
-    return None
+    """Precision of the loaded/quantized head (None: none, or floating point)."""
+    return head_quant(model.mtp) if getattr(model, "has_mtp", False) else None
 
 
 def _float_dtype(model) -> str:

@@ -26,6 +26,7 @@ from .common import (
     check_headers,
     config_object,
     describe_quant,
+    head_quant,
     head_quant_params,
     human_size,
     local_source,
@@ -331,7 +332,7 @@ def graft(
         publish(staging, target, may_replace=lambda t: _check_unchanged(t, state))
     interrupts.pause_point("after-publish")
 
-    head_q = recorded.get("mtp.fc")
+    head_q = head_quant(head)
     return {
         "output": str(target),
         "head_tensors": len(head_tensors),
