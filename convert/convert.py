@@ -53,7 +53,10 @@ def _head_quant(model) -> Optional[Dict[str, Any]]:
 
 
 def _float_dtype(model) -> str:
-    return str(model.text_model.norm.weight.dtype).split(".")[-1]
+    """The trunk's floating-point dtype, read from the family's `float_dtype_tensor`."""
+    from mlx.utils import tree_flatten
+
+    return str(dict(tree_flatten(model.parameters()))[model.float_dtype_tensor].dtype).split(".")[-1]
 
 
 def _write_weights(staging: Path, model, desc: str = "writing") -> Dict[str, Any]:

@@ -252,11 +252,8 @@ def graft(
     except ValueError as e:
         raise ConvertError(f"the MTP head in {hf_path} does not fit {target}: {e}") from None
 
-    if dtype is None:
-        for name in ("language_model.model.norm.weight", "model.norm.weight"):
-            if name in t_headers:
-                dtype = st_dtype_name(t_headers[name][1]["dtype"])
-                break
+    if dtype is None and family.float_dtype_tensor in t_headers:  # the target's float dtype
+        dtype = st_dtype_name(t_headers[family.float_dtype_tensor][1]["dtype"])
     dtype = dtype or "bfloat16"
     target_dt = getattr(mx, dtype)
     head.update(tree_map(lambda v: v.astype(target_dt) if mx.issubdtype(v.dtype, mx.floating) else v, head.parameters()))

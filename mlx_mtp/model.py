@@ -109,6 +109,9 @@ class MTPModel:
     mtp_layers_key = "mtp_num_hidden_layers"  # the config key the family's configs use
     batched_prefill = True  # whether prompts may prefill together (mlx_lm's batch caches)
     not_yet: tuple = ()  # tools that refuse this family for now ("convert", "graft", ...)
+    # a trunk tensor (MLX name) never quantized: its dtype is a conversion's
+    # floating-point dtype (what convert reports, what graft casts a head to)
+    float_dtype_tensor: str = None
 
     @property
     def text_model(self) -> nn.Module:

@@ -60,6 +60,7 @@ class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):
 class _Qwen35(LanguageModelTrunk, MTPModel):
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "mtp_num_hidden_layers"
+    float_dtype_tensor = "language_model.model.norm.weight"
 
     @property
     def lm_head_group(self):

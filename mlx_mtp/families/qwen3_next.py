@@ -81,6 +81,7 @@ class VerifyingGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
 class Model(MTPModel, qwen3_next.Model):
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "num_nextn_predict_layers"
+    float_dtype_tensor = "model.norm.weight"
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -682,6 +682,7 @@ class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
 
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "mtp_num_hidden_layers"
+    float_dtype_tensor = "language_model.model.hyper_connection_mixer.hc_norm.weight"  # (no final norm)
     batched_prefill = False  # QSA / PLE with left padding are not there yet
     # refused in one line rather than run untested on this head (docs/qwen4_exp.md)
     not_yet = ("convert", "graft", "draft folders")
