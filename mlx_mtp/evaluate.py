@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 
 def teacher_forced_logits(model, tokens) -> Tuple[mx.array, mx.array]:
@@ -32,15 +32,20 @@ def teacher_forced_logits(model, tokens) -> Tuple[mx.array, mx.array]:
     return main, model.logits_from_hidden(g)[0]
 
 
-def _head_cache_upto(full: List[KVCache], n: int) -> List[KVCache]:
-    out = []
-    for c in full:
-        nc = KVCache()
-        nc.keys = c.keys[..., :n, :]
-        nc.values = c.values[..., :n, :]
-        nc.offset = n
-        out.append(nc)
-    return out
+def _cache_upto(c, n: int):
+    """A head cache entry holding only its first `n` pairs: a KVCache, or a
+    CacheList of them (qwen4_exp's QSA layer: attention K/V, indexer keys)."""
+    if isinstance(c, CacheList):
+        return CacheList(*(_cache_upto(x, n) for x in c.caches))
+    nc = KVCache()
+    nc.keys = c.keys[..., :n, :]
+    nc.values = c.values[..., :n, :]
+    nc.offset = n
+    return nc
+
+
+def _head_cache_upto(full: list, n: int) -> list:
+    return [_cache_upto(c, n) for c in full]
 
 
 def expected_acceptance(model, tokens, depth: int = 4, max_starts: int = 256,
