@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mlx_mtp.convert",
         description=(
-            "Convert a Qwen3.5/3.6 checkpoint to MLX keeping the multi-token-prediction "
-            "head (mtp.*), or graft the head into an existing MLX conversion."
+            "Convert a Qwen3.5/3.6, Qwen3-Next or Qwen3.8-Flash-Next (qwen4_exp) checkpoint to "
+            "MLX keeping the multi-token-prediction head (mtp.*), or graft the head into an "
+            "existing MLX conversion."
         ),
     )
     p.add_argument("--hf-path", "--model", required=True,

@@ -685,7 +685,7 @@ class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
     float_dtype_tensor = "language_model.model.hyper_connection_mixer.hc_norm.weight"  # (no final norm)
     batched_prefill = False  # QSA / PLE with left padding are not there yet
     # refused in one line rather than run untested on this head (docs/qwen4_exp.md)
-    not_yet = ("convert", "graft", "draft folders")
+    not_yet = ("draft folders",)
     model_type_name, design_note = "qwen4_exp", "docs/qwen4_exp.md"
 
     def __init__(self, args: ModelArgs):
