@@ -229,7 +229,6 @@ def test_evaluate_acceptance(ckpts, tmp_path, capsys):
             accepted[i] += 1
             g = model.mtp(g, model.embed(mx.array([[d]])), cache)
     acc = [a / len(starts) for a in accepted]
-    print("acceptance", res["acceptance"])
     assert res["starts"] == len(starts) and res["acceptance"] == acc
     assert 0 < acc[0] < 1 and acc[1] > 0 and acc == sorted(acc, reverse=True)
     assert res["tokens_per_cycle"] == {k: 1 + sum(acc[:k]) for k in range(1, depth + 1)}
