@@ -60,6 +60,7 @@ class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):
 class _Qwen35(LanguageModelTrunk, MTPModel):
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "mtp_num_hidden_layers"
+    mlx_vlm_drafter = "qwen3_5_mtp"  # its splitter shifts the norms
 
     @property
     def lm_head_group(self):
