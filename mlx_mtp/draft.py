@@ -4,14 +4,16 @@
 Folders read (docs/design.md, "Families" / "Draft folders"):
 
 - mlx-vlm's split drafter of the trunk's family (the family's
-  `mlx_vlm_drafter`: `qwen3_5_mtp` for Qwen3.5/3.6 and Qwen3-Next), as
-  `mlx_vlm.split_mtp` writes it: config.json holds `text_config` (the source
-  model's), `block_size`, `tie_word_embeddings` and, when quantized,
-  `quantization`; `model.safetensors` holds the head's tensors without the
-  `mtp.` prefix, experts as `switch_mlp` (older qwen3_5_mtp versions: as the
-  source had them). Whether its norms are shifted is the family's
-  `mlx_vlm_drafter_norms_shifted` (the qwen3_5_mtp splitter adds 1 to an HF
-  source's).
+  `mlx_vlm_drafter`: `qwen3_5_mtp` for Qwen3.5/3.6 and Qwen3-Next,
+  `qwen4_exp_mtp` for qwen4_exp), as `mlx_vlm.split_mtp` writes it:
+  config.json holds `text_config` (the source model's), `block_size`,
+  `tie_word_embeddings` and, when quantized, `quantization`;
+  `model.safetensors` holds the head's tensors without the `mtp.` prefix,
+  experts as `switch_mlp` (older qwen3_5_mtp versions: as the source had
+  them). Whether its norms are shifted is the family's
+  `mlx_vlm_drafter_norms_shifted`: the qwen3_5_mtp splitter adds 1 to an HF
+  source's, the qwen4_exp_mtp one (mlx-vlm 0.7.10) keeps them zero-centred
+  (mlx-vlm's Qwen4ExpRMSNorm applies 1 + w).
 - a folder of `mtp.*` safetensors beside the source's config.json: an HF
   release's head shard with its config, an mlx_mtp conversion, or a whole
   checkpoint with a head (only the shards holding `mtp.*` are read).
