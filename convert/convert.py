@@ -131,7 +131,7 @@ def convert(
     from mlx_lm.utils import load_model, quantize_model
 
     from mlx_mtp import __version__
-    from mlx_mtp.families import MODEL_CLASSES, family_of, not_yet
+    from mlx_mtp.families import MODEL_CLASSES, family_of
 
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}")
@@ -156,8 +156,6 @@ def convert(
     files = model_weight_files(src)  # index checked, every shard present
     headers = check_headers(files)
     family = family_of(config["model_type"])
-    if not_yet(family, "convert"):
-        raise ConvertError(not_yet(family, "convert"))
     unconverted = family.is_unconverted(tensor_shapes(headers))
     has_head = any(k.startswith(HEAD_PREFIX) for k in headers)
     if unconverted:

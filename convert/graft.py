@@ -168,7 +168,7 @@ def graft(
     from tqdm import tqdm
 
     from mlx_mtp import __version__
-    from mlx_mtp.families import family_of, not_yet
+    from mlx_mtp.families import family_of
     from mlx_mtp.model import check_head_weights, declared_mtp_layers, head_layers_in
 
     if mtp_bits is not None and mtp_bits not in MTP_BITS_CHOICES:
@@ -189,8 +189,6 @@ def graft(
     t_files = model_weight_files(target)
     t_headers = check_headers(t_files)
     family = family_of(tcfg.get("model_type"))
-    if not_yet(family, "graft"):
-        raise ConvertError(not_yet(family, "graft"))
     if family.is_unconverted(tensor_shapes(t_headers)):
         raise ConvertError(
             f"{target} is in Hugging Face layout, not an MLX conversion; "

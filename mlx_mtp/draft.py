@@ -3,13 +3,17 @@
 
 Folders read (docs/design.md, "Families" / "Draft folders"):
 
-- mlx-vlm's split drafter (`model_type: qwen3_5_mtp`, written by
-  `mlx_vlm.speculative.drafters.qwen3_5_mtp.split`): config.json holds
-  `text_config` (the source model's), `block_size`, `tie_word_embeddings` and,
-  when quantized, `quantization`; `model.safetensors` holds the head's tensors
-  without the `mtp.` prefix, norms already shifted (its splitter adds 1 to an
-  HF source's and keeps an MLX source's), experts as `switch_mlp` (older
-  versions: as the source had them).
+- mlx-vlm's split drafter of the trunk's family (the family's
+  `mlx_vlm_drafter`: `qwen3_5_mtp` for Qwen3.5/3.6 and Qwen3-Next,
+  `qwen4_exp_mtp` for qwen4_exp), as `mlx_vlm.split_mtp` writes it:
+  config.json holds `text_config` (the source model's), `block_size`,
+  `tie_word_embeddings` and, when quantized, `quantization`;
+  `model.safetensors` holds the head's tensors without the `mtp.` prefix,
+  experts as `switch_mlp` (older qwen3_5_mtp versions: as the source had
+  them). Whether its norms are shifted is the family's
+  `mlx_vlm_drafter_norms_shifted`: the qwen3_5_mtp splitter adds 1 to an HF
+  source's, the qwen4_exp_mtp one (mlx-vlm 0.7.10) keeps them zero-centred
+  (mlx-vlm's Qwen4ExpRMSNorm applies 1 + w).
 - a folder of `mtp.*` safetensors beside the source's config.json: an HF
   release's head shard with its config, an mlx_mtp conversion, or a whole
   checkpoint with a head (only the shards holding `mtp.*` are read).
@@ -18,8 +22,9 @@ A folder without an MTP head (a separate draft model, as mlx_lm's
 `--draft-model` takes) is refused: the MTP head is the drafter here.
 
 The head must fit the trunk (`check_head_fits_trunk`, shared with
-`convert --graft`), and whether its norms are zero-centred (HF) or shifted
-(MLX) is read from the folder (`norms_shifted`), never assumed.
+`convert --graft`: the family's `head_match_keys`), and whether its norms are
+zero-centred (HF) or shifted (MLX) is read from the folder (`norms_shifted`),
+never assumed.
 """
 
 from __future__ import annotations
@@ -31,13 +36,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .checkpoint import read_config_file, safetensors_header, text_config, weight_files
-from .families import MODEL_CLASSES, family_of, not_yet
+from .families import MODEL_CLASSES, family_of
 from .model import check_head_config, check_head_weights, declared_mtp_layers, head_layers_in
 
 HEAD_PREFIX = "mtp."
-MLX_VLM_DRAFTER = "qwen3_5_mtp"
-# Trunk properties a head must share with the trunk it was trained with.
-MATCH_KEYS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
+# mlx-vlm's drafter model_type -> a family whose head it holds (MTPModel.mlx_vlm_drafter)
+MLX_VLM_DRAFTERS = {cls.mlx_vlm_drafter: cls for cls, _ in MODEL_CLASSES.values()
+                    if cls.mlx_vlm_drafter}
 
 _HF_EXPERTS = re.compile(r"\.experts\.(\d+\.(gate|up|down)_proj|gate_up_proj|down_proj)")
 
@@ -55,12 +60,13 @@ def _kind(config: Dict[str, Any]) -> str:
 
 def check_head_fits_trunk(trunk_config: Dict, head_config: Dict, trunk_name, head_name) -> None:
     """Raise ValueError ("trunk mismatch: ...") unless the head's source
-    config describes the same architecture and sizes as the trunk's."""
+    config describes the same architecture and sizes as the trunk's (the
+    trunk family's `head_match_keys`)."""
     a, b = _kind(trunk_config), _kind(head_config)
     if a != b:
         raise ValueError(f"trunk mismatch: model_type {a!r} in {trunk_name} vs {b!r} in {head_name}")
     t, s = text_config(trunk_config), text_config(head_config)
-    for k in MATCH_KEYS:
+    for k in family_of(trunk_config.get("model_type")).head_match_keys:
         if t.get(k, 0) != s.get(k, 0):
             raise ValueError(
                 f"trunk mismatch: {k} {t.get(k)} in {trunk_name} vs {s.get(k)} in {head_name}")
@@ -96,8 +102,11 @@ def norms_shifted(config: Dict, names: List[str], all_names: List[str],
     recorded = (config.get("mlx_mtp") or {}).get("norms_shifted")
     if recorded is not None:
         return bool(recorded), "recorded by mlx_mtp (config mlx_mtp.norms_shifted)"
-    if config.get("model_type") == MLX_VLM_DRAFTER:
-        return True, "mlx-vlm split drafter (its splitter shifts them)"
+    drafter = MLX_VLM_DRAFTERS.get(config.get("model_type"))
+    if drafter is not None:
+        shifted = drafter.mlx_vlm_drafter_norms_shifted
+        return shifted, (f"mlx-vlm split drafter {drafter.mlx_vlm_drafter} (its splitter "
+                         + ("shifts them)" if shifted else "keeps them zero-centred)"))
     trunk = [n for n in all_names if not n.startswith(HEAD_PREFIX)]
     if trunk and family is not None:
         hf = family.is_unconverted(dict.fromkeys(trunk))  # names: part of a trunk may be here
@@ -126,7 +135,7 @@ def read_draft_folder(folder, trunk_family=None, trunk_config: Optional[Dict] = 
 
     folder = Path(folder)
     config = read_config_file(folder)
-    drafter = config.get("model_type") == MLX_VLM_DRAFTER
+    drafter = config.get("model_type") in MLX_VLM_DRAFTERS
     where, headers = _weight_files(folder)
     if drafter:  # mlx-vlm strips the prefix
         rename = {n: n if n.startswith(HEAD_PREFIX) else HEAD_PREFIX + n for n in where}
@@ -209,6 +218,4 @@ def read_draft(draft, trunk_config: Dict, trunk_name) -> DraftHead:
     if not folder.is_dir():
         raise FileNotFoundError(f"draft folder {draft} does not exist")
     family = family_of(trunk_config.get("model_type"))
-    if not_yet(family, "draft folders"):
-        raise DraftError(not_yet(family, "draft folders"))
     return read_draft_folder(folder, family, trunk_config, trunk_name)

@@ -108,10 +108,16 @@ class MTPModel:
     verifying_gdn = None  # the family's GDN subclass that captures a verify
     mtp_layers_key = "mtp_num_hidden_layers"  # the config key the family's configs use
     batched_prefill = True  # whether prompts may prefill together (mlx_lm's batch caches)
-    not_yet: tuple = ()  # tools that refuse this family for now ("convert", "graft", ...)
     # a trunk tensor (MLX name) never quantized: its dtype is a conversion's
     # floating-point dtype (what convert reports, what graft casts a head to)
     float_dtype_tensor: str = None
+    # draft folders (draft.py): the model_type of mlx-vlm's split drafter for this
+    # family's head (None: none known), whether its splitter stores the head's norms
+    # shifted (+1) or zero-centred as released, and the trunk config keys a head must
+    # share with the trunk it drafts for (a difference is refused naming the key)
+    mlx_vlm_drafter: Optional[str] = None
+    mlx_vlm_drafter_norms_shifted = True
+    head_match_keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
 
     @property
     def text_model(self) -> nn.Module:

@@ -300,23 +300,36 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
 _MLX_VLM_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
                   ".k_norm.weight", "norm.weight", "pre_fc_norm_embedding.weight",
                   "pre_fc_norm_hidden.weight")
+# mlx-vlm 0.7.10's splitters (mlx_vlm/speculative/drafters/mtp_split.py's
+# MTP_SPLITTERS), by the source's model_type: the drafter's model_type, the norms
+# it shifts, block_size = depth + extra, the tie_word_embeddings default
+_MLX_VLM_SPLITTERS = {
+    "qwen3_5": ("qwen3_5_mtp", _MLX_VLM_NORMS, 2, True),
+    "qwen3_5_moe": ("qwen3_5_mtp", _MLX_VLM_NORMS, 2, True),
+    # qwen4_exp_mtp/split.py: no norm shift (mlx-vlm's Qwen4ExpRMSNorm applies 1 + w)
+    "qwen4_exp": ("qwen4_exp_mtp", (), 1, False),
+}
 
 
 def write_mlx_vlm_drafter(source, out, *, bits: Optional[int] = None, group_size: int = 64) -> Path:
-    """The split drafter folder mlx-vlm's `qwen3_5_mtp` splitter writes from
-    an HF checkpoint (mlx_vlm/speculative/drafters/qwen3_5_mtp/split.py and
-    mtp_split.py, read, not copied): config.json with `model_type:
-    qwen3_5_mtp`, the source's `text_config`, `block_size`,
+    """The split drafter folder mlx-vlm's splitter writes from an HF checkpoint
+    (mlx_vlm/speculative/drafters/mtp_split.py and the family's
+    `<drafter>/split.py`, read, not copied): `qwen3_5_mtp` from Qwen3.5/3.6,
+    `qwen4_exp_mtp` from qwen4_exp. config.json with the drafter's
+    `model_type`, the source's `text_config`, `block_size`,
     `tie_word_embeddings` (+ `quantization`); `model.safetensors` (format
-    mlx) with the head's tensors without the `mtp.` prefix, norms shifted,
-    experts as `switch_mlp`; the tokenizer files. With `bits`, every 2-D+
-    `.weight` but the router gate is affine-quantized, as its splitter does."""
+    mlx) with the head's tensors without the `mtp.` prefix, experts as
+    `switch_mlp`, norms shifted by qwen3_5_mtp and kept zero-centred by
+    qwen4_exp_mtp; the tokenizer files. With `bits`, every 2-D+ `.weight`
+    whose last axis the group divides is affine-quantized, but the router
+    gate (`mlp.gate.weight`), as the splitters do."""
     import mlx.core as mx
 
     source, out = Path(source), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((source / "config.json").read_text())
     tc = text_config(config)
+    drafter, shifted_norms, block_extra, tie_default = _MLX_VLM_SPLITTERS[config["model_type"]]
     heads = {}
     for f in sorted(source.glob("*.safetensors")):
         heads.update({k[len("mtp."):]: v for k, v in mx.load(str(f)).items() if k.startswith("mtp.")})
@@ -333,17 +346,17 @@ def write_mlx_vlm_drafter(source, out, *, bits: Optional[int] = None, group_size
             tensors[f"{mlp}.switch_mlp.up_proj.weight"] = up
         elif k.endswith(".experts.down_proj"):
             tensors[f"{k[: -len('.experts.down_proj')]}.switch_mlp.down_proj.weight"] = v
-        elif k.endswith(_MLX_VLM_NORMS) and v.ndim == 1:
+        elif shifted_norms and k.endswith(shifted_norms) and v.ndim == 1:
             tensors[k] = v + 1.0
         else:
             tensors[k] = v
     for (mlp, proj), experts in per_expert.items():
         tensors[f"{mlp}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in sorted(experts)])
     draft_config = {
-        "model_type": "qwen3_5_mtp",
+        "model_type": drafter,
         "text_config": tc,
-        "block_size": int(tc.get("mtp_num_hidden_layers", 1)) + 2,
-        "tie_word_embeddings": bool(tc.get("tie_word_embeddings", True)),
+        "block_size": int(tc.get("mtp_num_hidden_layers", 1)) + block_extra,
+        "tie_word_embeddings": bool(tc.get("tie_word_embeddings", tie_default)),
     }
     if bits:
         for k in [k for k in tensors if k.endswith(".weight") and not k.endswith("mlp.gate.weight")]:

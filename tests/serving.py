@@ -98,3 +98,15 @@ def chat_text(server, req, stream=False):
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
     return text, finish
+
+
+def greedy_ids(server, req, path="/v1/chat/completions"):
+    """A request's generated token ids at temperature 0 (as `logprobs: true`
+    returns them; the end-of-sequence token included where it stopped there),
+    its text and its usage (not streamed)."""
+    r = requests.post(server.url + path, json=dict(req, temperature=0, logprobs=True), timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return [t["id"] for t in choice["logprobs"]["content"]], text, body["usage"]

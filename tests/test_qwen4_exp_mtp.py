@@ -325,17 +325,3 @@ def test_without_head_decodes_plainly(tmp_path):
     mx.save_safetensors(str(f), w, metadata={"format": "pt"})
     with pytest.raises(MTPWeightError, match="mtp.fc_hidden.weight is missing"):
         mlx_mtp.load(path, quiet=True)
-
-
-def test_tools_not_there_yet_refuse_in_one_line(ckpt, tmp_path):
-    """Drafter folders do not handle this head yet: a draft= load says so in
-    one line instead of running untested (docs/qwen4_exp.md). convert and
-    graft do (tests/test_qwen4_exp_convert.py)."""
-    from mlx_mtp.draft import DraftError
-    from mlx_mtp.families import not_yet
-    from mlx_mtp.families.qwen4_exp import Qwen4ExpMTPModel
-
-    assert not not_yet(Qwen4ExpMTPModel, "convert") and not not_yet(Qwen4ExpMTPModel, "graft")
-    with pytest.raises(DraftError) as e:
-        mlx_mtp.load(ckpt["path"], draft=tmp_path, quiet=True)
-    assert "\n" not in str(e.value) and "'qwen4_exp' yet" in str(e.value), str(e.value)

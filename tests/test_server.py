@@ -1,7 +1,8 @@
 """mlx_mtp.server as a real process on a local port, driven by the official
 `openai` and `anthropic` clients, and compared with a real mlx_lm.server
 process on the same (demo) model: same text at temperature 0, prefix cache
-across turns, concurrency, a client leaving mid-stream, bad input."""
+across turns, concurrency, a client leaving mid-stream, bad input; and a
+qwen4_exp model served against in-process greedy decoding."""
 
 import json
 import socket
@@ -320,3 +321,52 @@ def test_draft_model_folder(tmp_path):
         assert body["usage"]["mtp"]["drafted"] > 0
     finally:
         s.close()
+
+
+# -- qwen4_exp ---------------------------------------------------------------------------
+def _greedy_until_eos(model, prompt, max_tokens, eos):
+    """Plain greedy decoding's tokens (mlx_lm's generate_step), through the first EOS."""
+    from util import reference
+
+    want = reference(model, prompt, max_tokens)
+    stop = next((i for i, t in enumerate(want) if t in eos), None)
+    return want if stop is None else want[:stop + 1]
+
+
+def test_qwen4_exp_concurrent_greedy_equals_in_process(tmp_path):
+    """A qwen4_exp model served (its rows prefill one at a time, then decode
+    together, every draft verified and rolled back): four concurrent greedy
+    chat requests get in-process plain greedy decoding's tokens (one ending at
+    EOS) and mlx_mtp.generate's text, and a second turn, started from the
+    first turn's stored prompt cache, still gets them."""
+    import mlx_mtp
+    from serving import greedy_ids
+    from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+
+    # a seed and prompts whose answers differ from the first token (the tiny random
+    # model follows the chat template's last tokens, the same in every prompt)
+    path = write_qwen4_exp_checkpoint(tmp_path / "q4x", seed=12)
+    reqs = [dict(messages=[{"role": "user", "content": c}], max_tokens=m)
+            for c, m in [("def fibonacci(n):", 24), ("class Stack:", 16), ("print('hi')", 20),
+                         ("Tell me a story about a dragon.", 24)]]
+    s = Server(["mlx_mtp.server", "--model", str(path), "--draft-tokens", "2"], tmp_path / "q4x.log")
+    try:
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            got = list(pool.map(lambda r: greedy_ids(s, r), reqs))
+        second = reqs[0]["messages"] + [{"role": "assistant", "content": got[0][1]},
+                                        {"role": "user", "content": "and in Python?"}]
+        turn2 = greedy_ids(s, dict(messages=second, max_tokens=16))
+    finally:
+        s.close()
+    assert s.code == 0
+    model, tok = mlx_mtp.load(path, quiet=True)
+    eos = set(tok.eos_token_ids)
+    for r, (ids, text, usage) in zip(reqs + [dict(messages=second, max_tokens=16)], got + [turn2]):
+        prompt = tok.apply_chat_template(r["messages"], add_generation_prompt=True)
+        assert usage["prompt_tokens"] == len(prompt)
+        assert ids == _greedy_until_eos(model, prompt, r["max_tokens"], eos), r["messages"][-1]
+        assert text == mlx_mtp.generate(model, tok, prompt, max_tokens=r["max_tokens"])
+        assert usage["mtp"]["drafted"] > 0
+    assert len({ids[0] for ids, _, _ in got}) == len(reqs) and got[3][0][-1] in eos
+    # the second turn started from the first turn's cache: its prompt is not prefilled again
+    assert turn2[2]["prompt_tokens_details"]["cached_tokens"] >= got[0][2]["prompt_tokens"] - 1

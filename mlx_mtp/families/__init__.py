@@ -17,11 +17,3 @@ def family_of(model_type) -> type:
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return MODEL_CLASSES[model_type][0]
 
-
-def not_yet(family, purpose: str):
-    """One line saying `purpose` (e.g. "convert") does not handle this family
-    yet, or None when it does (`MTPModel.not_yet`)."""
-    if purpose in getattr(family, "not_yet", ()):
-        return (f"{purpose} does not support model_type {family.model_type_name!r} yet "
-                f"(it decodes with mlx_mtp.load; see {family.design_note})")
-    return None

@@ -61,6 +61,7 @@ class _Qwen35(LanguageModelTrunk, MTPModel):
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "mtp_num_hidden_layers"
     float_dtype_tensor = "language_model.model.norm.weight"
+    mlx_vlm_drafter = "qwen3_5_mtp"  # its splitter shifts the norms
 
     @property
     def lm_head_group(self):

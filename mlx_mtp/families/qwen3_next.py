@@ -82,6 +82,7 @@ class Model(MTPModel, qwen3_next.Model):
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "num_nextn_predict_layers"
     float_dtype_tensor = "model.norm.weight"
+    mlx_vlm_drafter = "qwen3_5_mtp"  # mlx-vlm splits Qwen3-Next's head into Qwen3.5's drafter
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -684,9 +684,12 @@ class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
     mtp_layers_key = "mtp_num_hidden_layers"
     float_dtype_tensor = "language_model.model.hyper_connection_mixer.hc_norm.weight"  # (no final norm)
     batched_prefill = False  # QSA / PLE with left padding are not there yet
-    # refused in one line rather than run untested on this head (docs/qwen4_exp.md)
-    not_yet = ("draft folders",)
-    model_type_name, design_note = "qwen4_exp", "docs/qwen4_exp.md"
+    # mlx-vlm's drafter keeps the released zero-centred norms (its Qwen4ExpRMSNorm
+    # applies 1 + w); the head's layer is built from these trunk keys too
+    mlx_vlm_drafter, mlx_vlm_drafter_norms_shifted = "qwen4_exp_mtp", False
+    head_match_keys = MTPModel.head_match_keys + (
+        "hc_count", "hc_lowrank", "indexer_n_heads", "indexer_head_dim", "indexer_budget",
+        "indexer_compress_ratio")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
