@@ -287,6 +287,11 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.cache:ArraysCache.finalize", ("self",)),
     Need("mlx_lm.models.cache:ArraysCache.extract", ("self", "idx")),
     Need("mlx_lm.models.cache:ArraysCache.empty", ("self",)),
+    Need("mlx_lm.models.cache:CacheList.merge", ("caches",),
+         why="qwen4_exp's QSA layer: a BatchKVCache per KVCache of the list"),
+    Need("mlx_lm.models.cache:CacheList.prepare", ("self",)),
+    Need("mlx_lm.models.cache:CacheList.finalize", ("self",)),
+    Need("mlx_lm.models.cache:CacheList.extract", ("self", "idx")),
     # the model classes families/ subclasses or builds (families/*.py import the
     # model modules themselves: a family file is where a model's internals are read)
     Need("mlx_lm.models.qwen3_5:Model", ("args",)),
