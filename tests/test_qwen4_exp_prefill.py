@@ -10,11 +10,11 @@ import types
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, CacheList
-from util import OPENBLAS
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+from util import OPENBLAS, reference
 
 import mlx_mtp
-from mlx_mtp import cycle
+from mlx_mtp import cycle, loop
 from mlx_mtp.cycle import Spec, prefill
 from mlx_mtp.families import qwen4_exp
 from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
@@ -163,3 +163,46 @@ def test_prefilled_together_would_differ(model, alone, broken, monkeypatch):
     undone, some row's states move."""
     BREAKS[broken](monkeypatch)
     assert _rows_worst(_prefill(model, "turn2", True), alone["turn2"]) > 1e-3
+
+
+def test_batch_generate_rows_equal_alone(loaded, monkeypatch):
+    """Greedy batch_generate at depths 0, 2 and auto, three rows at a time:
+    prompts of 5, 17 and 33 tokens (the first two after a cached first turn
+    of 4 and 17 tokens: left padding in the trunk's caches) prefill
+    together; the next two (one after a cached turn of 7) join together while
+    a row still decodes. Each row's tokens are its prompt's decoded alone
+    (mlx_lm's generate_step on mlx_lm's cache of the same turn), and so is
+    its trunk's cache after (every QSA, GDN and PLE state)."""
+    model, tokenizer = loaded
+    prompts = FRESH + [_prompt(9, 9), _prompt(6, 10)]
+    history = [_prompt(4, 11), _prompt(17, 12), None, _prompt(7, 13), None]
+    limits = [14, 4, 4, 6, 6]
+    caches, want, refs = [], [], []
+    for p, h, m in zip(prompts, history, limits):
+        cache, ref = model.make_cache(), make_prompt_cache(model)
+        if h is not None:
+            list(mlx_mtp.generate_step(mx.array(h), model, max_tokens=0, prompt_cache=cache))
+            model(mx.array([h]), cache=ref)
+        caches.append(cache)
+        want.append(reference(model, p, m, prompt_cache=ref))
+        refs.append(ref)
+    assert not any(EOS in w for w in want)  # every row runs to max_tokens
+    joins = []
+    join = loop.Batch._join
+
+    def spy(self, requests, step):
+        joins.append((len(requests), len(self.rows)))
+        return join(self, requests, step)
+    monkeypatch.setattr(loop.Batch, "_join", spy)
+    for k in (0, 2, "auto"):
+        joins.clear()
+        out = mlx_mtp.batch_generate(model, tokenizer, prompts, max_tokens=limits,
+                                     prompt_caches=caches, draft_tokens=k,
+                                     completion_batch_size=3, return_token_ids=True,
+                                     return_prompt_caches=True)
+        assert out.token_ids == want, f"depth {k}"
+        n_trunk = len(model.is_linear)
+        worst = max(_worst(c[:n_trunk], ref[:n_trunk]) for c, ref in zip(out.caches, refs))
+        print(f"depth {k}: max state diff {worst:.1e}")
+        assert worst <= TOL, f"depth {k}: {worst}"
+        assert joins[0] == (3, 0) and any(n > 1 and running for n, running in joins[1:]), joins

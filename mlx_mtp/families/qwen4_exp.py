@@ -25,9 +25,9 @@ indexer's raw keys (as keys; values are zero-width).
 plain mlx_lm model. `Qwen4ExpMTPModel` is what `mlx_mtp.load` builds: the
 trunk with the MTP head (`MTPHead` here: split-add fusion on the per-stream
 hidden, one QSA decoder layer, its own hyper-connection mixer), a verifying
-GDN layer, and the PLE / QSA states rolled back after a verify. Not yet:
-batched prefill with left padding (rows prefill one at a time). See
-docs/qwen4_exp.md.
+GDN layer, and the PLE / QSA states rolled back after a verify. Prompts
+prefill together on mlx_lm's batch caches (the indexer and the PLE read
+their padding). See docs/qwen4_exp.md.
 """
 
 from __future__ import annotations
@@ -726,7 +726,6 @@ class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
 
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "mtp_num_hidden_layers"
-    batched_prefill = False  # QSA / PLE with left padding are not there yet
     # refused in one line rather than run untested on this head (docs/qwen4_exp.md)
     not_yet = ("convert", "graft", "draft folders")
     model_type_name, design_note = "qwen4_exp", "docs/qwen4_exp.md"
