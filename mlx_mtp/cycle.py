@@ -46,9 +46,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import CacheList
 
 from . import kernels
-from .cache import CaptureCache, MTPCache, head_caches, last_hidden
+from .cache import CaptureCache, MTPCache, fill_empty, head_caches, last_hidden
 from .cache import set_last_hidden
 from .distributed import kept_on_every_stage, share
 from .drafters import Drafter, is_host_side
@@ -596,6 +597,12 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
     for i in range(n_rows):
         progress(i, 0, len(prompts[i]))
     batched = n_rows > 1
+    if batched and any(not c.empty() for cache in caches for c in cache[:n_trunk]):
+        # mlx_lm's ArraysCache.merge starts a row that never saw a token from
+        # zeros, not from what the family's layers start from (qwen4_exp's
+        # n-gram context: EOS)
+        for cache in caches:
+            fill_empty(cache, model, n_trunk)
     trunk = _merged([c[:n_trunk] for c in caches]) if batched else caches[0][:n_trunk]
     head = None
     if spec.use_head:
@@ -710,8 +717,12 @@ def _split_back(spec: Spec, caches: List[list], trunk: list, head: Optional[list
 
 
 def _take(dst, src):
-    """dst (one row's mlx_lm cache object) takes src's contents."""
-    if hasattr(dst, "offset"):
+    """dst (one row's mlx_lm cache object) takes src's contents (a CacheList's
+    own objects each take theirs)."""
+    if isinstance(dst, CacheList):
+        for d, s in zip(dst.caches, src.caches):
+            _take(d, s)
+    elif hasattr(dst, "offset"):
         dst.keys, dst.values, dst.offset = src.keys, src.values, src.offset
     else:
         dst.cache = list(src.cache)

@@ -581,11 +581,8 @@ class Batch:
         self.state = self.state.replace(key=key if f.sampled else None, **arrays)
 
     def limit_prefill(self, prompts: int):
-        """Prompts prefilled together (mlx_lm.server's --prompt-concurrency); a
-        family whose layers do not take mlx_lm's batch caches prefills them
-        one by one (`MTPModel.batched_prefill`)."""
-        batched = getattr(self.spec.model, "batched_prefill", True)
-        self.prefill_batch = max(1, prompts) if batched else 1
+        """Prompts prefilled together (mlx_lm.server's --prompt-concurrency)."""
+        self.prefill_batch = max(1, prompts)
 
     # -- cycles ------------------------------------------------------------------------------
     def _controller(self, batch_size: Optional[int] = None):

@@ -287,6 +287,11 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.cache:ArraysCache.finalize", ("self",)),
     Need("mlx_lm.models.cache:ArraysCache.extract", ("self", "idx")),
     Need("mlx_lm.models.cache:ArraysCache.empty", ("self",)),
+    Need("mlx_lm.models.cache:CacheList.merge", ("caches",),
+         why="qwen4_exp's QSA layer: a BatchKVCache per KVCache of the list"),
+    Need("mlx_lm.models.cache:CacheList.prepare", ("self",)),
+    Need("mlx_lm.models.cache:CacheList.finalize", ("self",)),
+    Need("mlx_lm.models.cache:CacheList.extract", ("self", "idx")),
     # the model classes families/ subclasses or builds (families/*.py import the
     # model modules themselves: a family file is where a model's internals are read)
     Need("mlx_lm.models.qwen3_5:Model", ("args",)),
@@ -311,6 +316,11 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.qwen3_next:Qwen3NextRMSNormGated.__call__",
          ("self", "hidden_states", "gate")),
     Need("mlx_lm.models.cache:CacheList", ("caches",)),
+    # a batched prefill as qwen4_exp's layers read it: a BatchKVCache's rows
+    # start after `.left_padding` (the indexer counts blocks from there), and
+    # ArraysCache.make_mask(N) is each row's one run of valid positions (the PLE)
+    Need("mlx_lm.models.cache:BatchKVCache", ("left_padding",)),
+    Need("mlx_lm.models.cache:ArraysCache.make_mask", ("self", "N")),
 ]
 
 

@@ -107,7 +107,6 @@ class MTPModel:
     # -- family hooks -------------------------------------------------------------
     verifying_gdn = None  # the family's GDN subclass that captures a verify
     mtp_layers_key = "mtp_num_hidden_layers"  # the config key the family's configs use
-    batched_prefill = True  # whether prompts may prefill together (mlx_lm's batch caches)
     # a trunk tensor (MLX name) never quantized: its dtype is a conversion's
     # floating-point dtype (what convert reports, what graft casts a head to)
     float_dtype_tensor: str = None

@@ -25,9 +25,9 @@ indexer's raw keys (as keys; values are zero-width).
 plain mlx_lm model. `Qwen4ExpMTPModel` is what `mlx_mtp.load` builds: the
 trunk with the MTP head (`MTPHead` here: split-add fusion on the per-stream
 hidden, one QSA decoder layer, its own hyper-connection mixer), a verifying
-GDN layer, and the PLE / QSA states rolled back after a verify. Not yet:
-batched prefill with left padding (rows prefill one at a time). See
-docs/qwen4_exp.md.
+GDN layer, and the PLE / QSA states rolled back after a verify. Prompts
+prefill together on mlx_lm's batch caches (the indexer and the PLE read
+their padding). See docs/qwen4_exp.md.
 """
 
 from __future__ import annotations
@@ -302,7 +302,26 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Conv1d(width, width, args.ple_conv_kernel_size,
                                 dilation=self.dilation, groups=width, bias=False)
 
-    def __call__(self, x: mx.array, inputs: mx.array, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        """mask [B, L] (a batched prefill's: mlx_lm's `ArraysCache.make_mask`,
+        the GDN's own): each row's valid positions, one run; they are moved to
+        the front, so its n-grams and conv window continue the row's own
+        context and never see padding, and its windows are kept at its end."""
+        L = x.shape[1]
+        if mask is not None:
+            valid = mask.astype(mx.int32)
+            start = mx.argmax(valid, axis=1)[:, None].astype(mx.int32)  # first valid position
+            count = valid.sum(axis=1)[:, None]
+            at = mx.minimum(mx.arange(L)[None] + start, L - 1)
+            out = self._run(mx.take_along_axis(x, at[..., None], axis=1),
+                            mx.take_along_axis(inputs, at, axis=1), count, cache)
+            back = mx.maximum(mx.arange(L)[None] - start, 0)
+            return mx.take_along_axis(out, back[..., None], axis=1)
+        return self._run(x, inputs, None, cache)
+
+    def _run(self, x: mx.array, inputs: mx.array, count, cache) -> mx.array:
+        """The layer over rows whose valid positions are the first `count`
+        [B, 1] (None: all of them)."""
         B, L, _ = x.shape
         ctx = cache[3] if cache is not None and cache[3] is not None else None
         if ctx is None:
@@ -324,8 +343,14 @@ class PLELayer(nn.Module):
         if getattr(cache, "capturing", False):  # a verify: the commit picks the windows
             cache.captured_ple = (conv_in, history)
         if cache is not None:
-            cache[2] = mx.contiguous(conv_in[:, -self.state_len :])
-            cache[3] = mx.contiguous(history[:, -self.context :])
+            if count is None:
+                cache[2] = mx.contiguous(conv_in[:, -self.state_len :])
+                cache[3] = mx.contiguous(history[:, -self.context :])
+            else:  # the windows ending at each row's last valid position
+                at = count + mx.arange(self.state_len)[None]
+                cache[2] = mx.take_along_axis(conv_in, at[..., None], axis=1)
+                at = count + mx.arange(self.context)[None]
+                cache[3] = mx.take_along_axis(history, at, axis=1)
         return gated + nn.silu(self.conv1d(conv_in))
 
 
@@ -350,9 +375,12 @@ class QSAIndexer(nn.Module):
         """offset: the cache's length, an int (mlx_lm's KVCache) or one per
         row [B] (mlx_mtp's PaddedKVCache, whose keys span its whole buffer:
         entries past a row's length are never selected, being after every
-        query of that row)."""
+        query of that row; mlx_lm's BatchKVCache in a batched prefill, whose
+        rows start after their `left_padding`: each row's keys are read from
+        its first real one, so its blocks are counted from there, and the
+        mask is put back in the buffer's places, the padding masked)."""
         B, L, _ = x.shape
-        r, d = self.ratio, self.head_dim
+        d = self.head_dim
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.n_heads * d].reshape(B, L, self.n_heads, d))
         q = mx.fast.rope(q.transpose(0, 2, 1, 3), self.rope_dims, traditional=False,
@@ -360,6 +388,22 @@ class QSAIndexer(nn.Module):
         keys = qk[..., self.n_heads * d :][:, None]  # [B, 1, L, d], raw (pooled before the norm)
         if cache is not None:
             keys, _ = cache.update_and_fetch(keys, mx.zeros((B, 1, L, 0), dtype=keys.dtype))
+        padding = getattr(cache, "left_padding", None)
+        if padding is None:
+            return self._select(q, keys, offset)
+        T = keys.shape[2]
+        at = mx.arange(T)[None] + padding[:, None]  # row b's real key t sits at t + padding[b]
+        keys = mx.take_along_axis(keys, mx.minimum(at, T - 1)[:, None, :, None], axis=2)
+        mask = self._select(q, keys, offset)  # [B, 1, L, T] over real positions
+        back = mx.arange(T)[None] - padding[:, None]
+        mask = mx.take_along_axis(mask, mx.maximum(back, 0)[:, None, None], axis=-1)
+        return mask & (back >= 0)[:, None, None]
+
+    def _select(self, q: mx.array, keys: mx.array, offset) -> mx.array:
+        """The mask [B, 1, L, T] of queries q (roped at offset) over keys
+        [B, 1, T, d] whose index is their position."""
+        B, _, L, _ = q.shape
+        r, d = self.ratio, self.head_dim
         T = keys.shape[2]
         start = offset[:, None] if isinstance(offset, mx.array) else offset
         qpos = start + mx.arange(L)[None]  # absolute query positions [1 or B, L]
@@ -426,7 +470,7 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, inputs, mask=None, cache=None):
         if self.has_ple:
-            x = x + self.ple(x, inputs, cache)
+            x = x + self.ple(x, inputs, mask, cache)
         h, w = self.attn_hyper_connection(x)
         h = self.linear_attn(h, mask, cache) if self.is_linear else self.self_attn(h, cache)
         x = inject(x, h, w)
@@ -683,7 +727,6 @@ class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
     verifying_gdn = VerifyingGatedDeltaNet
     mtp_layers_key = "mtp_num_hidden_layers"
     float_dtype_tensor = "language_model.model.hyper_connection_mixer.hc_norm.weight"  # (no final norm)
-    batched_prefill = False  # QSA / PLE with left padding are not there yet
     # mlx-vlm's drafter keeps the released zero-centred norms (its Qwen4ExpRMSNorm
     # applies 1 + w); the head's layer is built from these trunk keys too
     mlx_vlm_drafter, mlx_vlm_drafter_norms_shifted = "qwen4_exp_mtp", False
