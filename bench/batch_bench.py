@@ -6,7 +6,9 @@ same B prompts, back to back, so each pair sees the same machine state; each
 call is timed whole (prompts included, the same prompts for both): aggregate
 tok/s = generated tokens / wall time. The ratio reported is the median of the
 rounds' pair ratios, with min-max; `auto` is also given as a fraction of the
-best fixed depth at that B (its ratio over the best fixed depth's ratio).
+best fixed depth at that B: its ratio over the best fixed depth's ratio, and
+paired: the median over rounds of auto's tok/s over the best fixed depth's in
+the same round.
 Outputs are checked identical row by row (greedy). Also prints the depth
 mlx_mtp's controller settled on (drafts and tokens per cycle).
 
@@ -109,24 +111,33 @@ def main(argv=None):
                        drafts_per_cycle=drafted / cycles,
                        acceptance=sum(s.accepted for s in stats) / drafted if drafted else 0.0,
                        of_best=ratio / fixed[best] if depth == "auto" and best is not None
-                       else None, best=best)
+                       else None,
+                       # auto's tok/s over the best fixed depth's in the same round (one
+                       # noisy division fewer than going through both mlx_lm runs)
+                       of_best_paired=statistics.median(
+                           a / b for a, b in zip(r["mtp"], results[best]["mtp"]))
+                       if depth == "auto" and best is not None else None, best=best)
             rows.append(row)
-            of_best = (f", {row['of_best']:.0%} of the best fixed depth ({best})"
+            of_best = (f", {row['of_best']:.0%} of the best fixed depth ({best}; "
+                       f"{row['of_best_paired']:.0%} paired within rounds)"
                        if row["of_best"] is not None else "")
             print(f"B={B:>2} depth {str(depth):>4}: mlx_lm {row['mlx_lm_tps']:6.1f} tok/s, "
                   f"mlx_mtp {row['mlx_mtp_tps']:6.1f} tok/s, ratio {ratio:.2f}x "
                   f"[{row['ratio_min']:.2f}-{row['ratio_max']:.2f}], drafts/cycle "
                   f"{row['drafts_per_cycle']:.2f}, tokens/cycle {row['tokens_per_cycle']:.2f}, "
                   f"identical {r['same']}{of_best}", flush=True)
-    print("\n| B | " + " | ".join(f"depth {d}" for d in depths) + " | auto / best fixed |")
-    print("|---|" + "---|" * (len(depths) + 1))
+    print("\n| B | " + " | ".join(f"depth {d}" for d in depths)
+          + " | auto / best fixed | auto / best fixed, paired |")
+    print("|---|" + "---|" * (len(depths) + 2))
     for B in sizes:
         cells = {r["depth"]: r for r in rows if r["batch"] == B}
         auto = cells.get("auto")
         print(f"| {B} | " + " | ".join(f"{cells[d]['ratio']:.2f}x" for d in depths)
-              + (f" | {auto['of_best']:.0%} (best: {auto['best']}) |"
-                 if auto and auto["of_best"] is not None else " | |"))
-    print("(each cell: mlx_mtp / mlx_lm, median of the rounds' adjacent pairs)")
+              + (f" | {auto['of_best']:.0%} (best: {auto['best']}) | {auto['of_best_paired']:.0%} |"
+                 if auto and auto["of_best"] is not None else " | | |"))
+    print("(each depth cell: mlx_mtp / mlx_lm, median of the rounds' adjacent pairs; auto / best "
+          "fixed: the ratio of those medians, and the median over rounds of auto's tok/s over the "
+          "best fixed depth's in the same round)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(machine=machine_info(), mlx=mx.__version__,
