@@ -62,10 +62,6 @@ class _Qwen35(LanguageModelTrunk, MTPModel):
     mtp_layers_key = "mtp_num_hidden_layers"
     float_dtype_tensor = "language_model.model.norm.weight"
 
-    @property
-    def lm_head_group(self):
-        return getattr(self.language_model, "sharding_group", None)
-
     @classmethod
     def args_from_config(cls, config: dict):
         return qwen3_5.TextModelArgs.from_dict(text_config(config))
