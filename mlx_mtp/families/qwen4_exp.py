@@ -40,8 +40,9 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.models.base import BaseModelArgs, create_ssm_mask
+from mlx_lm.models.base import BaseModelArgs, create_ssm_mask, gather_last_axis
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 from ..cache import CaptureCache
@@ -253,6 +254,7 @@ class NGramEmbedding(nn.Module):
         self._sizes = mx.array(sizes, dtype=mx.int64)
         self._offsets = mx.array(offsets, dtype=mx.int64)
         self.ngram_embedding = nn.Embedding(padded, args.ple_embed_dim // heads)
+        self.sharding_group = None  # tensor parallel: each rank holds a block of rows
 
     def __call__(self, history: mx.array, length: int) -> mx.array:
         """history [B, n-1+L] int: the n-1 previous ids, then the L new ones."""
@@ -275,8 +277,16 @@ class NGramEmbedding(nn.Module):
             lo = (n - 2) * self.per_ngram
             sizes = self._sizes[lo : lo + self.per_ngram]
             blocks.append(mx.remainder(mixed[..., None], sizes) + self._offsets[lo : lo + self.per_ngram])
-        ids = mx.concatenate(blocks, axis=-1)[:, -length:]
-        e = self.ngram_embedding(ids.astype(mx.int32))
+        ids = mx.concatenate(blocks, axis=-1)[:, -length:].astype(mx.int32)
+        if self.sharding_group is None:
+            return self.ngram_embedding(ids).reshape(B, length, -1)
+        # rows [rank * n, (rank + 1) * n) here: the others' rows read as zeros,
+        # and the sum over ranks is each row itself, bit for bit
+        n = self.ngram_embedding.weight.shape[0]
+        local = ids - self.sharding_group.rank() * n
+        here = (local >= 0) & (local < n)
+        e = mx.where(here[..., None], self.ngram_embedding(mx.where(here, local, 0)), 0)
+        e = mx.distributed.all_sum(e, group=self.sharding_group)
         return e.reshape(B, length, -1)
 
 
@@ -467,12 +477,16 @@ class TextModel(nn.Module):
         self.model = Qwen4ExpTextModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.sharding_group = None
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         out = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(out)
-        return self.lm_head(out)
+        out = self.lm_head(out)
+        if self.sharding_group is not None:
+            out = gather_last_axis(out, self.sharding_group)
+        return out
 
     @property
     def layers(self):
@@ -520,6 +534,30 @@ class Model(nn.Module):
 
     def make_cache(self):
         return self.language_model.make_cache()
+
+    def shard(self, group=None):
+        """Tensor parallel. The layers have Qwen3.5's layout, so Qwen3.5's
+        shard splits what they share: the lm_head over the vocabulary, each
+        GDN layer's heads, each attention layer's heads (q with its gate,
+        k, v, o), each MoE's expert and shared-expert columns (`SwitchGLU`),
+        with an all_sum after attention/GDN and after the MoE. Then each PLE
+        layer's n-gram table by rows: it is most of the PLE weights, and the
+        lookup is exact (each row comes from one rank, zeros from the
+        others), for one more all_sum per PLE layer.
+
+        Replicated: the QSA indexer (a few heads whose one choice of key
+        blocks serves every attention head; split, its scores would need one
+        more all_sum before the top-k, in another summation order than one
+        process's), the hyper-connections (low-rank mixers over all streams,
+        which every rank holds) and the rest of PLE (per-stream projections,
+        norms and conv, small)."""
+        group = group or mx.distributed.init()
+        qwen3_5.Model.shard(self, group)
+        for layer in self.layers:
+            if layer.has_ple:
+                table = layer.ple.ple_embedding
+                shard_inplace(table.ngram_embedding, "all-to-sharded", group=group)
+                table.sharding_group = group
 
     def sanitize(self, weights):
         """HF layout (`model.language_model.*`, `lm_head`, `model.visual.*`,
