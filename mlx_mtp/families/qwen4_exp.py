@@ -44,6 +44,7 @@ from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.base import BaseModelArgs, create_ssm_mask, gather_last_axis
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+from mlx_lm.models.pipeline import PipelineMixin
 
 from ..cache import CaptureCache
 from ..model import MTPModel, MTPWeightError
@@ -444,7 +445,20 @@ class DecoderLayer(nn.Module):
         return inject(x, self.mlp(h), w)
 
 
-class Qwen4ExpTextModel(nn.Module):
+def _with_ids(x: mx.array, ids: mx.array) -> mx.array:
+    """x with the token ids appended on its last axis, both as raw bits (one
+    message between pipeline stages)."""
+    bits = mx.uint16 if x.dtype.size == 2 else mx.uint32
+    return mx.concatenate([x.view(bits), ids.astype(mx.int32)[..., None].view(bits)], axis=-1)
+
+
+def _without_ids(message: mx.array, like: mx.array):
+    """`_with_ids`'s x (as `like`'s dtype) and ids [B, L] (int32)."""
+    width = like.shape[-1]
+    return message[..., :width].view(like.dtype), message[..., width:].view(mx.int32)[..., 0]
+
+
+class Qwen4ExpTextModel(PipelineMixin, nn.Module):
     def __init__(self, args: TextModelArgs):
         super().__init__()
         self.args = args
@@ -453,16 +467,47 @@ class Qwen4ExpTextModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(args, use_combine=False)
         self.ssm_idx = next((i for i, l in enumerate(self.layers) if l.is_linear), None)
 
+    def pipeline(self, group, split=None):
+        super().pipeline(group, split=split)
+        self.ssm_idx = next((e for e, l in enumerate(self.pipeline_layers) if l.is_linear), None)
+
     def streams(self, inputs: mx.array, cache=None) -> mx.array:
         """The `hc_count` residual streams after the last layer, [B, L, hc*H]
         (the MTP head reads these, before the mixer collapses them)."""
         if cache is None:
-            cache = [None] * len(self.layers)
+            cache = [None] * len(self.pipeline_layers)
         h = self.embed_tokens(inputs)
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
         x = mx.tile(h, (1, 1, self.args.hc_count))
-        for layer, c in zip(self.layers, cache):
+
+        # Pipeline: the streams come from the previous stage. PLE layers read
+        # the token ids too; they travel with the streams, so that every stage
+        # hashes the ids the first stage embedded (a speculative decoder's
+        # drafts may differ by rank where ranks compute unequal floats)
+        rank, size = self.pipeline_rank, self.pipeline_size
+        with_ids = bool(self.args.ple_layer_ids)
+        if rank < size - 1:
+            if with_ids:
+                x, inputs = _without_ids(mx.distributed.recv_like(_with_ids(x, inputs), rank + 1), x)
+            else:
+                x = mx.distributed.recv_like(x, rank + 1)
+
+        for layer, c in zip(self.pipeline_layers, cache):
             x = layer(x, inputs, ssm_mask if layer.is_linear else None, c)
+
+        # Send to the next stage
+        if rank != 0:
+            sent = mx.distributed.send(_with_ids(x, inputs) if with_ids else x, rank - 1)
+            x = mx.depends(x, sent)
+            if cache[-1] is not None:  # evaluating the cache sends too
+                if self.pipeline_layers[-1].is_linear:  # ArraysCache: conv window first
+                    cache[-1][0] = mx.depends(cache[-1][0], sent)
+                else:  # CacheList: attention K/V first
+                    cache[-1][0].keys = mx.depends(cache[-1][0].keys, sent)
+
+        # Broadcast the streams while keeping them in the graph
+        if size > 1:
+            x = mx.distributed.all_gather(x)[: x.shape[0]]
         return x
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
@@ -490,7 +535,7 @@ class TextModel(nn.Module):
 
     @property
     def layers(self):
-        return self.model.layers
+        return self.model.pipeline_layers
 
     def make_cache(self):
         caches = []
