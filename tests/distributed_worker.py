@@ -7,8 +7,11 @@ asks: mlx_lm's own generate_step on the sharded model (its sharded
 decoding), MTP greedy at each depth (one batch of all prompts, drafts from a
 bigram table built from known continuations, so rows accept partially), MTP
 with the model's own head, seeded sampling, and two turns on one prompt
-cache (and, with "mixed_turns", an mlx_lm turn between two MTP ones). Rank 0
-writes the tokens to OUT; every rank must finish.
+cache (and, with "mixed_turns", an mlx_lm turn between two MTP ones). With
+"drafts_differ", the ranks whose bigram drafts are not the ones verified (all
+but rank 0, tensor parallel; all but the first stage, pipeline) draft other
+tokens, as ranks computing unequal floats could. Rank 0 writes the tokens to
+OUT; every rank must finish.
 """
 
 import json
@@ -20,7 +23,7 @@ from mlx_lm.generate import generate_step as lm_generate_step
 
 import mlx_mtp
 from mlx_mtp.cache import head_caches
-from mlx_mtp.distributed import sharded_load
+from mlx_mtp.distributed import first_stage, sharded_load
 from mlx_mtp.drafters import BigramDrafter
 from mlx_mtp.loop import Request, decode_rows, make_batch
 
@@ -64,6 +67,9 @@ def main():
                       for p in prompts]}
     mark("mlx_lm")
     drafter = BigramDrafter(plan["continuations"], model.vocab_size)
+    source = first_stage(model)  # the rank whose drafts are verified
+    if plan.get("drafts_differ") and group.rank() != (0 if source is None else source):
+        drafter = BigramDrafter([], model.vocab_size)  # each draft wrong
     for depth in plan["depths"]:
         out[f"bigram_{depth}"], out[f"bigram_{depth}_accepted"] = batch_tokens(
             model, prompts, n, depth, drafter)

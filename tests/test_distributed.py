@@ -1,7 +1,8 @@
 """A model sharded over two local ranks (`mlx.launch --backend ring`), tensor
-and pipeline parallel, dense and MoE: every rank decodes in lockstep and
-rank 0's tokens equal one process's (mlx_lm's and mlx_mtp's), at depths 1-3
-and auto, in batches whose rows accept drafts partially, with the head's own
+and pipeline parallel, Qwen3.5 dense and MoE and qwen4_exp: every rank
+decodes in lockstep and rank 0's tokens equal one process's (mlx_lm's and
+mlx_mtp's), at depths 1-3 and auto, in batches whose rows accept drafts
+partially (the other ranks drafting wrong tokens), with the head's own
 drafts, seeded sampling and two turns on one prompt cache; also a pipeline
 stage that holds no attention layer, and a rank whose share of the weights is
 incomplete (it fails alone, with one line). Each launch is bounded by a
@@ -26,7 +27,7 @@ import pytest
 import mlx_mtp
 from mlx_mtp.distributed import check_files, check_loaded, sharded_load
 from mlx_mtp.load import CheckpointError
-from mlx_mtp.synthetic import write_checkpoint
+from mlx_mtp.synthetic import write_checkpoint, write_qwen4_exp_checkpoint
 from distributed_worker import mixed_turns
 from serving import chat_text, free_port
 from util import reference
@@ -62,11 +63,18 @@ def launch(args, timeout=240):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """8 layers (each pipeline stage gets an attention layer), a vocabulary
-    two ranks can split, weights in three files."""
+    two ranks can split, weights in three files. qwen4_exp: 2 layers (few
+    collectives), attention then GDN with PLE: pipeline rank 0 holds the PLE
+    layer (it reads the token ids the first stage sends) and no attention
+    layer."""
     root = tmp_path_factory.mktemp("dist")
     kw = dict(shards=3, text_overrides=dict(num_hidden_layers=8, vocab_size=260))
+    qwen4_exp = dict(num_hidden_layers=2, vocab_size=260, ple_layer_ids=[2],
+                     layer_types=["full_attention", "linear_attention"])
     return {"dense": write_checkpoint(root / "dense", **kw),
-            "moe": write_checkpoint(root / "moe", moe=True, seed=1, **kw)}
+            "moe": write_checkpoint(root / "moe", moe=True, seed=1, **kw),
+            "qwen4_exp": write_qwen4_exp_checkpoint(root / "qwen4_exp", shards=3,
+                                                    text_overrides=qwen4_exp)}
 
 
 PROMPTS = [[1, 5, 9, 200, 3], [7, 7, 42], list(range(30, 60))]
@@ -90,14 +98,16 @@ def one_process(path):
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "qwen4_exp"])
 def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
     path = checkpoints[kind]
     greedy, sampled, turns = one_process(path)
     # drafts right where a prompt's own continuation says (partial acceptance
-    # in every row: the table maps each token to one successor)
+    # in every row: the table maps each token to one successor); the ranks
+    # whose drafts are not verified draft wrong ones (ranks may compute
+    # unequal floats): only the verified rank's may reach any layer
     plan = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "depths": DEPTHS,
-            "head_depths": HEAD_DEPTHS,
+            "head_depths": HEAD_DEPTHS, "drafts_differ": True,
             "continuations": [p[-1:] + g for p, g in zip(PROMPTS, greedy)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     code, out = launch([str(WORKER), str(path), mode, str(tmp_path / "plan.json"),

@@ -30,6 +30,11 @@ class LanguageModelTrunk:
     def untied_lm_head(self):
         return self.language_model.lm_head
 
+    @property
+    def lm_head_group(self):
+        """The group `shard()` split the lm_head over (by vocabulary), else None."""
+        return getattr(self.language_model, "sharding_group", None)
+
 _PER_EXPERT = re.compile(
     r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 

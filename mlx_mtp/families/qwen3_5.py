@@ -63,10 +63,6 @@ class _Qwen35(LanguageModelTrunk, MTPModel):
     float_dtype_tensor = "language_model.model.norm.weight"
     mlx_vlm_drafter = "qwen3_5_mtp"  # its splitter shifts the norms
 
-    @property
-    def lm_head_group(self):
-        return getattr(self.language_model, "sharding_group", None)
-
     @classmethod
     def args_from_config(cls, config: dict):
         return qwen3_5.TextModelArgs.from_dict(text_config(config))

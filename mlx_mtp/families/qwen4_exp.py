@@ -40,9 +40,11 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.models.base import BaseModelArgs, create_ssm_mask
+from mlx_lm.models.base import BaseModelArgs, create_ssm_mask, gather_last_axis
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+from mlx_lm.models.pipeline import PipelineMixin
 
 from ..cache import CaptureCache
 from ..model import MTPModel, MTPWeightError
@@ -253,6 +255,7 @@ class NGramEmbedding(nn.Module):
         self._sizes = mx.array(sizes, dtype=mx.int64)
         self._offsets = mx.array(offsets, dtype=mx.int64)
         self.ngram_embedding = nn.Embedding(padded, args.ple_embed_dim // heads)
+        self.sharding_group = None  # tensor parallel: each rank holds a block of rows
 
     def __call__(self, history: mx.array, length: int) -> mx.array:
         """history [B, n-1+L] int: the n-1 previous ids, then the L new ones."""
@@ -275,8 +278,16 @@ class NGramEmbedding(nn.Module):
             lo = (n - 2) * self.per_ngram
             sizes = self._sizes[lo : lo + self.per_ngram]
             blocks.append(mx.remainder(mixed[..., None], sizes) + self._offsets[lo : lo + self.per_ngram])
-        ids = mx.concatenate(blocks, axis=-1)[:, -length:]
-        e = self.ngram_embedding(ids.astype(mx.int32))
+        ids = mx.concatenate(blocks, axis=-1)[:, -length:].astype(mx.int32)
+        if self.sharding_group is None:
+            return self.ngram_embedding(ids).reshape(B, length, -1)
+        # rows [rank * n, (rank + 1) * n) here: the others' rows read as zeros,
+        # and the sum over ranks is each row itself, bit for bit
+        n = self.ngram_embedding.weight.shape[0]
+        local = ids - self.sharding_group.rank() * n
+        here = (local >= 0) & (local < n)
+        e = mx.where(here[..., None], self.ngram_embedding(mx.where(here, local, 0)), 0)
+        e = mx.distributed.all_sum(e, group=self.sharding_group)
         return e.reshape(B, length, -1)
 
 
@@ -478,7 +489,20 @@ class DecoderLayer(nn.Module):
         return inject(x, self.mlp(h), w)
 
 
-class Qwen4ExpTextModel(nn.Module):
+def _with_ids(x: mx.array, ids: mx.array) -> mx.array:
+    """x with the token ids appended on its last axis, both as raw bits (one
+    message between pipeline stages)."""
+    bits = mx.uint16 if x.dtype.size == 2 else mx.uint32
+    return mx.concatenate([x.view(bits), ids.astype(mx.int32)[..., None].view(bits)], axis=-1)
+
+
+def _without_ids(message: mx.array, like: mx.array):
+    """`_with_ids`'s x (as `like`'s dtype) and ids [B, L] (int32)."""
+    width = like.shape[-1]
+    return message[..., :width].view(like.dtype), message[..., width:].view(mx.int32)[..., 0]
+
+
+class Qwen4ExpTextModel(PipelineMixin, nn.Module):
     def __init__(self, args: TextModelArgs):
         super().__init__()
         self.args = args
@@ -487,16 +511,47 @@ class Qwen4ExpTextModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(args, use_combine=False)
         self.ssm_idx = next((i for i, l in enumerate(self.layers) if l.is_linear), None)
 
+    def pipeline(self, group, split=None):
+        super().pipeline(group, split=split)
+        self.ssm_idx = next((e for e, l in enumerate(self.pipeline_layers) if l.is_linear), None)
+
     def streams(self, inputs: mx.array, cache=None) -> mx.array:
         """The `hc_count` residual streams after the last layer, [B, L, hc*H]
         (the MTP head reads these, before the mixer collapses them)."""
         if cache is None:
-            cache = [None] * len(self.layers)
+            cache = [None] * len(self.pipeline_layers)
         h = self.embed_tokens(inputs)
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
         x = mx.tile(h, (1, 1, self.args.hc_count))
-        for layer, c in zip(self.layers, cache):
+
+        # Pipeline: the streams come from the previous stage. PLE layers read
+        # the token ids too; they travel with the streams, so that every stage
+        # hashes the ids the first stage embedded (a speculative decoder's
+        # drafts may differ by rank where ranks compute unequal floats)
+        rank, size = self.pipeline_rank, self.pipeline_size
+        with_ids = bool(self.args.ple_layer_ids)
+        if rank < size - 1:
+            if with_ids:
+                x, inputs = _without_ids(mx.distributed.recv_like(_with_ids(x, inputs), rank + 1), x)
+            else:
+                x = mx.distributed.recv_like(x, rank + 1)
+
+        for layer, c in zip(self.pipeline_layers, cache):
             x = layer(x, inputs, ssm_mask if layer.is_linear else None, c)
+
+        # Send to the next stage
+        if rank != 0:
+            sent = mx.distributed.send(_with_ids(x, inputs) if with_ids else x, rank - 1)
+            x = mx.depends(x, sent)
+            if cache[-1] is not None:  # evaluating the cache sends too
+                if self.pipeline_layers[-1].is_linear:  # ArraysCache: conv window first
+                    cache[-1][0] = mx.depends(cache[-1][0], sent)
+                else:  # CacheList: attention K/V first
+                    cache[-1][0].keys = mx.depends(cache[-1][0].keys, sent)
+
+        # Broadcast the streams while keeping them in the graph
+        if size > 1:
+            x = mx.distributed.all_gather(x)[: x.shape[0]]
         return x
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
@@ -511,16 +566,20 @@ class TextModel(nn.Module):
         self.model = Qwen4ExpTextModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.sharding_group = None
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         out = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(out)
-        return self.lm_head(out)
+        out = self.lm_head(out)
+        if self.sharding_group is not None:
+            out = gather_last_axis(out, self.sharding_group)
+        return out
 
     @property
     def layers(self):
-        return self.model.layers
+        return self.model.pipeline_layers
 
     def make_cache(self):
         caches = []
@@ -564,6 +623,30 @@ class Model(nn.Module):
 
     def make_cache(self):
         return self.language_model.make_cache()
+
+    def shard(self, group=None):
+        """Tensor parallel. The layers have Qwen3.5's layout, so Qwen3.5's
+        shard splits what they share: the lm_head over the vocabulary, each
+        GDN layer's heads, each attention layer's heads (q with its gate,
+        k, v, o), each MoE's expert and shared-expert columns (`SwitchGLU`),
+        with an all_sum after attention/GDN and after the MoE. Then each PLE
+        layer's n-gram table by rows: it is most of the PLE weights, and the
+        lookup is exact (each row comes from one rank, zeros from the
+        others), for one more all_sum per PLE layer.
+
+        Replicated: the QSA indexer (a few heads whose one choice of key
+        blocks serves every attention head; split, its scores would need one
+        more all_sum before the top-k, in another summation order than one
+        process's), the hyper-connections (low-rank mixers over all streams,
+        which every rank holds) and the rest of PLE (per-stream projections,
+        norms and conv, small)."""
+        group = group or mx.distributed.init()
+        qwen3_5.Model.shard(self, group)
+        for layer in self.layers:
+            if layer.has_ple:
+                table = layer.ple.ple_embedding
+                shard_inplace(table.ngram_embedding, "all-to-sharded", group=group)
+                table.sharding_group = group
 
     def sanitize(self, weights):
         """HF layout (`model.language_model.*`, `lm_head`, `model.visual.*`,
