@@ -407,7 +407,8 @@ class QSAIndexer(nn.Module):
         # block j's key sits at its last position, (j+1)*r - 1 (+ the row's padding)
         nb = T // r
         if padding is None:
-            return self._select(q, pooled[:, 0, r - 1 : nb * r : r], offset, T)
+            # (contiguous: MLX's CPU matmul is far slower on the strided slice)
+            return self._select(q, mx.contiguous(pooled[:, 0, r - 1 : nb * r : r]), offset, T)
         at = mx.minimum((mx.arange(nb) + 1)[None] * r - 1 + padding[:, None], T - 1)
         blocks = mx.take_along_axis(pooled[:, 0], at[..., None], axis=1)
         mask = self._select(q, blocks, offset, T)  # [B, 1, L, T] over real positions
@@ -430,19 +431,20 @@ class QSAIndexer(nn.Module):
         pooled from the raw keys `raw` [B, 1, T, d] (after the update)."""
         B, _, T, d = raw.shape
         r, K = self.ratio, -(-L // self.ratio)
-        start = offset[:, None] if isinstance(offset, mx.array) else mx.array(offset)[None, None]
+        start = offset[:, None] if isinstance(offset, mx.array) else mx.array([[offset]])
         first = start // r  # the first block that can complete here [B or 1, 1]
-        at = ((first + mx.arange(K)[None]) * r)[..., None] + mx.arange(r)  # [B or 1, K, r]
+        at = (first * r + mx.arange(K * r))[..., None]  # its raw keys and the next K-1 blocks'
         if padding is not None:
             at = at + padding[:, None, None]
-        at = mx.broadcast_to(mx.clip(at, 0, T - 1).reshape(-1, K * r, 1), (B, K * r, 1))
+        at = mx.broadcast_to(mx.clip(at, 0, T - 1), (B, K * r, 1))
         blocks = self._pool(mx.take_along_axis(raw[:, 0], at, axis=1).reshape(B, K, r, d),
-                            mx.broadcast_to(first[:, 0], (B,)))
-        end = start + mx.arange(L)[None] + 1  # [B or 1, L]: one past each new position
-        which = mx.clip(end // r - 1 - first, 0, K - 1)
-        out = mx.take_along_axis(blocks, mx.broadcast_to(which, (B, L))[..., None], axis=1)
+                            mx.broadcast_to(first[:, 0], (B,)))  # [B, K, d]
+        end = start + mx.arange(1, L + 1)  # [B or 1, L]: one past each new position
+        if K > 1:  # block first + k ends at position (first + k + 1) * r - 1
+            which = mx.broadcast_to(mx.clip(end // r - 1 - first, 0, K - 1), (B, L))
+            blocks = mx.take_along_axis(blocks, which[..., None], axis=1)
         ends = (end % r == 0) & (end > 0)  # (a prefill's left padding has positions < 0)
-        return mx.where(ends[..., None], out, mx.zeros_like(out))[:, None]
+        return mx.where(ends[..., None], blocks, 0).astype(raw.dtype)[:, None]
 
     def _select(self, q: mx.array, blocks: mx.array, offset, T: int) -> mx.array:
         """The mask [B, 1, L, T] of queries q (roped at offset) over T keys
