@@ -22,8 +22,8 @@ buffers whose lengths are device arrays, one per batch row
 the graph, with no host sync. Conversions: `MTPCache.from_prompt_cache` and
 `MTPCache.write_back`. See docs/design.md, "Caches".
 
-A family may use other mlx_lm kinds (qwen4_exp: `CacheList(KVCache,
-KVCache)` for QSA attention and its indexer keys, `ArraysCache(4)` for a GDN
+A family may use other mlx_lm kinds (qwen4_exp: a `CacheList` of KVCaches
+for QSA attention and its indexer's raw and pooled keys, `ArraysCache(4)` for a GDN
 layer with PLE; docs/qwen4_exp.md): a CacheList of KVCaches decodes as a
 `PaddedCacheList` (trimmed together), an ArraysCache of any size as a
 `CaptureCache` (entries past the GDN's two kept by the family's commit).
@@ -153,7 +153,7 @@ class PaddedKVCache(_BaseCache):
 
 class PaddedCacheList(_BaseCache):
     """Decoding form of mlx_lm's `CacheList` of KVCaches (qwen4_exp's QSA
-    layer: attention K/V, then the indexer's keys): one PaddedKVCache each,
+    layer: attention K/V, the indexer's raw and pooled keys): one PaddedKVCache each,
     written and trimmed together, so they share one length per row."""
 
     def __init__(self, caches):

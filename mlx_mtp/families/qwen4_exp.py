@@ -18,8 +18,8 @@ Caches are mlx_lm's own kinds, composed, so `save_prompt_cache`,
 `load_prompt_cache` and `trim_prompt_cache` work unchanged:
 GDN layer -> `ArraysCache(2)` [conv window, recurrent state], or
 `ArraysCache(4)` with PLE [.., PLE conv window, last n-1 token ids];
-QSA layer -> `CacheList(KVCache, KVCache)`: attention K/V, then the
-indexer's raw keys (as keys; values are zero-width).
+QSA layer -> `CacheList(KVCache, KVCache, KVCache)`: attention K/V, the
+indexer's raw keys, its pooled block keys (as keys; values are zero-width).
 
 `Model` is the trunk alone (`mtp.*` dropped by its `sanitize`), usable as a
 plain mlx_lm model. `Qwen4ExpMTPModel` is what `mlx_mtp.load` builds: the
@@ -431,6 +431,8 @@ class QSAIndexer(nn.Module):
         pooled from the raw keys `raw` [B, 1, T, d] (after the update)."""
         B, _, T, d = raw.shape
         r, K = self.ratio, -(-L // self.ratio)
+        if isinstance(offset, int) and padding is None and (offset + L) // r == offset // r:
+            return mx.zeros((B, 1, L, d), raw.dtype)  # none completes (an mlx_lm KVCache's step)
         start = offset[:, None] if isinstance(offset, mx.array) else mx.array([[offset]])
         first = start // r  # the first block that can complete here [B or 1, 1]
         at = (first * r + mx.arange(K * r))[..., None]  # its raw keys and the next K-1 blocks'
