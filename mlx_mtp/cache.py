@@ -453,6 +453,12 @@ def _same_kind(c, want) -> bool:
     return True
 
 
+def _kind_name(c) -> str:
+    if isinstance(c, CacheList):  # e.g. a qwen4_exp cache saved before its pooled keys
+        return f"CacheList({', '.join(type(x).__name__ for x in c.caches)})"
+    return type(c).__name__
+
+
 def head_caches(prompt_cache: list, n_trunk: int) -> list:
     """The head's KVCaches of a prompt cache (empty for a trunk-only one)."""
     return prompt_cache[n_trunk:-1]
@@ -497,8 +503,8 @@ def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: i
     for i, (c, want) in enumerate(zip(prompt_cache, trunk)):
         if not _same_kind(c, want):
             raise ValueError(
-                f"prompt_cache[{i}] is a {type(c).__name__}; mlx_mtp needs mlx_lm's "
-                f"{type(want).__name__} there (no max_kv_size / kv_bits caches)")
+                f"prompt_cache[{i}] is a {_kind_name(c)}; mlx_mtp needs mlx_lm's "
+                f"{_kind_name(want)} there (no max_kv_size / kv_bits caches)")
     if head_layers:
         if len(prompt_cache) == n:
             prompt_cache.extend(head_entries(head_layers, head))
