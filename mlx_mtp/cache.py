@@ -22,8 +22,8 @@ buffers whose lengths are device arrays, one per batch row
 the graph, with no host sync. Conversions: `MTPCache.from_prompt_cache` and
 `MTPCache.write_back`. See docs/design.md, "Caches".
 
-A family may use other mlx_lm kinds (qwen4_exp: `CacheList(KVCache,
-KVCache)` for QSA attention and its indexer keys, `ArraysCache(4)` for a GDN
+A family may use other mlx_lm kinds (qwen4_exp: a `CacheList` of KVCaches
+for QSA attention and its indexer's raw and pooled keys, `ArraysCache(4)` for a GDN
 layer with PLE; docs/qwen4_exp.md): a CacheList of KVCaches decodes as a
 `PaddedCacheList` (trimmed together), an ArraysCache of any size as a
 `CaptureCache` (entries past the GDN's two kept by the family's commit).
@@ -153,7 +153,7 @@ class PaddedKVCache(_BaseCache):
 
 class PaddedCacheList(_BaseCache):
     """Decoding form of mlx_lm's `CacheList` of KVCaches (qwen4_exp's QSA
-    layer: attention K/V, then the indexer's keys): one PaddedKVCache each,
+    layer: attention K/V, the indexer's raw and pooled keys): one PaddedKVCache each,
     written and trimmed together, so they share one length per row."""
 
     def __init__(self, caches):
@@ -453,6 +453,12 @@ def _same_kind(c, want) -> bool:
     return True
 
 
+def _kind_name(c) -> str:
+    if isinstance(c, CacheList):  # e.g. a qwen4_exp cache saved before its pooled keys
+        return f"CacheList({', '.join(type(x).__name__ for x in c.caches)})"
+    return type(c).__name__
+
+
 def head_caches(prompt_cache: list, n_trunk: int) -> list:
     """The head's KVCaches of a prompt cache (empty for a trunk-only one)."""
     return prompt_cache[n_trunk:-1]
@@ -497,8 +503,8 @@ def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: i
     for i, (c, want) in enumerate(zip(prompt_cache, trunk)):
         if not _same_kind(c, want):
             raise ValueError(
-                f"prompt_cache[{i}] is a {type(c).__name__}; mlx_mtp needs mlx_lm's "
-                f"{type(want).__name__} there (no max_kv_size / kv_bits caches)")
+                f"prompt_cache[{i}] is a {_kind_name(c)}; mlx_mtp needs mlx_lm's "
+                f"{_kind_name(want)} there (no max_kv_size / kv_bits caches)")
     if head_layers:
         if len(prompt_cache) == n:
             prompt_cache.extend(head_entries(head_layers, head))

@@ -7,6 +7,7 @@ test_qwen4_exp_mtp.py (docs/qwen4_exp.md)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, load_prompt_cache, save_prompt_cache
 from qwen4_exp_reference import Reference, head_sizes, layer_multipliers
+from util import assert_pooled_block_keys
 
 from mlx_mtp.families import qwen4_exp
 from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
@@ -127,6 +129,8 @@ def test_cached_decoding_equals_full_forward(ckpt, chunks):
     # every new state was used: the PLE windows and n-gram context, the indexer's keys
     assert cache[0][2].shape == (1, 6, 96) and cache[0][3].tolist() == [PROMPT[-2:]]
     assert cache[1][1].offset == len(PROMPT) == cache[1][0].offset
+    assert_pooled_block_keys(m.layers[1].self_attn.indexer, cache[1])
+    assert_pooled_block_keys(m.layers[3].self_attn.indexer, cache[3])
     # and matters: the same tokens without the cache do not give these logits
     fresh = np.concatenate([_logits(m, PROMPT[i:i + 1]) for i in range(4, 8)])
     assert np.abs(fresh - full[4:8]).max() > 1e-3
@@ -147,6 +151,35 @@ def test_prompt_cache_save_load_round_trip(ckpt, tmp_path):
     b = _logits(m, PROMPT[9:], cache)
     assert np.array_equal(a, b)
     assert np.abs(a - full[9:]).max() < 1e-5
+    assert_pooled_block_keys(m.layers[1].self_attn.indexer, loaded[1])
+
+
+def _qsa_entries(model, cache):
+    return [(l.self_attn.indexer, c) for l, c in zip(model.layers, cache) if not l.is_linear]
+
+
+def test_pooled_block_keys_are_cached_not_recomputed(ckpt):
+    """Each block's pooled key is kept in the cache when the block completes,
+    and later steps read it there: corrupting the raw keys of complete blocks
+    leaves the next step's logits unchanged, corrupting the pooled keys moves
+    them (the indexer no longer pools every raw key at every step)."""
+    m = ckpt["model"]
+    cache = m.make_cache()
+    for t in PROMPT:  # token by token: a 2-token block completes every other step
+        _logits(m, [t], cache)
+    for indexer, c in _qsa_entries(m, cache):
+        assert_pooled_block_keys(indexer, c)
+    want = _logits(m, [77], copy.deepcopy(cache))
+
+    def corrupted(slot):
+        bad = copy.deepcopy(cache)
+        for _, c in _qsa_entries(m, bad):  # 16 keys: every one in a complete block
+            k = c[slot].keys
+            c[slot].keys = k + 5 * mx.random.normal(k.shape, key=mx.random.key(slot)).astype(k.dtype)
+        return _logits(m, [77], bad)
+
+    assert np.array_equal(corrupted(1), want)
+    assert np.abs(corrupted(2) - want).max() > 1e-3
 
 
 def test_sanitize_mlx_layout_and_per_expert_tensors(ckpt):

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 from qwen4_exp_reference import Reference
-from util import mtp, reference
+from util import assert_pooled_block_keys, mtp, reference
 
 import mlx_mtp
 from mlx_mtp.depth import DepthController
+from mlx_mtp.cache import PaddedCacheList
 from mlx_mtp.drafters import BigramDrafter, OracleDrafter
 from mlx_mtp.loop import MTPStats, decode_rows, make_batch
 from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
@@ -204,6 +205,57 @@ def test_rolled_back_states_would_differ(ckpt):
             assert not mx.allclose(x[0].keys, y[0].keys) and not mx.allclose(x[1].keys, y[1].keys)
         else:  # GDN conv window + state, PLE conv window + n-gram context
             assert all(not mx.array_equal(u, v) for u, v in zip(x.cache, y.cache)), i
+
+
+def _pooled_keys_ok(model, cache) -> bool:
+    """Every QSA entry of the trunk and the head holds its pooled block keys
+    as pooling its raw keys gives them (util.assert_pooled_block_keys)."""
+    n = len(model.is_linear)
+    entries = [(l.self_attn.indexer, c) for l, c in zip(model.layers, cache) if not l.is_linear]
+    entries += [(l.self_attn.indexer, c) for l, c in zip(model.mtp.layers, cache[n:-1])]
+    try:
+        for i, (indexer, c) in enumerate(entries):
+            assert_pooled_block_keys(indexer, c, f"QSA entry {i}")
+    except AssertionError:
+        return False
+    return True
+
+
+def test_blocks_completed_in_rejected_verifies_roll_back(tmp_path, monkeypatch):
+    """4-token QSA blocks at depth 3: each verify [y, d1, d2, d3] completes a
+    block and pools it. With every draft wrong, three verifies in four roll
+    that block back; with 60% right drafts (depths 2 and 3) some are kept.
+    Greedy MTP == plain decoding, every state equals plain decoding's (the
+    pooled block keys included), and the trunk's and head's pooled keys are
+    what pooling their raw keys gives, bit for bit. If the rollback skipped
+    the pooled keys, that fails."""
+    path = write_qwen4_exp_checkpoint(tmp_path, seed=3, text_overrides=dict(
+        indexer_compress_ratio=4, indexer_budget=8))
+    model, _ = mlx_mtp.load(path, quiet=True)
+    ids = PROMPT + [5, 9]  # 18 tokens: the first verify starts mid-block
+    ref_cache = make_prompt_cache(model)
+    want = reference(model, ids, N, prompt_cache=ref_cache)
+
+    def run(k, rate):
+        cache, stats = model.make_cache(), MTPStats()
+        got = mtp(model, ids, k, N, prompt_cache=cache, stats=stats,
+                  drafter=OracleDrafter(want, rate, model.vocab_size, seed=k))
+        return got, cache, stats
+
+    for k, rate in ((3, 0.0), (3, 0.6), (2, 0.6)):
+        got, cache, stats = run(k, rate)
+        assert got == want, (k, rate)
+        assert stats.accepted == 0 if rate == 0 else 0 < stats.accepted < stats.drafted
+        assert_states_equal(cache[:len(ref_cache)], ref_cache, f"depth {k} oracle {rate}")
+        assert _pooled_keys_ok(model, cache), (k, rate)
+
+    trim = PaddedCacheList.trim
+    monkeypatch.setattr(PaddedCacheList, "trim", lambda self, n: (
+        [c.trim(n) for c in self.caches[:-1]], n)[1])  # the pooled keys not rolled back
+    model.runtime.clear()
+    got, cache, _ = run(3, 0.0)
+    assert got != want or not _pooled_keys_ok(model, cache)
+    assert trim is not PaddedCacheList.trim
 
 
 # ---------------------------------------------------------------- batches, 4-bit

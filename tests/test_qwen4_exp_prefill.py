@@ -139,7 +139,7 @@ def _blind_indexer(monkeypatch):
     call = qwen4_exp.QSAIndexer.__call__
 
     def blind(self, x, cache=None, offset=0):
-        c = cache and types.SimpleNamespace(update_and_fetch=cache.update_and_fetch)
+        c = cache and tuple(types.SimpleNamespace(update_and_fetch=k.update_and_fetch) for k in cache)
         return call(self, x, c, offset)
     monkeypatch.setattr(qwen4_exp.QSAIndexer, "__call__", blind)
 

@@ -91,3 +91,24 @@ def assert_head_follows(model, prompt_cache, context, since=0):
         assert mx.allclose(mine.keys[..., :n, :], want.keys[..., :n, :], atol=1e-4)
         assert mx.allclose(mine.values[..., :n, :], want.values[..., :n, :], atol=1e-4)
     assert mx.allclose(prompt_cache[-1][0], h[:, -1:], atol=1e-4)
+
+
+def assert_pooled_block_keys(indexer, entry, where=""):
+    """qwen4_exp's QSA cache entry (CacheList: attention K/V, the indexer's raw
+    keys, its pooled block keys) holds, at each complete block's last position,
+    bit for bit what pooling every complete block of the raw keys at once gives
+    (the indexer's rule before it cached them: mean in float32, RMS norm, rope
+    at the block's first position), and zeros elsewhere."""
+    raw, pooled = entry[1], entry[2]
+    n, r = raw.offset, indexer.ratio
+    assert pooled.offset == n, f"{where}: pooled {pooled.offset} != raw {n}"
+    B, _, _, d = raw.keys.shape
+    nb = n // r
+    blocks = raw.keys[:, 0, : nb * r].reshape(B, nb, r, d).astype(mx.float32).mean(axis=2)
+    blocks = mx.fast.rope(indexer.k_layernorm(blocks.astype(raw.keys.dtype))[:, None],
+                          indexer.rope_dims, traditional=False, base=indexer.rope_base,
+                          scale=float(r), offset=0)[:, 0]
+    got = pooled.keys[:, 0, :n]
+    assert mx.array_equal(got[:, r - 1 : nb * r : r], blocks), f"{where}: pooled block keys"
+    ends = (mx.arange(n) % r) == r - 1
+    assert not mx.any(mx.where(ends[:, None], 0, got)).item(), f"{where}: not zero between block ends"

@@ -18,8 +18,8 @@ Caches are mlx_lm's own kinds, composed, so `save_prompt_cache`,
 `load_prompt_cache` and `trim_prompt_cache` work unchanged:
 GDN layer -> `ArraysCache(2)` [conv window, recurrent state], or
 `ArraysCache(4)` with PLE [.., PLE conv window, last n-1 token ids];
-QSA layer -> `CacheList(KVCache, KVCache)`: attention K/V, then the
-indexer's raw keys (as keys; values are zero-width).
+QSA layer -> `CacheList(KVCache, KVCache, KVCache)`: attention K/V, the
+indexer's raw keys, its pooled block keys (as keys; values are zero-width).
 
 `Model` is the trunk alone (`mtp.*` dropped by its `sanitize`), usable as a
 plain mlx_lm model. `Qwen4ExpMTPModel` is what `mlx_mtp.load` builds: the
@@ -370,7 +370,14 @@ class PLELayer(nn.Module):
 
 class QSAIndexer(nn.Module):
     """transformers' `Qwen4ExpTextQSAIndexer`, vectorised: which keys each
-    query may attend to, as a boolean mask [B, 1, L, T]."""
+    query may attend to, as a boolean mask [B, 1, L, T].
+
+    Its cache is a pair of KV caches as long as the attention's: the raw
+    indexer keys, and the pooled block keys, each block's (mean, norm, rope)
+    kept at the block's last position (zeros elsewhere). A block is pooled
+    once, in the call where its last token arrives, from the raw keys; so a
+    rollback (the lengths cut) also drops the blocks it cut, and a decode
+    step pools at most one block of `indexer_compress_ratio` raw keys."""
 
     def __init__(self, args: TextModelArgs, rope_dims: int, rope_base: float):
         super().__init__()
@@ -383,39 +390,81 @@ class QSAIndexer(nn.Module):
         self.rope_dims, self.rope_base = rope_dims, rope_base
 
     def __call__(self, x: mx.array, cache=None, offset=0) -> mx.array:
-        """offset: the cache's length, an int (mlx_lm's KVCache) or one per
-        row [B] (mlx_mtp's PaddedKVCache, whose keys span its whole buffer:
-        entries past a row's length are never selected, being after every
-        query of that row; mlx_lm's BatchKVCache in a batched prefill, whose
-        rows start after their `left_padding`: each row's keys are read from
-        its first real one, so its blocks are counted from there, and the
-        mask is put back in the buffer's places, the padding masked)."""
+        """cache: (raw keys, pooled keys) caches, or None. offset: the cache's
+        length, an int (mlx_lm's KVCache) or one per row [B] (mlx_mtp's
+        PaddedKVCache, whose keys span its whole buffer: entries past a row's
+        length are never selected, being after every query of that row;
+        mlx_lm's BatchKVCache in a batched prefill, whose rows start after
+        their `left_padding`: each row's blocks are counted from its first
+        real key, and the mask is put back in the buffer's places, the
+        padding masked)."""
         B, L, _ = x.shape
-        d = self.head_dim
+        d, r = self.head_dim, self.ratio
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.n_heads * d].reshape(B, L, self.n_heads, d))
         q = mx.fast.rope(q.transpose(0, 2, 1, 3), self.rope_dims, traditional=False,
                          base=self.rope_base, scale=1.0, offset=offset)
         keys = qk[..., self.n_heads * d :][:, None]  # [B, 1, L, d], raw (pooled before the norm)
-        if cache is not None:
-            keys, _ = cache.update_and_fetch(keys, mx.zeros((B, 1, L, 0), dtype=keys.dtype))
-        padding = getattr(cache, "left_padding", None)
+        if cache is None:
+            nb = L // r
+            blocks = self._pool(keys[:, 0, : nb * r].reshape(B, nb, r, d), 0)
+            return self._select(q, blocks, offset, L)
+        raw_cache, pooled_cache = cache
+        zero = mx.zeros((B, 1, L, 0), dtype=keys.dtype)
+        raw, _ = raw_cache.update_and_fetch(keys, zero)
+        padding = getattr(raw_cache, "left_padding", None)
+        T = raw.shape[2]
+        pooled, _ = pooled_cache.update_and_fetch(self._completed(raw, offset, padding, L), zero)
+        # block j's key sits at its last position, (j+1)*r - 1 (+ the row's padding)
+        nb = T // r
         if padding is None:
-            return self._select(q, keys, offset)
-        T = keys.shape[2]
-        at = mx.arange(T)[None] + padding[:, None]  # row b's real key t sits at t + padding[b]
-        keys = mx.take_along_axis(keys, mx.minimum(at, T - 1)[:, None, :, None], axis=2)
-        mask = self._select(q, keys, offset)  # [B, 1, L, T] over real positions
-        back = mx.arange(T)[None] - padding[:, None]
+            # (contiguous: MLX's CPU matmul is far slower on the strided slice)
+            return self._select(q, mx.contiguous(pooled[:, 0, r - 1 : nb * r : r]), offset, T)
+        at = mx.minimum((mx.arange(nb) + 1)[None] * r - 1 + padding[:, None], T - 1)
+        blocks = mx.take_along_axis(pooled[:, 0], at[..., None], axis=1)
+        mask = self._select(q, blocks, offset, T)  # [B, 1, L, T] over real positions
+        back = mx.arange(T)[None] - padding[:, None]  # row b's real key t sits at t + padding[b]
         mask = mx.take_along_axis(mask, mx.maximum(back, 0)[:, None, None], axis=-1)
         return mask & (back >= 0)[:, None, None]
 
-    def _select(self, q: mx.array, keys: mx.array, offset) -> mx.array:
-        """The mask [B, 1, L, T] of queries q (roped at offset) over keys
-        [B, 1, T, d] whose index is their position."""
+    def _pool(self, raw: mx.array, first) -> mx.array:
+        """Block keys [B, K, d] of raw keys [B, K, r, d]: the mean (in
+        float32), normed, roped at each block's first position (block index
+        `first` + k; `first` an int or one per row [B])."""
+        blocks = raw.astype(mx.float32).mean(axis=2).astype(raw.dtype)
+        return mx.fast.rope(self.k_layernorm(blocks)[:, None], self.rope_dims, traditional=False,
+                            base=self.rope_base, scale=float(self.ratio), offset=first)[:, 0]
+
+    def _completed(self, raw: mx.array, offset, padding, L: int) -> mx.array:
+        """What the pooled cache takes for the L new positions [B, 1, L, d]:
+        the key of each block completing here at its last position, zeros
+        elsewhere. At most ceil(L/r) blocks complete in L positions; they are
+        pooled from the raw keys `raw` [B, 1, T, d] (after the update)."""
+        B, _, T, d = raw.shape
+        r, K = self.ratio, -(-L // self.ratio)
+        if isinstance(offset, int) and padding is None and (offset + L) // r == offset // r:
+            return mx.zeros((B, 1, L, d), raw.dtype)  # none completes (an mlx_lm KVCache's step)
+        start = offset[:, None] if isinstance(offset, mx.array) else mx.array([[offset]])
+        first = start // r  # the first block that can complete here [B or 1, 1]
+        at = (first * r + mx.arange(K * r))[..., None]  # its raw keys and the next K-1 blocks'
+        if padding is not None:
+            at = at + padding[:, None, None]
+        at = mx.broadcast_to(mx.clip(at, 0, T - 1), (B, K * r, 1))
+        blocks = self._pool(mx.take_along_axis(raw[:, 0], at, axis=1).reshape(B, K, r, d),
+                            mx.broadcast_to(first[:, 0], (B,)))  # [B, K, d]
+        end = start + mx.arange(1, L + 1)  # [B or 1, L]: one past each new position
+        if K > 1:  # block first + k ends at position (first + k + 1) * r - 1
+            which = mx.broadcast_to(mx.clip(end // r - 1 - first, 0, K - 1), (B, L))
+            blocks = mx.take_along_axis(blocks, which[..., None], axis=1)
+        ends = (end % r == 0) & (end > 0)  # (a prefill's left padding has positions < 0)
+        return mx.where(ends[..., None], blocks, 0).astype(raw.dtype)[:, None]
+
+    def _select(self, q: mx.array, blocks: mx.array, offset, T: int) -> mx.array:
+        """The mask [B, 1, L, T] of queries q (roped at offset) over T keys
+        whose index is their position, given the block keys [B, nb, d]
+        (nb = T // r; blocks a query does not see complete are never chosen)."""
         B, _, L, _ = q.shape
         r, d = self.ratio, self.head_dim
-        T = keys.shape[2]
         start = offset[:, None] if isinstance(offset, mx.array) else offset
         qpos = start + mx.arange(L)[None]  # absolute query positions [1 or B, L]
         kpos = mx.arange(T)
@@ -424,10 +473,6 @@ class QSAIndexer(nn.Module):
         mask = kpos <= qpos[..., None]  # causal [1 or B, L, T]
         if nb == 0:
             return mask[:, None]
-        blocks = keys[:, 0, : nb * r].reshape(B, nb, r, d).astype(mx.float32).mean(axis=2).astype(keys.dtype)
-        # each block's key at its first token's position
-        blocks = mx.fast.rope(self.k_layernorm(blocks)[:, None], self.rope_dims, traditional=False,
-                              base=self.rope_base, scale=float(r), offset=0)[:, 0]
         scores = mx.maximum(q.astype(mx.float32) @ blocks.astype(mx.float32)[:, None].swapaxes(-1, -2), 0)
         scores = scores.sum(axis=1) / math.sqrt(d)  # [B, L, nb]
         valid = mx.arange(nb) < n_full[..., None]  # [1 or B, L, nb]
@@ -454,7 +499,7 @@ class Attention(qwen3_next.Qwen3NextAttention):
         self.indexer = QSAIndexer(args, self.rope.dims, self.rope.base)
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
-        kv, index = (cache[0], cache[1]) if cache is not None else (None, None)
+        kv, index = (cache[0], (cache[1], cache[2])) if cache is not None else (None, None)
         mask = self.indexer(x, index, kv.offset if kv is not None else 0)
         return super().__call__(x, mask, kv)
 
@@ -586,8 +631,8 @@ class TextModel(nn.Module):
         for l in self.layers:
             if l.is_linear:
                 caches.append(ArraysCache(size=4 if l.has_ple else 2))
-            else:  # attention K/V, then the indexer's raw keys
-                caches.append(CacheList(KVCache(), KVCache()))
+            else:  # attention K/V, the indexer's raw keys, its pooled block keys
+                caches.append(CacheList(KVCache(), KVCache(), KVCache()))
         return caches
 
 
@@ -745,7 +790,7 @@ class MTPHead(nn.Module):
         self.hyper_connection_mixer = HyperConnection(layer_args, use_combine=False)
 
     def make_cache(self):
-        return [CacheList(KVCache(), KVCache()) for _ in self.layers]
+        return [CacheList(KVCache(), KVCache(), KVCache()) for _ in self.layers]
 
     def __call__(self, hidden: mx.array, token_embeddings: mx.array, cache=None) -> mx.array:
         """hidden [B, T, (hc+1)*H] (trunk or head: [collapsed | streams]) at
