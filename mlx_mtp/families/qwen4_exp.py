@@ -40,7 +40,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_inplace
+from mlx.utils import tree_map
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.base import BaseModelArgs, create_ssm_mask, gather_last_axis
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
@@ -237,6 +237,68 @@ def ngram_head_sizes(args: TextModelArgs, ple_index: int) -> List[int]:
     return sizes
 
 
+def chunk_rows(rows: int, parts: int) -> List[int]:
+    """The row counts of torch.chunk(table, parts) (how the release stores
+    each n-gram table): chunks of ceil(rows / parts) rows, the last shorter,
+    so there may be fewer than `parts`."""
+    step = -(-rows // parts)
+    return [min(step, rows - lo) for lo in range(0, rows, step)]
+
+
+class RowShardedEmbedding(nn.Module):
+    """An embedding table kept as the checkpoint's row shards, never joined:
+    `shard_{i}` (an `nn.Embedding`, or `nn.QuantizedEmbedding` once quantized)
+    holds rows [start_i, start_i + rows_i) of the whole table. A lookup takes
+    each id from the shard holding its row (one take per shard): exactly the
+    joined table's lookup. Rows this module does not hold (dropped by
+    `keep_rows`) read as zeros."""
+
+    def __init__(self, rows: List[int], dims: int):
+        super().__init__()
+        self.total_rows = sum(rows)
+        self._names = [f"shard_{i}" for i in range(len(rows))]
+        self._starts = [sum(rows[:i]) for i in range(len(rows))]
+        for name, n in zip(self._names, rows):
+            setattr(self, name, nn.Embedding(n, dims))
+
+    def pieces(self):
+        """(name, first row in the whole table, rows) of each shard held."""
+        return [(name, start, self[name].weight.shape[0]) for name, start in zip(self._names, self._starts)]
+
+    def cut(self, table: mx.array) -> dict:
+        """A joined table (or its quantization scales / biases: rows are
+        independent) as this module's shards: row slices, no copy."""
+        return {name: table[start : start + n] for name, start, n in self.pieces()}
+
+    def keep_rows(self, lo: int, hi: int):
+        """Keep only rows [lo, hi) of the whole table: shards inside stay as
+        they are, a shard across a bound is sliced, the others are dropped
+        (with a lazy load, never read)."""
+        names, starts = [], []
+        for name, start, n in self.pieces():
+            a, b = max(lo, start), min(hi, start + n)
+            if a >= b:
+                delattr(self, name)
+                continue
+            if (a, b) != (start, start + n):
+                shard = self[name]
+                shard.update(tree_map(lambda w: mx.contiguous(w[a - start : b - start]), shard.parameters()))
+            names.append(name)
+            starts.append(a)
+        self._names, self._starts = names, starts
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        out = None
+        for name, start, n in self.pieces():
+            if start == 0 and n == self.total_rows:
+                return self[name](ids)
+            local = ids - start
+            here = local.astype(mx.uint32) < n  # (negative offsets wrap past n)
+            e = self[name](mx.where(here, local, 0))
+            out = mx.where(here[..., None], e, 0 if out is None else out)
+        return out
+
+
 class NGramEmbedding(nn.Module):
     """Hashed 2..n-gram embeddings; n-grams do not reach across an EOS."""
 
@@ -254,7 +316,9 @@ class NGramEmbedding(nn.Module):
         self._mult = [int(m) for m in ngram_multipliers(args.vocab_size, self.n, ple_index, args.seed)]
         self._sizes = mx.array(sizes, dtype=mx.int64)
         self._offsets = mx.array(offsets, dtype=mx.int64)
-        self.ngram_embedding = nn.Embedding(padded, args.ple_embed_dim // heads)
+        # as the release stores it: torch.chunk'ed rows (`shard_{i}`), kept apart
+        self.ngram_embedding = RowShardedEmbedding(chunk_rows(padded, args.split_ngram_parts),
+                                                   args.ple_embed_dim // heads)
         self.sharding_group = None  # tensor parallel: each rank holds a block of rows
 
     def __call__(self, history: mx.array, length: int) -> mx.array:
@@ -279,15 +343,11 @@ class NGramEmbedding(nn.Module):
             sizes = self._sizes[lo : lo + self.per_ngram]
             blocks.append(mx.remainder(mixed[..., None], sizes) + self._offsets[lo : lo + self.per_ngram])
         ids = mx.concatenate(blocks, axis=-1)[:, -length:].astype(mx.int32)
-        if self.sharding_group is None:
-            return self.ngram_embedding(ids).reshape(B, length, -1)
-        # rows [rank * n, (rank + 1) * n) here: the others' rows read as zeros,
-        # and the sum over ranks is each row itself, bit for bit
-        n = self.ngram_embedding.weight.shape[0]
-        local = ids - self.sharding_group.rank() * n
-        here = (local >= 0) & (local < n)
-        e = mx.where(here[..., None], self.ngram_embedding(mx.where(here, local, 0)), 0)
-        e = mx.distributed.all_sum(e, group=self.sharding_group)
+        e = self.ngram_embedding(ids)
+        if self.sharding_group is not None:
+            # each rank holds a block of rows, the others' read as zeros:
+            # the sum over ranks is each row itself, bit for bit
+            e = mx.distributed.all_sum(e, group=self.sharding_group)
         return e.reshape(B, length, -1)
 
 
@@ -596,7 +656,9 @@ class TextModel(nn.Module):
 _ZERO_CENTRED = (".q_norm.weight", ".k_norm.weight", ".q_layernorm.weight", ".k_layernorm.weight",
                  ".hc_norm.weight", ".norm_key.weight", ".norm_query.weight", ".norm_conv.weight")
 _DERIVED = (".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
-_SHARD = re.compile(r"^(.*\.ngram_embedding)\.shard_(\d+)\.weight$")
+# a table joined whole (this project's conversions before the row shards were kept)
+_JOINED = re.compile(r"^language_model\.model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\."
+                     r"(weight|scales|biases)$")
 
 
 class Model(nn.Module):
@@ -632,7 +694,10 @@ class Model(nn.Module):
         with an all_sum after attention/GDN and after the MoE. Then each PLE
         layer's n-gram table by rows: it is most of the PLE weights, and the
         lookup is exact (each row comes from one rank, zeros from the
-        others), for one more all_sum per PLE layer.
+        others), for one more all_sum per PLE layer. Rank r keeps rows
+        [r*R/N, (r+1)*R/N) of the table's R: the row shards inside whole,
+        the one or two across a bound sliced, the others dropped unread
+        (the table is never joined).
 
         Replicated: the QSA indexer (a few heads whose one choice of key
         blocks serves every attention head; split, its scores would need one
@@ -645,16 +710,17 @@ class Model(nn.Module):
         for layer in self.layers:
             if layer.has_ple:
                 table = layer.ple.ple_embedding
-                shard_inplace(table.ngram_embedding, "all-to-sharded", group=group)
+                R, N, r = table.ngram_embedding.total_rows, group.size(), group.rank()
+                table.ngram_embedding.keep_rows(r * R // N, (r + 1) * R // N)
                 table.sharding_group = group
 
     def sanitize(self, weights):
         """HF layout (`model.language_model.*`, `lm_head`, `model.visual.*`,
-        `mtp.*`, sharded n-gram tables, fused or per-expert MoE, zero-centred
+        `mtp.*`, row-sharded n-gram tables, fused or per-expert MoE, zero-centred
         norms, torch conv layout) or this class's MLX layout -> MLX layout."""
         hf = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
         args = self.language_model.args
-        out, shards = {}, {}
+        out = {}
         for k, v in weights.items():
             if k.startswith(("vision_tower", "model.visual", "mtp.", "model.mtp.")) or k.endswith(_DERIVED):
                 continue
@@ -662,9 +728,11 @@ class Model(nn.Module):
                 k = "language_model.model." + k[len("model.language_model."):]
             elif not k.startswith("language_model."):
                 k = "language_model." + k
-            m = _SHARD.match(k)
-            if m:
-                shards.setdefault(m.group(1), {})[int(m.group(2))] = v
+            m = _JOINED.match(k)
+            if m:  # cut at the row shards' bounds (views of the joined table)
+                table = self.language_model.model.layers[int(m.group(1))].ple.ple_embedding.ngram_embedding
+                for name, part in table.cut(v).items():
+                    out[f"{k[: -len(m.group(2))]}{name}.{m.group(2)}"] = part
                 continue
             if hf:
                 if k.endswith("conv1d.weight") and v.shape[-1] != 1:
@@ -672,8 +740,6 @@ class Model(nn.Module):
                 if k.endswith(_ZERO_CENTRED):
                     v = v + 1.0
             out[k] = v
-        for k, parts in shards.items():  # torch.chunk'ed along rows; join in order
-            out[k + ".weight"] = mx.concatenate([parts[i] for i in sorted(parts)], axis=0)
         if args.tie_word_embeddings:
             out.pop("language_model.lm_head.weight", None)
         for l in range(args.num_hidden_layers):
