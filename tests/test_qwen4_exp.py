@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, load_prompt_cac
 from qwen4_exp_reference import Reference, head_sizes, layer_multipliers
 
 from mlx_mtp.families import qwen4_exp
-from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+from mlx_mtp.synthetic import qwen4_exp_random_weights, write_qwen4_exp_checkpoint
 
 # 16 tokens: QSA chooses 2 of up to 8 two-token blocks; an EOS (258) cuts the n-grams
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 258, 12, 64, 88, 5, 9, 200, 31, 1]
@@ -168,6 +168,93 @@ def test_sanitize_mlx_layout_and_per_expert_tensors(ckpt):
             raw[f"{p}.{e}.up_proj.weight"] = gu[e, half:]
             raw[f"{p}.{e}.down_proj.weight"] = down[e]
     assert np.abs(_logits(_model(ckpt["config"], raw), PROMPT) - want).max() < 1e-6
+
+
+def _tables(model):
+    """{layer: the n-gram table's parameters, by name under `ngram_embedding.`}."""
+    params = dict(tree_flatten(model.parameters()))
+    out = {}
+    for layer in (0, 2):  # ple_layer_ids [1, 3]
+        p = f"language_model.model.layers.{layer}.ple.ple_embedding.ngram_embedding."
+        out[layer] = {k[len(p):]: v for k, v in params.items() if k.startswith(p)}
+    return out
+
+
+def _joined(weights):
+    """MLX-layout weights with each n-gram table joined into one tensor (as
+    conversions were written before the row shards were kept)."""
+    out, parts = {}, {}
+    for k, v in weights.items():
+        head, sep, tail = k.partition(".ngram_embedding.shard_")
+        if sep:
+            i, leaf = tail.split(".")
+            parts.setdefault(f"{head}.ngram_embedding.{leaf}", {})[int(i)] = v
+        else:
+            out[k] = v
+    out.update({k: mx.concatenate([p[i] for i in sorted(p)]) for k, p in parts.items()})
+    return out
+
+
+def test_ngram_tables_load_as_their_row_shards(ckpt):
+    """The n-gram tables are never joined: the loaded model holds one array
+    per checkpoint shard, that shard itself (7 parts: torch.chunk's cut,
+    the last shorter), and its logits equal the 3-shard checkpoint's bit
+    for bit (a lookup is a gather). An older conversion (each table one
+    tensor) still loads, cut into the config's shards, same logits; and
+    into a one-shard config (a plain take)."""
+    tc = dict(ckpt["config"]["text_config"], split_ngram_parts=7)
+    config = dict(ckpt["config"], text_config=tc)
+    raw = qwen4_exp_random_weights(tc)  # the fixture's seed: the same table, cut in 7
+    m = _model(config, raw)
+    want = _logits(ckpt["model"], PROMPT)
+    assert np.array_equal(_logits(m, PROMPT), want)
+    for layer, held in _tables(m).items():
+        p = f"model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding."
+        src = {k[len(p):]: v for k, v in raw.items() if k.startswith(p)}
+        rows = [src[f"shard_{i}.weight"].shape[0] for i in range(len(src))]
+        assert len(rows) == 7 and rows[-1] < rows[0] and len(set(rows[:-1])) == 1, rows
+        assert sorted(held) == sorted(src)
+        for k, v in src.items():
+            assert held[k].shape == v.shape and np.array_equal(np.array(held[k]), v), k
+
+    joined = _joined(dict(tree_flatten(m.parameters())))
+    assert "language_model.model.layers.0.ple.ple_embedding.ngram_embedding.weight" in joined
+    for parts in (7, 1):
+        cfg = dict(ckpt["config"], text_config=dict(tc, split_ngram_parts=parts))
+        old = qwen4_exp.Model(qwen4_exp.ModelArgs.from_dict(cfg))
+        old.load_weights(list(old.sanitize(dict(joined)).items()), strict=True)
+        assert [len(t) for t in _tables(old).values()] == [parts, parts]
+        assert np.array_equal(_logits(old, PROMPT), want), parts
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_tensor_parallel_rows_exact_without_joining(ranks):
+    """`keep_rows` (what `Model.shard` does per rank): rank r keeps rows
+    [r*R/N, (r+1)*R/N), shards inside as the same arrays (not copied),
+    the shard across a bound sliced, the rest dropped; the ranks' lookups
+    (zeros for rows held elsewhere) sum to the whole table's, bit for bit."""
+    rows = qwen4_exp.chunk_rows(312, 7)  # 6 x 45, then 42
+    full = qwen4_exp.RowShardedEmbedding(rows, 4)
+    mx.eval(full.parameters())
+    ids = mx.array([[5, 44, 45, 311, 0, 150], [156, 157, 208, 104, 270, 269]])
+    want = np.array(full(ids))
+    assert np.array_equal(want, np.concatenate([np.array(full[f"shard_{i}"].weight) for i in range(7)])[np.array(ids)])
+    total = np.zeros_like(want)
+    for r in range(ranks):
+        part = qwen4_exp.RowShardedEmbedding(rows, 4)
+        part.update(full.parameters())
+        lo, hi = r * 312 // ranks, (r + 1) * 312 // ranks
+        part.keep_rows(lo, hi)
+        pieces = part.pieces()
+        assert pieces[0][1] == lo and sum(n for _, _, n in pieces) == hi - lo
+        assert len(tree_flatten(part.parameters())) == len(pieces)
+        for name, start, n in pieces:
+            whole = start % 45 == 0 and n == rows[int(name[6:])]
+            assert (part[name].weight is full[name].weight) == whole, name
+        got = np.array(part(ids))
+        assert not np.any(got[(np.array(ids) < lo) | (np.array(ids) >= hi)])
+        total += got
+    assert np.array_equal(total, want)
 
 
 def test_rows_of_a_batch_decode_as_alone(ckpt):

@@ -155,6 +155,38 @@ def test_q4_convert_greedy_mtp_equals_plain(ckpts):
     _greedy_equals_plain(model, want, (1, 2, 3))
 
 
+@pytest.mark.parametrize("kind", ["fp32", "q4"])
+def test_older_conversion_with_joined_tables_loads(ckpts, tmp_path, kind):
+    """A conversion written before the row shards were kept (each n-gram
+    table one tensor, with -q quantized whole) loads through mlx_mtp.load,
+    cut into the config's shards, and gives the same trunk and head logits
+    bit for bit."""
+    old = tmp_path / "old"
+    shutil.copytree(ckpts[kind], old)
+    weight_map = {}
+    for f in sorted(old.glob("*.safetensors")):
+        w, joined = mx.load(str(f)), {}
+        for k in [k for k in w if ".ngram_embedding.shard_" in k]:
+            head, tail = k.split(".shard_")
+            i, leaf = tail.split(".")
+            joined.setdefault(f"{head}.{leaf}", {})[int(i)] = w.pop(k)
+        w.update({k: mx.concatenate([p[i] for i in sorted(p)]) for k, p in joined.items()})
+        mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(w, f.name))
+    index = old / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        index.write_text(json.dumps(dict(data, weight_map=weight_map)))
+    assert LM + "layers.0.ple.ple_embedding.ngram_embedding.weight" in weight_map
+    new, _ = mlx_mtp.load(ckpts[kind], quiet=True)
+    model, _ = mlx_mtp.load(old, quiet=True)
+    table = model.layers[0].ple.ple_embedding.ngram_embedding
+    assert isinstance(table["shard_2"], nn.QuantizedEmbedding) == (kind == "q4")
+    assert [n for _, _, n in table.pieces()] == [n for _, _, n in new.layers[0].ple.ple_embedding.ngram_embedding.pieces()]
+    for a, b in zip(_logits(model, PROMPT), _logits(new, PROMPT)):
+        assert mx.array_equal(a, b)
+
+
 def test_head_only_quantized(ckpts, tmp_path):
     """--mtp-bits 4 without -q: the head at 4 bits, the trunk in floating
     point; greedy MTP == plain."""
