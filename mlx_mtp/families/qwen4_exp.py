@@ -273,16 +273,17 @@ class RowShardedEmbedding(nn.Module):
     def keep_rows(self, lo: int, hi: int):
         """Keep only rows [lo, hi) of the whole table: shards inside stay as
         they are, a shard across a bound is sliced, the others are dropped
-        (with a lazy load, never read)."""
+        (with a lazy load, never read). `mx.contiguous` copies what is a
+        view (a sliced shard; a joined table's `cut`), so the rest of its
+        buffer is freed, and leaves a shard of its own as it is."""
         names, starts = [], []
         for name, start, n in self.pieces():
             a, b = max(lo, start), min(hi, start + n)
             if a >= b:
                 delattr(self, name)
                 continue
-            if (a, b) != (start, start + n):
-                shard = self[name]
-                shard.update(tree_map(lambda w: mx.contiguous(w[a - start : b - start]), shard.parameters()))
+            shard = self[name]
+            shard.update(tree_map(lambda w: mx.contiguous(w[a - start : b - start]), shard.parameters()))
             names.append(name)
             starts.append(a)
         self._names, self._starts = names, starts
