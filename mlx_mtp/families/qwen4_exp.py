@@ -245,45 +245,99 @@ def chunk_rows(rows: int, parts: int) -> List[int]:
     return [min(step, rows - lo) for lo in range(0, rows, step)]
 
 
-class RowShardedEmbedding(nn.Module):
-    """An embedding table kept as the checkpoint's row shards, never joined:
-    `shard_{i}` (an `nn.Embedding`, or `nn.QuantizedEmbedding` once quantized)
-    holds rows [start_i, start_i + rows_i) of the whole table. A lookup takes
-    each id from the shard holding its row (one take per shard): exactly the
-    joined table's lookup. Rows this module does not hold (dropped by
-    `keep_rows`) read as zeros."""
+# At most this many arrays per n-gram table: a lookup costs one take per array
+# (measured on a CPU, 16 ids: 0.10 ms with 1, 2.6 ms with 64, 25 ms with 512),
+# and a load joins at most one group at a time (~1/NGRAM_GROUPS of a table).
+NGRAM_GROUPS = 8
 
-    def __init__(self, rows: List[int], dims: int):
+
+def group_shards(shards: int, groups: int) -> List[tuple]:
+    """[first, last] checkpoint shard of each group: consecutive shards,
+    `groups` groups as even as can be (one shard each when there are no
+    more shards than groups)."""
+    groups = min(groups, shards)
+    return [(g * shards // groups, (g + 1) * shards // groups - 1) for g in range(groups)]
+
+
+def piece_name(first: int, last: int) -> str:
+    """A group's parameter name: `shard_{i}` (one checkpoint shard, named as
+    the checkpoint names it) or `shards_{first}_{last}` (shards first..last)."""
+    return f"shard_{first}" if first == last else f"shards_{first}_{last}"
+
+
+_PIECE_NAME = re.compile(r"^(?:shard_(\d+)|shards_(\d+)_(\d+))$")
+
+
+class RowShardedEmbedding(nn.Module):
+    """An embedding table kept as groups of the checkpoint's row shards, never
+    joined whole: at most `groups` arrays, each the rows of consecutive
+    shards (`piece_name`; an `nn.Embedding`, or `nn.QuantizedEmbedding` once
+    quantized), its bounds derived from the shards' rows alone (the config),
+    before any weight is seen. A lookup takes each id from the group holding
+    its row (one take per group): exactly the joined table's lookup. Rows
+    this module does not hold (dropped by `keep_rows`) read as zeros."""
+
+    def __init__(self, rows: List[int], dims: int, groups: int = NGRAM_GROUPS):
         super().__init__()
         self.total_rows = sum(rows)
-        self._names = [f"shard_{i}" for i in range(len(rows))]
-        self._starts = [sum(rows[:i]) for i in range(len(rows))]
-        for name, n in zip(self._names, rows):
-            setattr(self, name, nn.Embedding(n, dims))
+        self.shard_starts = [sum(rows[:i]) for i in range(len(rows) + 1)]  # (and the end)
+        bounds = group_shards(len(rows), groups)
+        self._names = [piece_name(a, b) for a, b in bounds]
+        self._starts = [self.shard_starts[a] for a, _ in bounds]
+        for name, (a, b) in zip(self._names, bounds):
+            setattr(self, name, nn.Embedding(self.shard_starts[b + 1] - self.shard_starts[a], dims))
 
     def pieces(self):
-        """(name, first row in the whole table, rows) of each shard held."""
+        """(name, first row in the whole table, rows) of each group held."""
         return [(name, start, self[name].weight.shape[0]) for name, start in zip(self._names, self._starts)]
 
-    def cut(self, table: mx.array) -> dict:
-        """A joined table (or its quantization scales / biases: rows are
-        independent) as this module's shards: row slices, no copy."""
-        return {name: table[start : start + n] for name, start, n in self.pieces()}
+    def rows_of(self, name: str) -> tuple:
+        """[start, end) rows of the whole table that a piece name covers
+        (`shard_{i}`, `shards_{a}_{b}`: of the checkpoint's shards)."""
+        m = _PIECE_NAME.match(name)
+        if m is None:
+            raise ValueError(f"not an n-gram table piece: {name}")
+        a, b = (int(m.group(1)),) * 2 if m.group(1) else (int(m.group(2)), int(m.group(3)))
+        if not 0 <= a <= b < len(self.shard_starts) - 1:
+            raise ValueError(f"{name}: the config's table has {len(self.shard_starts) - 1} shards")
+        return self.shard_starts[a], self.shard_starts[b + 1]
+
+    def regroup(self, parts: List[tuple]) -> dict:
+        """Arrays holding rows of the whole table (one leaf: the weight, or a
+        quantization's scales / biases: rows are independent), as
+        [(first row, array)] (checkpoint shards, groups, or the table joined
+        whole, as older conversions wrote it) -> {group name: array}: a
+        part that is a group is passed as it is, a group inside a part is a
+        view of it (no copy), a group over several parts joins them (only
+        its own rows: at most one group's worth at a time). A group whose
+        rows are not all there is left out (a strict load names it)."""
+        parts = sorted(parts, key=lambda p: p[0])
+        out = {}
+        for name, start, n in self.pieces():
+            end, pieces, covered = start + n, [], 0
+            for lo, w in parts:
+                a, b = max(start, lo), min(end, lo + w.shape[0])
+                if a < b:
+                    pieces.append(w if (a, b) == (lo, lo + w.shape[0]) else w[a - lo : b - lo])
+                    covered += b - a
+            if covered == n:  # (the parts' rows are disjoint: a checkpoint's)
+                out[name] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        return out
 
     def keep_rows(self, lo: int, hi: int):
-        """Keep only rows [lo, hi) of the whole table: shards inside stay as
-        they are, a shard across a bound is sliced, the others are dropped
+        """Keep only rows [lo, hi) of the whole table: groups inside stay as
+        they are, a group across a bound is sliced, the others are dropped
         (with a lazy load, never read). `mx.contiguous` copies what is a
-        view (a sliced shard; a joined table's `cut`), so the rest of its
-        buffer is freed, and leaves a shard of its own as it is."""
+        view (a sliced group; a joined table's cut), so the rest of its
+        buffer is freed, and leaves an array of its own as it is."""
         names, starts = [], []
         for name, start, n in self.pieces():
             a, b = max(lo, start), min(hi, start + n)
             if a >= b:
                 delattr(self, name)
                 continue
-            shard = self[name]
-            shard.update(tree_map(lambda w: mx.contiguous(w[a - start : b - start]), shard.parameters()))
+            group = self[name]
+            group.update(tree_map(lambda w: mx.contiguous(w[a - start : b - start]), group.parameters()))
             names.append(name)
             starts.append(a)
         self._names, self._starts = names, starts
@@ -317,9 +371,10 @@ class NGramEmbedding(nn.Module):
         self._mult = [int(m) for m in ngram_multipliers(args.vocab_size, self.n, ple_index, args.seed)]
         self._sizes = mx.array(sizes, dtype=mx.int64)
         self._offsets = mx.array(offsets, dtype=mx.int64)
-        # as the release stores it: torch.chunk'ed rows (`shard_{i}`), kept apart
+        # as the release stores it, torch.chunk'ed rows (`shard_{i}`), in at
+        # most NGRAM_GROUPS groups of consecutive shards (never joined whole)
         self.ngram_embedding = RowShardedEmbedding(chunk_rows(padded, args.split_ngram_parts),
-                                                   args.ple_embed_dim // heads)
+                                                   args.ple_embed_dim // heads, NGRAM_GROUPS)
         self.sharding_group = None  # tensor parallel: each rank holds a block of rows
 
     def __call__(self, history: mx.array, length: int) -> mx.array:
@@ -657,9 +712,11 @@ class TextModel(nn.Module):
 _ZERO_CENTRED = (".q_norm.weight", ".k_norm.weight", ".q_layernorm.weight", ".k_layernorm.weight",
                  ".hc_norm.weight", ".norm_key.weight", ".norm_query.weight", ".norm_conv.weight")
 _DERIVED = (".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
-# a table joined whole (this project's conversions before the row shards were kept)
-_JOINED = re.compile(r"^language_model\.model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\."
-                     r"(weight|scales|biases)$")
+# an n-gram table's rows: a checkpoint shard (`shard_{i}`), a group of them
+# (`shards_{a}_{b}`, as converted), or the table joined whole (no name: this
+# project's conversions before the row shards were kept)
+_TABLE = re.compile(r"^language_model\.model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\."
+                    r"(?:(\w+)\.)?(weight|scales|biases)$")
 
 
 class Model(nn.Module):
@@ -696,7 +753,7 @@ class Model(nn.Module):
         layer's n-gram table by rows: it is most of the PLE weights, and the
         lookup is exact (each row comes from one rank, zeros from the
         others), for one more all_sum per PLE layer. Rank r keeps rows
-        [r*R/N, (r+1)*R/N) of the table's R: the row shards inside whole,
+        [r*R/N, (r+1)*R/N) of the table's R: the row groups inside whole,
         the one or two across a bound sliced, the others dropped unread
         (the table is never joined).
 
@@ -721,7 +778,7 @@ class Model(nn.Module):
         norms, torch conv layout) or this class's MLX layout -> MLX layout."""
         hf = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
         args = self.language_model.args
-        out = {}
+        out, tables = {}, {}
         for k, v in weights.items():
             if k.startswith(("vision_tower", "model.visual", "mtp.", "model.mtp.")) or k.endswith(_DERIVED):
                 continue
@@ -729,11 +786,9 @@ class Model(nn.Module):
                 k = "language_model.model." + k[len("model.language_model."):]
             elif not k.startswith("language_model."):
                 k = "language_model." + k
-            m = _JOINED.match(k)
-            if m:  # cut at the row shards' bounds (views of the joined table)
-                table = self.language_model.model.layers[int(m.group(1))].ple.ple_embedding.ngram_embedding
-                for name, part in table.cut(v).items():
-                    out[f"{k[: -len(m.group(2))]}{name}.{m.group(2)}"] = part
+            m = _TABLE.match(k)
+            if m:  # regrouped below, table by table
+                tables.setdefault((int(m.group(1)), m.group(3)), []).append((m.group(2), v))
                 continue
             if hf:
                 if k.endswith("conv1d.weight") and v.shape[-1] != 1:
@@ -741,6 +796,19 @@ class Model(nn.Module):
                 if k.endswith(_ZERO_CENTRED):
                     v = v + 1.0
             out[k] = v
+        for (l, leaf), parts in tables.items():
+            # into the module's groups: shards joined within a group only, a
+            # group passed as it is, a joined table cut into views
+            table = self.language_model.model.layers[l].ple.ple_embedding.ngram_embedding
+            rows = []
+            for name, v in parts:
+                lo, hi = (0, table.total_rows) if name is None else table.rows_of(name)
+                if v.shape[0] != hi - lo:
+                    raise ValueError(f"layer {l} n-gram table {name or 'joined'}.{leaf}: {v.shape[0]} rows, "
+                                     f"the config's split_ngram_parts gives {hi - lo}")
+                rows.append((lo, v))
+            for name, v in table.regroup(rows).items():
+                out[f"language_model.model.layers.{l}.ple.ple_embedding.ngram_embedding.{name}.{leaf}"] = v
         if args.tie_word_embeddings:
             out.pop("language_model.lm_head.weight", None)
         for l in range(args.num_hidden_layers):
