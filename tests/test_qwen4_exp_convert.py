@@ -75,7 +75,8 @@ def _greedy_equals_plain(model, want, depths):
 def test_fp32_convert_is_the_unconverted_model(ckpts):
     """fp32: the conversion gives the unconverted checkpoint's trunk and head
     logits exactly; zero-centred norms (trunk and head) are shifted once, the
-    gated GDN norm is not; n-gram tables joined from their row shards, the
+    gated GDN norm is not; n-gram tables kept as their row shards (3, no more
+    than NGRAM_GROUPS: groups of one), the
     derived hash buffers dropped, torch conv layout moved, the head in a
     shard of its own."""
     a, _ = mlx_mtp.load(ckpts["hf"], quiet=True)
@@ -184,6 +185,44 @@ def test_older_conversion_with_joined_tables_loads(ckpts, tmp_path, kind):
     assert isinstance(table["shard_2"], nn.QuantizedEmbedding) == (kind == "q4")
     assert [n for _, _, n in table.pieces()] == [n for _, _, n in new.layers[0].ple.ple_embedding.ngram_embedding.pieces()]
     for a, b in zip(_logits(model, PROMPT), _logits(new, PROMPT)):
+        assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q4"])
+def test_convert_writes_the_groups_held(ckpts, tmp_path, monkeypatch, kind):
+    """With fewer groups than the checkpoint's shards (NGRAM_GROUPS=2, 3
+    parts: shard 0, then shards 1-2), convert writes the groups the model
+    holds (-q: quantized group by group), not the shards and not the table
+    joined; the folder loads as it is (same trunk and head logits as the
+    shards' conversion, bit for bit), and also with the default grouping
+    (cut back into the shards)."""
+    from mlx_mtp.families import qwen4_exp
+
+    monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", 2)
+    out = tmp_path / kind
+    q = ["-q", "--q-bits", "4", "--mtp-bits", "8"] if kind == "q4" else []
+    assert cli(["--hf-path", str(ckpts["hf"]), "--mlx-path", str(out)] + q) == 0
+    src, written = raw(ckpts["hf"]), raw(out)
+    for layer in (0, 2):
+        p = f"{LM}layers.{layer}.ple.ple_embedding.ngram_embedding."
+        assert sorted(k[len(p):] for k in written if k.startswith(p)) == sorted(
+            f"{n}.{leaf}" for n in ("shard_0", "shards_1_2")
+            for leaf in (("weight", "scales", "biases") if kind == "q4" else ("weight",)))
+        if kind == "fp32":
+            h = f"model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_"
+            assert np.array_equal(np.array(written[p + "shards_1_2.weight"]),
+                                  np.concatenate([np.array(src[f"{h}{i}.weight"]) for i in (1, 2)]))
+    want = _logits(mlx_mtp.load(ckpts[kind], quiet=True)[0], PROMPT)
+    model, _ = mlx_mtp.load(out, quiet=True)
+    table = model.layers[0].ple.ple_embedding.ngram_embedding
+    assert [name for name, _, _ in table.pieces()] == ["shard_0", "shards_1_2"]
+    assert isinstance(table["shards_1_2"], nn.QuantizedEmbedding) == (kind == "q4")
+    for a, b in zip(_logits(model, PROMPT), want):
+        assert mx.array_equal(a, b)
+    monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", 8)
+    model, _ = mlx_mtp.load(out, quiet=True)
+    assert len(model.layers[0].ple.ple_embedding.ngram_embedding.pieces()) == 3
+    for a, b in zip(_logits(model, PROMPT), want):
         assert mx.array_equal(a, b)
 
 
