@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +21,7 @@ from qwen4_exp_reference import Reference, head_sizes, layer_multipliers
 from util import assert_pooled_block_keys
 
 from mlx_mtp.families import qwen4_exp
-from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+from mlx_mtp.synthetic import qwen4_exp_random_weights, write_qwen4_exp_checkpoint
 
 # 16 tokens: QSA chooses 2 of up to 8 two-token blocks; an EOS (258) cuts the n-grams
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 258, 12, 64, 88, 5, 9, 200, 31, 1]
@@ -100,9 +101,10 @@ def test_each_part_shows_in_the_logits(ckpt, part):
                 l.self_attn.indexer.block_topk = 10**6
     elif part == "ple_conv":
         layers[0].ple.conv1d.weight = mx.zeros_like(layers[0].ple.conv1d.weight)
-    elif part == "ngram_table":  # an n-gram hashed one row off
+    elif part == "ngram_table":  # an n-gram hashed one row off (within its row shard)
         t = layers[2].ple.ple_embedding.ngram_embedding
-        t.weight = mx.roll(t.weight, 1, axis=0)
+        for name, _, _ in t.pieces():
+            t[name].weight = mx.roll(t[name].weight, 1, axis=0)
     else:  # the streams' injection weights swapped
         hc = layers[1].attn_hyper_connection.block_inject_weight
         hc.weight = hc.weight[::-1]
@@ -200,6 +202,135 @@ def test_sanitize_mlx_layout_and_per_expert_tensors(ckpt):
             raw[f"{p}.{e}.up_proj.weight"] = gu[e, half:]
             raw[f"{p}.{e}.down_proj.weight"] = down[e]
     assert np.abs(_logits(_model(ckpt["config"], raw), PROMPT) - want).max() < 1e-6
+
+
+def _tables(model):
+    """{layer: the n-gram table's parameters, by name under `ngram_embedding.`}."""
+    params = dict(tree_flatten(model.parameters()))
+    out = {}
+    for layer in (0, 2):  # ple_layer_ids [1, 3]
+        p = f"language_model.model.layers.{layer}.ple.ple_embedding.ngram_embedding."
+        out[layer] = {k[len(p):]: v for k, v in params.items() if k.startswith(p)}
+    return out
+
+
+_PIECE = re.compile(r"^(.*\.ngram_embedding)\.shards?_(\d+)(?:_\d+)?\.(\w+)$")
+
+
+def _joined(weights):
+    """MLX-layout weights with each n-gram table joined into one tensor (as
+    conversions were written before the row shards were kept)."""
+    out, parts = {}, {}
+    for k, v in weights.items():
+        m = _PIECE.match(k)
+        if m:
+            parts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = v
+        else:
+            out[k] = v
+    out.update({k: mx.concatenate([p[i] for i in sorted(p)]) for k, p in parts.items()})
+    return out
+
+
+# 7 parts (torch.chunk's cut: 6 equal, the last shorter) in groups of at most G
+GROUPINGS = {8: [(i, i) for i in range(7)], 3: [(0, 1), (2, 3), (4, 6)]}
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPINGS))
+def test_ngram_tables_load_in_groups_of_row_shards(ckpt, monkeypatch, groups):
+    """The n-gram tables are never joined whole: with 7 checkpoint shards the
+    loaded model holds one array per group of consecutive shards (G=8: each
+    shard itself, the same array; G=3: shards 0-1, 2-3, 4-6 joined), each
+    fewer rows than the table, and its logits equal the 3-shard checkpoint's
+    bit for bit (a lookup is a gather). What it holds (as convert writes it)
+    loads again as the same arrays, and into the other grouping. An older
+    conversion (each table one tensor) loads cut into the groups (views),
+    same logits; and into a one-shard config (a plain take)."""
+    monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", groups)
+    tc = dict(ckpt["config"]["text_config"], split_ngram_parts=7)
+    config = dict(ckpt["config"], text_config=tc)
+    raw = qwen4_exp_random_weights(tc)  # the fixture's seed: the same table, cut in 7
+    m = _model(config, raw)
+    want = _logits(ckpt["model"], PROMPT)
+    assert np.array_equal(_logits(m, PROMPT), want)
+    for layer, held in _tables(m).items():
+        p = f"model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding."
+        src = [raw[f"{p}shard_{i}.weight"] for i in range(7)]
+        rows = [s.shape[0] for s in src]
+        assert len(rows) == 7 and rows[-1] < rows[0] and len(set(rows[:-1])) == 1, rows
+        assert sorted(held) == sorted(f"{qwen4_exp.piece_name(a, b)}.weight" for a, b in GROUPINGS[groups])
+        for a, b in GROUPINGS[groups]:
+            v = np.concatenate(src[a : b + 1])
+            got = held[f"{qwen4_exp.piece_name(a, b)}.weight"]
+            assert got.shape == v.shape and got.shape[0] < sum(rows) and np.array_equal(np.array(got), v), (a, b)
+
+    written = dict(tree_flatten(m.parameters()))  # what convert writes
+    again = qwen4_exp.Model(qwen4_exp.ModelArgs.from_dict(config)).sanitize(dict(written))
+    for k, v in written.items():
+        if ".ngram_embedding." in k:
+            assert again[k] is v, k  # loads as it is: not joined again
+    other = 3 if groups == 8 else 8
+    monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", other)
+    m2 = _model(config, {k: np.array(v) for k, v in written.items()})
+    assert [len(t) for t in _tables(m2).values()] == [len(GROUPINGS[other])] * 2
+    assert np.array_equal(_logits(m2, PROMPT), want)
+    monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", groups)
+
+    joined = _joined(written)
+    assert "language_model.model.layers.0.ple.ple_embedding.ngram_embedding.weight" in joined
+    for parts in (7, 1):
+        cfg = dict(ckpt["config"], text_config=dict(tc, split_ngram_parts=parts))
+        old = qwen4_exp.Model(qwen4_exp.ModelArgs.from_dict(cfg))
+        old.load_weights(list(old.sanitize(dict(joined)).items()), strict=True)
+        assert [len(t) for t in _tables(old).values()] == [min(parts, groups)] * 2
+        assert np.array_equal(_logits(old, PROMPT), want), parts
+
+
+def test_ngram_groups_of_512_shards():
+    """The release's 512 parts: 8 groups of 64 consecutive shards, their
+    bounds from the rows alone; a group that joins shards needs them all."""
+    rows = qwen4_exp.chunk_rows(5 * 512 - 3, 512)
+    assert len(rows) == 512
+    t = qwen4_exp.RowShardedEmbedding(rows, 2)
+    assert [name for name, _, _ in t.pieces()] == [f"shards_{64 * g}_{64 * g + 63}" for g in range(8)]
+    assert sum(n for _, _, n in t.pieces()) == sum(rows) and t.rows_of("shards_64_127") == (t.pieces()[1][1], t.pieces()[2][1])
+    parts = [(t.shard_starts[i], mx.full((r, 2), i)) for i, r in enumerate(rows) if i != 70]
+    got = t.regroup(parts)
+    assert "shards_64_127" not in got and len(got) == 7  # shard 70 missing: left out, a strict load names it
+    assert np.array_equal(np.array(got["shards_0_63"])[:, 0], np.repeat(np.arange(64), rows[:64]))
+
+
+@pytest.mark.parametrize("groups", [8, 3])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_tensor_parallel_rows_exact_without_joining(ranks, groups):
+    """`keep_rows` (what `Model.shard` does per rank): rank r keeps rows
+    [r*R/N, (r+1)*R/N), groups inside whole, a group across a bound
+    sliced, the rest dropped; the ranks' lookups (zeros for rows held
+    elsewhere) sum to the whole table's, bit for bit."""
+    rows = qwen4_exp.chunk_rows(312, 7)  # 6 x 45, then 42
+    full = qwen4_exp.RowShardedEmbedding(rows, 4, groups)
+    assert len(full.pieces()) == min(groups, 7)
+    mx.eval(full.parameters())
+    ids = mx.array([[5, 44, 45, 311, 0, 150], [156, 157, 208, 104, 270, 269]])
+    want = np.array(full(ids))
+    whole = np.concatenate([np.array(full[name].weight) for name, _, _ in full.pieces()])
+    assert whole.shape[0] == 312 and np.array_equal(want, whole[np.array(ids)])
+    total = np.zeros_like(want)
+    for r in range(ranks):
+        part = qwen4_exp.RowShardedEmbedding(rows, 4, groups)
+        part.update(full.parameters())
+        lo, hi = r * 312 // ranks, (r + 1) * 312 // ranks
+        part.keep_rows(lo, hi)
+        pieces = part.pieces()
+        assert pieces[0][1] == lo and sum(n for _, _, n in pieces) == hi - lo
+        assert len(tree_flatten(part.parameters())) == len(pieces)
+        for name, start, n in pieces:  # a group inside is kept whole
+            a, b = part.rows_of(name)
+            inside = lo <= a and b <= hi
+            assert (start, n) == (a, b - a) if inside else n < b - a, name
+        got = np.array(part(ids))
+        assert not np.any(got[(np.array(ids) < lo) | (np.array(ids) >= hi)])
+        total += got
+    assert np.array_equal(total, want)
 
 
 def test_rows_of_a_batch_decode_as_alone(ckpt):

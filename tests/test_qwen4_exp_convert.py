@@ -75,7 +75,8 @@ def _greedy_equals_plain(model, want, depths):
 def test_fp32_convert_is_the_unconverted_model(ckpts):
     """fp32: the conversion gives the unconverted checkpoint's trunk and head
     logits exactly; zero-centred norms (trunk and head) are shifted once, the
-    gated GDN norm is not; n-gram tables joined from their row shards, the
+    gated GDN norm is not; n-gram tables kept as their row shards (3, no more
+    than NGRAM_GROUPS: groups of one), the
     derived hash buffers dropped, torch conv layout moved, the head in a
     shard of its own."""
     a, _ = mlx_mtp.load(ckpts["hf"], quiet=True)
@@ -99,9 +100,11 @@ def test_fp32_convert_is_the_unconverted_model(ckpts):
         p = f"layers.{layer}.ple.ple_embedding.ngram_embedding"
         parts = sorted((int(k.rsplit(".shard_", 1)[1].split(".")[0]), k) for k in src
                        if k.startswith(f"model.language_model.{p}.shard_"))
-        assert len(parts) == 3
-        assert np.array_equal(o(p + ".weight"), np.concatenate([np.array(src[k]) for _, k in parts]))
-    assert not [k for k in out if "shard_" in k or "multipliers" in k or "ngram_heads" in k]
+        assert len(parts) == 3  # written as the row shards they came as, not joined
+        for i, k in parts:
+            assert np.array_equal(o(f"{p}.shard_{i}.weight"), np.array(src[k])), k
+        assert LM + p + ".weight" not in out
+    assert not [k for k in out if "multipliers" in k or "ngram_heads" in k]
 
     index = json.loads((ckpts["fp32"] / "model.safetensors.index.json").read_text())
     head_files = {f for k, f in index["weight_map"].items() if k.startswith("mtp.")}
@@ -144,11 +147,83 @@ def test_q4_convert_greedy_mtp_equals_plain(ckpts):
     layers, head = model.layers, model.mtp
     assert layers[1].self_attn.q_proj.bits == 4 and layers[1].mlp.gate.bits == 8
     table = layers[0].ple.ple_embedding.ngram_embedding
-    assert isinstance(table, nn.QuantizedEmbedding) and table.bits == 4
+    assert len(table.pieces()) == 3  # quantized shard by shard
+    for name, _, _ in table.pieces():
+        assert isinstance(table[name], nn.QuantizedEmbedding) and table[name].bits == 4
     assert head.fc_hidden.bits == 8 and head.layers[0].self_attn.indexer.index_qk_proj.bits == 8
     assert head.layers[0].mlp.gate.bits == 8
     want = reference(_trunk_alone(ckpts["q4"]), PROMPT, N)
     _greedy_equals_plain(model, want, (1, 2, 3))
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q4"])
+def test_older_conversion_with_joined_tables_loads(ckpts, tmp_path, kind):
+    """A conversion written before the row shards were kept (each n-gram
+    table one tensor, with -q quantized whole) loads through mlx_mtp.load,
+    cut into the config's shards, and gives the same trunk and head logits
+    bit for bit."""
+    old = tmp_path / "old"
+    shutil.copytree(ckpts[kind], old)
+    weight_map = {}
+    for f in sorted(old.glob("*.safetensors")):
+        w, joined = mx.load(str(f)), {}
+        for k in [k for k in w if ".ngram_embedding.shard_" in k]:
+            head, tail = k.split(".shard_")
+            i, leaf = tail.split(".")
+            joined.setdefault(f"{head}.{leaf}", {})[int(i)] = w.pop(k)
+        w.update({k: mx.concatenate([p[i] for i in sorted(p)]) for k, p in joined.items()})
+        mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(w, f.name))
+    index = old / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        index.write_text(json.dumps(dict(data, weight_map=weight_map)))
+    assert LM + "layers.0.ple.ple_embedding.ngram_embedding.weight" in weight_map
+    new, _ = mlx_mtp.load(ckpts[kind], quiet=True)
+    model, _ = mlx_mtp.load(old, quiet=True)
+    table = model.layers[0].ple.ple_embedding.ngram_embedding
+    assert isinstance(table["shard_2"], nn.QuantizedEmbedding) == (kind == "q4")
+    assert [n for _, _, n in table.pieces()] == [n for _, _, n in new.layers[0].ple.ple_embedding.ngram_embedding.pieces()]
+    for a, b in zip(_logits(model, PROMPT), _logits(new, PROMPT)):
+        assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q4"])
+def test_convert_writes_the_groups_held(ckpts, tmp_path, monkeypatch, kind):
+    """With fewer groups than the checkpoint's shards (NGRAM_GROUPS=2, 3
+    parts: shard 0, then shards 1-2), convert writes the groups the model
+    holds (-q: quantized group by group), not the shards and not the table
+    joined; the folder loads as it is (same trunk and head logits as the
+    shards' conversion, bit for bit), and also with the default grouping
+    (cut back into the shards)."""
+    from mlx_mtp.families import qwen4_exp
+
+    monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", 2)
+    out = tmp_path / kind
+    q = ["-q", "--q-bits", "4", "--mtp-bits", "8"] if kind == "q4" else []
+    assert cli(["--hf-path", str(ckpts["hf"]), "--mlx-path", str(out)] + q) == 0
+    src, written = raw(ckpts["hf"]), raw(out)
+    for layer in (0, 2):
+        p = f"{LM}layers.{layer}.ple.ple_embedding.ngram_embedding."
+        assert sorted(k[len(p):] for k in written if k.startswith(p)) == sorted(
+            f"{n}.{leaf}" for n in ("shard_0", "shards_1_2")
+            for leaf in (("weight", "scales", "biases") if kind == "q4" else ("weight",)))
+        if kind == "fp32":
+            h = f"model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_"
+            assert np.array_equal(np.array(written[p + "shards_1_2.weight"]),
+                                  np.concatenate([np.array(src[f"{h}{i}.weight"]) for i in (1, 2)]))
+    want = _logits(mlx_mtp.load(ckpts[kind], quiet=True)[0], PROMPT)
+    model, _ = mlx_mtp.load(out, quiet=True)
+    table = model.layers[0].ple.ple_embedding.ngram_embedding
+    assert [name for name, _, _ in table.pieces()] == ["shard_0", "shards_1_2"]
+    assert isinstance(table["shards_1_2"], nn.QuantizedEmbedding) == (kind == "q4")
+    for a, b in zip(_logits(model, PROMPT), want):
+        assert mx.array_equal(a, b)
+    monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", 8)
+    model, _ = mlx_mtp.load(out, quiet=True)
+    assert len(model.layers[0].ple.ple_embedding.ngram_embedding.pieces()) == 3
+    for a, b in zip(_logits(model, PROMPT), want):
+        assert mx.array_equal(a, b)
 
 
 def test_head_only_quantized(ckpts, tmp_path):

@@ -40,7 +40,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_inplace
+from mlx.utils import tree_map
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.base import BaseModelArgs, create_ssm_mask, gather_last_axis
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
@@ -237,6 +237,123 @@ def ngram_head_sizes(args: TextModelArgs, ple_index: int) -> List[int]:
     return sizes
 
 
+def chunk_rows(rows: int, parts: int) -> List[int]:
+    """The row counts of torch.chunk(table, parts) (how the release stores
+    each n-gram table): chunks of ceil(rows / parts) rows, the last shorter,
+    so there may be fewer than `parts`."""
+    step = -(-rows // parts)
+    return [min(step, rows - lo) for lo in range(0, rows, step)]
+
+
+# At most this many arrays per n-gram table: a lookup costs one take per array
+# (measured on a CPU, 16 ids: 0.10 ms with 1, 2.6 ms with 64, 25 ms with 512),
+# and a load joins at most one group at a time (~1/NGRAM_GROUPS of a table).
+NGRAM_GROUPS = 8
+
+
+def group_shards(shards: int, groups: int) -> List[tuple]:
+    """[first, last] checkpoint shard of each group: consecutive shards,
+    `groups` groups as even as can be (one shard each when there are no
+    more shards than groups)."""
+    groups = min(groups, shards)
+    return [(g * shards // groups, (g + 1) * shards // groups - 1) for g in range(groups)]
+
+
+def piece_name(first: int, last: int) -> str:
+    """A group's parameter name: `shard_{i}` (one checkpoint shard, named as
+    the checkpoint names it) or `shards_{first}_{last}` (shards first..last)."""
+    return f"shard_{first}" if first == last else f"shards_{first}_{last}"
+
+
+_PIECE_NAME = re.compile(r"^(?:shard_(\d+)|shards_(\d+)_(\d+))$")
+
+
+class RowShardedEmbedding(nn.Module):
+    """An embedding table kept as groups of the checkpoint's row shards, never
+    joined whole: at most `groups` arrays, each the rows of consecutive
+    shards (`piece_name`; an `nn.Embedding`, or `nn.QuantizedEmbedding` once
+    quantized), its bounds derived from the shards' rows alone (the config),
+    before any weight is seen. A lookup takes each id from the group holding
+    its row (one take per group): exactly the joined table's lookup. Rows
+    this module does not hold (dropped by `keep_rows`) read as zeros."""
+
+    def __init__(self, rows: List[int], dims: int, groups: int = NGRAM_GROUPS):
+        super().__init__()
+        self.total_rows = sum(rows)
+        self.shard_starts = [sum(rows[:i]) for i in range(len(rows) + 1)]  # (and the end)
+        bounds = group_shards(len(rows), groups)
+        self._names = [piece_name(a, b) for a, b in bounds]
+        self._starts = [self.shard_starts[a] for a, _ in bounds]
+        for name, (a, b) in zip(self._names, bounds):
+            setattr(self, name, nn.Embedding(self.shard_starts[b + 1] - self.shard_starts[a], dims))
+
+    def pieces(self):
+        """(name, first row in the whole table, rows) of each group held."""
+        return [(name, start, self[name].weight.shape[0]) for name, start in zip(self._names, self._starts)]
+
+    def rows_of(self, name: str) -> tuple:
+        """[start, end) rows of the whole table that a piece name covers
+        (`shard_{i}`, `shards_{a}_{b}`: of the checkpoint's shards)."""
+        m = _PIECE_NAME.match(name)
+        if m is None:
+            raise ValueError(f"not an n-gram table piece: {name}")
+        a, b = (int(m.group(1)),) * 2 if m.group(1) else (int(m.group(2)), int(m.group(3)))
+        if not 0 <= a <= b < len(self.shard_starts) - 1:
+            raise ValueError(f"{name}: the config's table has {len(self.shard_starts) - 1} shards")
+        return self.shard_starts[a], self.shard_starts[b + 1]
+
+    def regroup(self, parts: List[tuple]) -> dict:
+        """Arrays holding rows of the whole table (one leaf: the weight, or a
+        quantization's scales / biases: rows are independent), as
+        [(first row, array)] (checkpoint shards, groups, or the table joined
+        whole, as older conversions wrote it) -> {group name: array}: a
+        part that is a group is passed as it is, a group inside a part is a
+        view of it (no copy), a group over several parts joins them (only
+        its own rows: at most one group's worth at a time). A group whose
+        rows are not all there is left out (a strict load names it)."""
+        parts = sorted(parts, key=lambda p: p[0])
+        out = {}
+        for name, start, n in self.pieces():
+            end, pieces, covered = start + n, [], 0
+            for lo, w in parts:
+                a, b = max(start, lo), min(end, lo + w.shape[0])
+                if a < b:
+                    pieces.append(w if (a, b) == (lo, lo + w.shape[0]) else w[a - lo : b - lo])
+                    covered += b - a
+            if covered == n:  # (the parts' rows are disjoint: a checkpoint's)
+                out[name] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        return out
+
+    def keep_rows(self, lo: int, hi: int):
+        """Keep only rows [lo, hi) of the whole table: groups inside stay as
+        they are, a group across a bound is sliced, the others are dropped
+        (with a lazy load, never read). `mx.contiguous` copies what is a
+        view (a sliced group; a joined table's cut), so the rest of its
+        buffer is freed, and leaves an array of its own as it is."""
+        names, starts = [], []
+        for name, start, n in self.pieces():
+            a, b = max(lo, start), min(hi, start + n)
+            if a >= b:
+                delattr(self, name)
+                continue
+            group = self[name]
+            group.update(tree_map(lambda w: mx.contiguous(w[a - start : b - start]), group.parameters()))
+            names.append(name)
+            starts.append(a)
+        self._names, self._starts = names, starts
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        out = None
+        for name, start, n in self.pieces():
+            if start == 0 and n == self.total_rows:
+                return self[name](ids)
+            local = ids - start
+            here = local.astype(mx.uint32) < n  # (negative offsets wrap past n)
+            e = self[name](mx.where(here, local, 0))
+            out = mx.where(here[..., None], e, 0 if out is None else out)
+        return out
+
+
 class NGramEmbedding(nn.Module):
     """Hashed 2..n-gram embeddings; n-grams do not reach across an EOS."""
 
@@ -254,7 +371,10 @@ class NGramEmbedding(nn.Module):
         self._mult = [int(m) for m in ngram_multipliers(args.vocab_size, self.n, ple_index, args.seed)]
         self._sizes = mx.array(sizes, dtype=mx.int64)
         self._offsets = mx.array(offsets, dtype=mx.int64)
-        self.ngram_embedding = nn.Embedding(padded, args.ple_embed_dim // heads)
+        # as the release stores it, torch.chunk'ed rows (`shard_{i}`), in at
+        # most NGRAM_GROUPS groups of consecutive shards (never joined whole)
+        self.ngram_embedding = RowShardedEmbedding(chunk_rows(padded, args.split_ngram_parts),
+                                                   args.ple_embed_dim // heads, NGRAM_GROUPS)
         self.sharding_group = None  # tensor parallel: each rank holds a block of rows
 
     def __call__(self, history: mx.array, length: int) -> mx.array:
@@ -279,15 +399,11 @@ class NGramEmbedding(nn.Module):
             sizes = self._sizes[lo : lo + self.per_ngram]
             blocks.append(mx.remainder(mixed[..., None], sizes) + self._offsets[lo : lo + self.per_ngram])
         ids = mx.concatenate(blocks, axis=-1)[:, -length:].astype(mx.int32)
-        if self.sharding_group is None:
-            return self.ngram_embedding(ids).reshape(B, length, -1)
-        # rows [rank * n, (rank + 1) * n) here: the others' rows read as zeros,
-        # and the sum over ranks is each row itself, bit for bit
-        n = self.ngram_embedding.weight.shape[0]
-        local = ids - self.sharding_group.rank() * n
-        here = (local >= 0) & (local < n)
-        e = mx.where(here[..., None], self.ngram_embedding(mx.where(here, local, 0)), 0)
-        e = mx.distributed.all_sum(e, group=self.sharding_group)
+        e = self.ngram_embedding(ids)
+        if self.sharding_group is not None:
+            # each rank holds a block of rows, the others' read as zeros:
+            # the sum over ranks is each row itself, bit for bit
+            e = mx.distributed.all_sum(e, group=self.sharding_group)
         return e.reshape(B, length, -1)
 
 
@@ -641,7 +757,11 @@ class TextModel(nn.Module):
 _ZERO_CENTRED = (".q_norm.weight", ".k_norm.weight", ".q_layernorm.weight", ".k_layernorm.weight",
                  ".hc_norm.weight", ".norm_key.weight", ".norm_query.weight", ".norm_conv.weight")
 _DERIVED = (".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
-_SHARD = re.compile(r"^(.*\.ngram_embedding)\.shard_(\d+)\.weight$")
+# an n-gram table's rows: a checkpoint shard (`shard_{i}`), a group of them
+# (`shards_{a}_{b}`, as converted), or the table joined whole (no name: this
+# project's conversions before the row shards were kept)
+_TABLE = re.compile(r"^language_model\.model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\."
+                    r"(?:(\w+)\.)?(weight|scales|biases)$")
 
 
 class Model(nn.Module):
@@ -677,7 +797,10 @@ class Model(nn.Module):
         with an all_sum after attention/GDN and after the MoE. Then each PLE
         layer's n-gram table by rows: it is most of the PLE weights, and the
         lookup is exact (each row comes from one rank, zeros from the
-        others), for one more all_sum per PLE layer.
+        others), for one more all_sum per PLE layer. Rank r keeps rows
+        [r*R/N, (r+1)*R/N) of the table's R: the row groups inside whole,
+        the one or two across a bound sliced, the others dropped unread
+        (the table is never joined).
 
         Replicated: the QSA indexer (a few heads whose one choice of key
         blocks serves every attention head; split, its scores would need one
@@ -690,16 +813,17 @@ class Model(nn.Module):
         for layer in self.layers:
             if layer.has_ple:
                 table = layer.ple.ple_embedding
-                shard_inplace(table.ngram_embedding, "all-to-sharded", group=group)
+                R, N, r = table.ngram_embedding.total_rows, group.size(), group.rank()
+                table.ngram_embedding.keep_rows(r * R // N, (r + 1) * R // N)
                 table.sharding_group = group
 
     def sanitize(self, weights):
         """HF layout (`model.language_model.*`, `lm_head`, `model.visual.*`,
-        `mtp.*`, sharded n-gram tables, fused or per-expert MoE, zero-centred
+        `mtp.*`, row-sharded n-gram tables, fused or per-expert MoE, zero-centred
         norms, torch conv layout) or this class's MLX layout -> MLX layout."""
         hf = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
         args = self.language_model.args
-        out, shards = {}, {}
+        out, tables = {}, {}
         for k, v in weights.items():
             if k.startswith(("vision_tower", "model.visual", "mtp.", "model.mtp.")) or k.endswith(_DERIVED):
                 continue
@@ -707,9 +831,9 @@ class Model(nn.Module):
                 k = "language_model.model." + k[len("model.language_model."):]
             elif not k.startswith("language_model."):
                 k = "language_model." + k
-            m = _SHARD.match(k)
-            if m:
-                shards.setdefault(m.group(1), {})[int(m.group(2))] = v
+            m = _TABLE.match(k)
+            if m:  # regrouped below, table by table
+                tables.setdefault((int(m.group(1)), m.group(3)), []).append((m.group(2), v))
                 continue
             if hf:
                 if k.endswith("conv1d.weight") and v.shape[-1] != 1:
@@ -717,8 +841,19 @@ class Model(nn.Module):
                 if k.endswith(_ZERO_CENTRED):
                     v = v + 1.0
             out[k] = v
-        for k, parts in shards.items():  # torch.chunk'ed along rows; join in order
-            out[k + ".weight"] = mx.concatenate([parts[i] for i in sorted(parts)], axis=0)
+        for (l, leaf), parts in tables.items():
+            # into the module's groups: shards joined within a group only, a
+            # group passed as it is, a joined table cut into views
+            table = self.language_model.model.layers[l].ple.ple_embedding.ngram_embedding
+            rows = []
+            for name, v in parts:
+                lo, hi = (0, table.total_rows) if name is None else table.rows_of(name)
+                if v.shape[0] != hi - lo:
+                    raise ValueError(f"layer {l} n-gram table {name or 'joined'}.{leaf}: {v.shape[0]} rows, "
+                                     f"the config's split_ngram_parts gives {hi - lo}")
+                rows.append((lo, v))
+            for name, v in table.regroup(rows).items():
+                out[f"language_model.model.layers.{l}.ple.ple_embedding.ngram_embedding.{name}.{leaf}"] = v
         if args.tie_word_embeddings:
             out.pop("language_model.lm_head.weight", None)
         for l in range(args.num_hidden_layers):
