@@ -358,6 +358,7 @@ class Batch:
         self.cycles = 0
         self._tic = time.perf_counter()
         self._launched = 0  # cycles launched since the last read
+        self._starting = True  # no cycle read since the batch was last empty
         self._settings()
 
     @property
@@ -552,6 +553,7 @@ class Batch:
         if not self.rows:
             self.inflight.clear()
             self.ring = 0
+            self._starting = True
         self._settings()
 
     def _settings(self):
@@ -640,12 +642,16 @@ class Batch:
         """Queue cycles up to the lookahead, read the oldest one: per row still
         in the batch, (row, its tokens, their log-prob rows, the tokens'
         log-probs, drafts accepted)."""
-        while self.rows and len(self.inflight) <= self.lookahead and any(
+        # a batch's first cycle is read before the next is queued: on MLX's CPU
+        # backend queuing one runs most of it, which would delay the first token
+        ahead = 0 if self._starting else self.lookahead
+        while self.rows and len(self.inflight) <= ahead and any(
                 self._needs_more(r) for r in self.rows):
             self._launch()
         if not self.inflight:
             return []
         cycle = self.inflight.popleft()
+        first, self._starting = self._starting, False
         wait0 = time.perf_counter()
         accepted_all, tokens_all, lps_all = unpack(np.array(cycle.out.packed),
                                                    cycle.k)
@@ -687,10 +693,11 @@ class Batch:
             if self.spec.group is not None:  # which depth gets the sample must not differ by rank
                 waited_on = cycle
             # the interval spans both cycles: a sample only when they ran the same
-            # rows, and when it held one launch (a batch's first read follows
-            # two: the lookahead's, and would count as a cycle twice as slow)
-            if not (cycle.traced or launched.traced) and len(launched.rows) == len(cycle.rows) \
-                    and self._launched == 1:
+            # rows, and when it held one launch (a batch's second read follows
+            # two: the lookahead's, and would count as a cycle twice as slow);
+            # not a batch's first read (its cycle also finishes the prompt's work)
+            if not (first or cycle.traced or launched.traced) \
+                    and len(launched.rows) == len(cycle.rows) and self._launched == 1:
                 ctl.update_cost(waited_on.k, toc - self._tic)
         self._tic, self._launched = toc, 0
         if self.timeline is not None:
