@@ -30,7 +30,8 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Generator, List, NamedTuple, Optional, Tuple, Union
+from typing import (Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple,
+                    Union)
 
 import mlx.core as mx
 import numpy as np
@@ -254,6 +255,7 @@ class Request:
     progress: Optional[Callable[[int, int], None]] = None  # prompt tokens done, total
     stops: tuple = ()  # prompt token counts after which `snapshot(n)` is called
     snapshot: Optional[Callable[[int], None]] = None
+    cached_tokens: tuple = ()  # tokens before `prompt` (cached) that the processors see first
 
 
 def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int = 32,
@@ -380,11 +382,14 @@ class Batch:
                 seed: Optional[int] = None, prefill_step_size: int = 2048, *,
                 sampler=None, logit_bias: Optional[Dict[int, float]] = None,
                 logits_processors=None, stats: Optional[MTPStats] = None,
-                progress=None) -> Request:
+                progress=None, cached_tokens: Sequence[int] = ()) -> Request:
         """Check one row's arguments against this batch's model: a Request.
         sampler: the row's own (default: the batch's; a RowSampling too);
         logit_bias is added in-graph (mlx_lm's logit-bias processor),
-        logits_processors run on the host with the row's history."""
+        logits_processors run on the host with the row's history:
+        `cached_tokens` (those the prompt cache already holds, as
+        mlx_lm.server's batch passes them: `all_tokens`), the prompt, and the
+        tokens emitted."""
         model = self.spec.model
         ids = checks.token_ids("prompt", prompt, model.vocab_size)
         if not ids:
@@ -411,10 +416,11 @@ class Batch:
         context = getattr(model.text_args, "max_position_embeddings", None)
         checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
                              id(model))
+        processors = tuple(self.default_processors if logits_processors is None
+                           else logits_processors)
         return Request(ids, prompt_cache, keep_cache, max_tokens, row_key(sampling, seed),
-                       stats if stats is not None else MTPStats(), sampling,
-                       tuple(self.default_processors if logits_processors is None
-                             else logits_processors), progress)
+                       stats if stats is not None else MTPStats(), sampling, processors,
+                       progress, cached_tokens=tuple(cached_tokens) if processors else ())
 
     def add(self, requests: List[Request], prefill_step_size: int = 2048) -> List[Optional[Row]]:
         """Prefill new rows (short prompts together, long ones alone) and merge
@@ -489,7 +495,7 @@ class Batch:
             row.last = Finish(state.without_buffers() if held.keep else None, len(states),
                               lens, y, [])
             if r.processors:
-                row.history = mx.array(r.prompt, dtype=mx.int32)
+                row.history = mx.array([*r.cached_tokens, *r.prompt], dtype=mx.int32)
             if is_host_side(spec.drafter):
                 spec.drafter.start()  # such a drafter has one row
             if r.sampling is not None and r.sampling.logit_bias:

@@ -505,7 +505,8 @@ class _Lane:
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed, gen.cli_args.prefill_step_size,
             sampler=settings.sampling, logits_processors=settings.processors, stats=ctx.stats,
-            progress=lambda done, total: rqueue.put((n + done, n + total)))
+            progress=lambda done, total: rqueue.put((n + done, n + total)),
+            cached_tokens=prompt[:n])  # penalties count the cached prefix, as mlx_lm.server's
         r.stops, r.snapshot = stops, snapshot
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
                           stop_sequences.matcher(), tokenizer.detokenizer)
@@ -659,9 +660,17 @@ class MTPAPIHandler(APIHandler):
             checks.logit_bias(body.get("logit_bias"), rg.model_provider.model.vocab_size)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param="logit_bias") from None
-        for m in body.get("messages", ()):
+        for i, m in enumerate(body.get("messages", ())):
             if m["role"] == "developer":  # OpenAI's newer name for the system role
                 m["role"] = "system"
+            # text only, refused here: mlx_lm.server would first fetch an image's URL
+            content = m.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    where = f"messages.{i}.content.{j}"
+                    raise ApiError(400, f"{where}: only text parts ({{'type': 'text', 'text': "
+                                        f"...}}) are supported, not {kind!r}", param=where)
 
     def _check_limits(self, body: dict, token_fields):
         """What the table cannot know: max_tokens against --max-tokens-limit,

@@ -84,6 +84,34 @@ def test_completions_same_text_as_mlx_lm_server(servers):
         assert streamed == want.choices[0].text
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "def mul(a, b):"}],
+                                  presence_penalty=1.5)),
+    ("/v1/completions", dict(prompt="def mul(a, b):\n", repetition_penalty=1.5)),
+    ("/v1/completions", dict(prompt="class Queue:\n", frequency_penalty=1.0)),
+])
+def test_penalties_see_the_cached_prefix(servers, path, body):
+    """Penalties (logits processors) count every token in the context, the
+    prefix served from the prompt cache included, as mlx_lm.server's batch
+    does: the same request twice (the second mostly cached) gives
+    mlx_lm.server's text both times."""
+    mtp, lm = servers
+    body = dict(body, max_tokens=30, temperature=0)
+
+    def answer(server):
+        r = requests.post(server.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        choice = out["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return text, (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    want = answer(lm)[0]
+    got = [answer(mtp) for _ in range(2)]
+    assert got[1][1] > 0  # the second one starts from the cached prompt
+    assert [text for text, _ in got] == [want, want]
+
+
 def test_usage_and_mtp_statistics(mtp):
     r = requests.post(mtp.url + "/v1/chat/completions", json=dict(
         CHATS[0], stream=False)).json()
@@ -179,6 +207,13 @@ BAD = [
                                          "frobnicate": True}).encode(), 400),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                          "model": "gpt-4"}).encode(), 404),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,AAAA"}}]}]}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        "x"]}]}).encode(), 400),
     ("/v1/completions", json.dumps({"prompt": ""}).encode(), 400),
     ("/v1/completions", json.dumps({"prompt": "x" * 70000, "max_tokens": 32768}).encode(), 400),
     ("/v1/unknown", b"{}", 404),
