@@ -159,8 +159,8 @@ def _sampled_text(server, seed):
 
 
 def test_concurrent_clients(mtp):
-    """Clients at once (batched: rows joining and leaving; a logit_bias request
-    decoding alone; seeded sampling beside greedy) get complete answers, each
+    """Clients at once (batched: rows joining and leaving; a logit_bias row,
+    added in-graph; seeded sampling beside greedy) get complete answers, each
     equal to its serial one. (Seeded draws repeat at a fixed depth: with auto
     the depth schedule, which follows timing, decides which draws are made.)"""
     serial = [chat_text(mtp, r) for r in CHATS] + [_sampled_text(mtp, s) for s in (1, 2)]
