@@ -9,8 +9,8 @@ with three subclasses:
 - `MTPModelProvider` loads with `mlx_mtp.load` and serves that one model;
 - `MTPResponseGenerator` decodes requests together in batches (loop.py's
   `Batch`: one trunk forward per cycle, each row accepting its own drafts;
-  rows join and leave between cycles; requests with other sampler settings
-  wait for the batch to drain, ones with logits processors decode alone),
+  rows join and leave between cycles, each sampling with its own settings;
+  a request differing in what a batch shares waits for it to drain),
   with a prefix cache: mlx_lm's `LRUPromptCache`, bounded by entries and
   bytes, with snapshots where a recurrent state can be restored exactly (the end of the
   system prompt, of the last user message, of the prompt, of each answer);
@@ -41,7 +41,9 @@ import itertools
 import json
 import logging
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -115,6 +117,41 @@ COMPLETION_SCHEMA = {
                        suffix={"type": "null"}, best_of={"const": 1}),
     "additionalProperties": False,
 }
+
+
+class _ClientWatch(threading.Thread):
+    """Stops a non-streamed generation whose client closed its connection
+    (an agent that timed out, say): otherwise it would decode to max_tokens
+    for nobody, beside the rows still wanted. Polls the socket for the end
+    of the stream; the row leaves as a streamed one does when a write fails."""
+
+    POLL = 0.25  # seconds
+
+    def __init__(self, sock, request):
+        super().__init__(daemon=True, name="mlx_mtp-client-watch")
+        self.sock, self.request, self.done = sock, request, threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(self.POLL):
+            try:
+                if not select.select([self.sock], [], [], 0)[0]:
+                    continue
+                if self.sock.recv(1, socket.MSG_PEEK):
+                    return  # the client sent more (a pipelined request): it is there
+            except (OSError, ValueError):
+                pass  # reset: gone too
+            break
+        while not self.done.is_set():  # gone: stop its generation once it has one
+            ctx = getattr(self.request, "mtp_ctx", None)
+            if ctx is not None:
+                logging.info("the client of a non-streamed request left: its row finishes")
+                ctx.stop()
+                return
+            self.done.wait(self.POLL)
+
+    def close(self):
+        self.done.set()
 
 
 class ApiError(Exception):
@@ -492,6 +529,7 @@ class _Lane:
             initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
         stats = getattr(request, "mtp_stats", None)  # the handler's (`handle_completion`)
         ctx.stats = MTPStats() if stats is None else stats
+        request.mtp_ctx = ctx  # (a non-streamed request's client may leave: _ClientWatch)
         rqueue.put(ctx)
         if cache is None:
             cache = model.make_cache()
@@ -733,6 +771,8 @@ class MTPAPIHandler(APIHandler):
                 return self.send_api_error(e)
             # the generation thread counts into these (`_prepare`); `usage` reports them
             self.stats = request.mtp_stats = MTPStats()
+            if not self.stream:  # (a streamed one finds out when a write fails)
+                held.callback(_ClientWatch(self.connection, request).close)
             super().handle_completion(request, stop_words)  # answers its own errors
 
     def handle_models_request(self):
@@ -794,7 +834,13 @@ class MTPAPIHandler(APIHandler):
             if stream:
                 self._write_event("ping", {"type": "ping"})
 
-        ctx, response = rg.generate(request, args, progress_callback=keepalive)
+        watch = None if stream else _ClientWatch(self.connection, request)
+        try:
+            ctx, response = rg.generate(request, args, progress_callback=keepalive)
+        except BaseException:
+            if watch is not None:
+                watch.close()
+            raise
         tokenizer = rg.model_provider.tokenizer
         msg = anthropic.Message(body["model"], len(ctx.prompt), max(ctx.prompt_cache_count, 0),
                                 ctx.tool_parser if ctx.has_tool_calling else None, tools)
@@ -817,6 +863,8 @@ class MTPAPIHandler(APIHandler):
                         self._write_event(*event)
         finally:
             ctx.stop()
+            if watch is not None:
+                watch.close()
         stop_sequence = None
         if finish == "stop" and tokens and tokens[-1] not in tokenizer.eos_token_ids:
             tail = tokenizer.decode(tokens)

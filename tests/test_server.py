@@ -5,6 +5,7 @@ across turns, concurrency, a client leaving mid-stream, bad input; and a
 qwen4_exp model served against in-process greedy decoding."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -187,6 +188,40 @@ def test_disconnect_mid_stream(mtp):
     assert chat_text(mtp, CHATS[1]) == want
     assert time.time() - t0 < 15
     assert requests.get(mtp.url + "/health").json() == {"status": "ok"}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", dict(messages=CHATS[0]["messages"], max_tokens=3000)),
+    ("/v1/messages", dict(model="default_model", messages=CHATS[0]["messages"],
+                          max_tokens=3000)),
+])
+def test_client_leaving_a_non_streamed_request_stops_it(mtp, path, body):
+    """A non-streamed request whose client closes the connection stops
+    decoding (mlx_lm.server's would run to max_tokens): the server is idle
+    a moment later, and keeps answering right."""
+    want = chat_text(mtp, CHATS[1])
+    payload = json.dumps(body)
+    with socket.create_connection(("127.0.0.1", mtp.port)) as s:
+        s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(payload)}\r\n\r\n{payload}").encode())
+        time.sleep(2)  # decoding by now
+        busy = _cpu_seconds(mtp.proc.pid)
+        time.sleep(1)
+        assert _cpu_seconds(mtp.proc.pid) - busy > 0.3  # (it was decoding)
+    time.sleep(2)  # the watch polls 4 times a second; the row leaves at its next cycle
+    idle = _cpu_seconds(mtp.proc.pid)
+    time.sleep(2)
+    assert _cpu_seconds(mtp.proc.pid) - idle < 0.3
+    assert chat_text(mtp, CHATS[1]) == want
+    assert "non-streamed request left" in mtp.text()
 
 
 BAD = [
