@@ -20,7 +20,7 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.load import demo_model_path  # noqa: E402
-from serving import Server, chat_text  # noqa: E402
+from serving import Server, chat_text, greedy_ids  # noqa: E402
 
 DEMO = str(demo_model_path())
 
@@ -97,20 +97,12 @@ def test_penalties_see_the_cached_prefix(servers, path, body):
     does: the same request twice (the second mostly cached) gives
     mlx_lm.server's text both times."""
     mtp, lm = servers
-    body = dict(body, max_tokens=30, temperature=0)
-
-    def answer(server):
-        r = requests.post(server.url + path, json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        out = r.json()
-        choice = out["choices"][0]
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        return text, (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-
-    want = answer(lm)[0]
-    got = [answer(mtp) for _ in range(2)]
-    assert got[1][1] > 0  # the second one starts from the cached prompt
-    assert [text for text, _ in got] == [want, want]
+    body = dict(body, max_tokens=30)
+    want = greedy_ids(lm, body, path)[1]
+    got = [greedy_ids(mtp, body, path) for _ in range(2)]
+    # the second one starts from the cached prompt
+    assert (got[1][2].get("prompt_tokens_details") or {}).get("cached_tokens", 0) > 0
+    assert [text for _, text, _ in got] == [want, want]
 
 
 def test_usage_and_mtp_statistics(mtp):
@@ -410,7 +402,6 @@ def test_qwen4_exp_concurrent_greedy_equals_in_process(tmp_path):
     EOS) and mlx_mtp.generate's text, and a second turn, started from the
     first turn's stored prompt cache, still gets them."""
     import mlx_mtp
-    from serving import greedy_ids
     from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
 
     # a seed and prompts whose answers differ from the first token (the tiny random
