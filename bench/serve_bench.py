@@ -20,6 +20,13 @@ previous round's prefix cache; within a round both servers get the same ones):
   same8    8 concurrent clients, greedy, 2 chats each, 64 tokens
   agent    1 client, a 4-turn conversation (system prompt + ~400 tokens of
            code per turn, the history growing), 64 tokens a turn, not streamed
+Run only when named (--workloads):
+  penalties  1 client, 4 greedy chats with presence_penalty 0.5 (mlx_lm's
+             default context of 20 tokens), 96 tokens each
+  mixedpen   4 concurrent clients, greedy, 3 chats each, 64 tokens; one with
+             frequency_penalty 0.3
+  long       1 client, one chat with a ~2K-token prompt (5 pieces of code),
+             64 tokens, streamed
 
 On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md); the
 servers inherit the environment:
@@ -198,6 +205,14 @@ def agent(url, max_tokens: int, rnd: int, turns: int = 4):
     return out
 
 
+def long_prompt(url, rnd: int):
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "\n".join(code_chunks(rnd + 50, 5)) + "\nExplain."}]
+    r = chat(url, messages, 64)
+    r["greedy"] = True
+    return [r]
+
+
 WORKLOADS = {
     "single": lambda url, rnd: clients(url, 1, 4, 96, rnd),
     "same4": lambda url, rnd: clients(url, 4, 3, 64, rnd),
@@ -205,6 +220,14 @@ WORKLOADS = {
     "same8": lambda url, rnd: clients(url, 8, 2, 64, rnd),
     "agent": lambda url, rnd: agent(url, 64, rnd),
 }
+DEFAULT = list(WORKLOADS)
+WORKLOADS.update({
+    "penalties": lambda url, rnd: clients(url, 1, 4, 96, rnd,
+                                          fields=[{"presence_penalty": 0.5}]),
+    "mixedpen": lambda url, rnd: clients(url, 4, 3, 64, rnd,
+                                         fields=[{}, {}, {}, {"frequency_penalty": 0.3}]),
+    "long": long_prompt,
+})
 
 
 def run(workload: str, url: str, rnd: int) -> dict:
@@ -228,7 +251,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded demo model")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
+    p.add_argument("--workloads", default=",".join(DEFAULT),
                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--mtp-args", default="", help="extra flags for mlx_mtp.server")
     p.add_argument("--json", default="bench/results/serve_bench.json")

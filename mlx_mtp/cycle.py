@@ -53,10 +53,12 @@ from .cache import CaptureCache, MTPCache, fill_empty, head_caches, last_hidden
 from .cache import set_last_hidden
 from .distributed import kept_on_every_stage, share
 from .drafters import Drafter, is_host_side
-from .sampling import Filters, accept_rows, draft_rows, is_greedy, sample_rows, split_rows
+from .sampling import (Filters, accept_rows, advance_window, draft_rows, is_greedy,
+                       penalize_rows, sample_rows, split_rows)
 
 # the per-row sampler arrays of a DecodeState (sampling.row_arrays)
-ROW_ARRAYS = ("inv_temp", "top_p", "min_p_log", "inv_draft_temp", "bias")
+ROW_ARRAYS = ("inv_temp", "top_p", "min_p_log", "inv_draft_temp", "bias", "penalty",
+              "penalty_n")
 RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
 
 
@@ -77,6 +79,9 @@ class DecodeState:
     min_p_log: Optional[mx.array] = None
     inv_draft_temp: Optional[mx.array] = None
     bias: Optional[mx.array] = None  # [B, V]: logit bias
+    penalty: Optional[mx.array] = None  # [B, 3]: repetition, presence, frequency penalties
+    penalty_n: Optional[mx.array] = None  # [B, 3]: their context sizes (0: off)
+    window: Optional[mx.array] = None  # [B, W]: the tokens fed before y (sampling.py)
 
     def tree(self) -> dict:
         """Every field (caches as their `state`): a compiled step's inputs."""
@@ -227,14 +232,17 @@ def _arrays(state: DecodeState) -> dict:
     return {n: getattr(state, n) for n in ROW_ARRAYS}
 
 
-def _logprobs(logits: mx.array, state: DecodeState, history: Optional[list],
+def _logprobs(spec: Spec, logits: mx.array, state: DecodeState, history: Optional[list],
               tokens: mx.array, offset: int = 0) -> mx.array:
     """Log-probs [B, T, V] of logits [B, T, V], with each row's logit bias and
-    processed as plain decoding would at each position: row b's processors
-    see its history + tokens[b, : offset + i + 1] at position i (history: per
-    row, (processors, token history) or None; rows without processors untouched)."""
+    penalties, processed as plain decoding would at each position: row b's
+    processors see its history + tokens[b, : offset + i + 1] at position i
+    (history: per row, (processors, token history) or None; rows without
+    processors untouched)."""
     if state.bias is not None:
         logits = logits + state.bias[:, None].astype(logits.dtype)
+    if state.window is not None:
+        logits = penalize_rows(logits, state.window, tokens, offset, _arrays(state), spec.filters)
     if history is not None:
         rows = []
         for b, entry in enumerate(history):
@@ -295,7 +303,7 @@ def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, hist
         logits[:, aux["vocab"]] = sub
     seen = mx.stack(drafts, axis=1) if drafts else mx.zeros((g.shape[0], 0), mx.int32)
     tokens = mx.concatenate([state.y[:, None], seen], axis=1)
-    return _logprobs(logits[:, None], state, history, tokens, len(drafts))[:, 0]
+    return _logprobs(spec, logits[:, None], state, history, tokens, len(drafts))[:, 0]
 
 
 def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: list, k: int,
@@ -307,7 +315,8 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
         drafts, q = drafter.propose(aux["drafter"], state, k, None, None)
         return drafts, q, 0
     drafts, qs = [], []
-    full = spec.speculative or state.bias is not None or history is not None
+    full = (spec.speculative or state.bias is not None or state.window is not None
+            or history is not None)
     for j in range(k):
         if j > 0:
             g = _head(model, g, drafts[-1][:, None], head_cache)
@@ -374,7 +383,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
     CaptureCache.start(cache.trunk)
     h = model.trunk_hidden(tokens, cache.trunk)  # [B, k+1, H]
     drafts = spec.verified_drafts(drafts, h)
-    logprobs = _logprobs(model.logits_from_hidden(h), state, history, tokens)
+    logprobs = _logprobs(spec, model.logits_from_hidden(h), state, history, tokens)
 
     # 3. accept: `accepted` drafts, then out[accepted] after them
     if spec.sampler is not None:  # opaque: keep drafts while they equal its choice
@@ -402,6 +411,8 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
     new = state.replace(cache=cache, y=mx.take_along_axis(out, accepted[:, None], axis=1)[:, 0],
                         emitted=state.emitted + accepted + 1,
                         g=mx.take_along_axis(G, accepted[:, None, None], axis=1), key=key)
+    if state.window is not None:
+        new = new.replace(window=advance_window(state.window, tokens, accepted + 1))
     if catch_up:
         new = new.replace(ring_n=mx.zeros_like(state.ring_n))
     return new, StepOutput(_pack(accepted, out, logprobs), logprobs)
@@ -414,7 +425,7 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
     model = spec.model
     cache = state.cache.copy()
     h = model.trunk_hidden(state.y[:, None], cache.trunk)  # [B, 1, H]
-    logprobs = _logprobs(model.logits_from_hidden(h), state, history, state.y[:, None])
+    logprobs = _logprobs(spec, model.logits_from_hidden(h), state, history, state.y[:, None])
     key = state.key
     if spec.sampler is not None:
         y = _sample_opaque(spec.sampler, logprobs)[:, 0]
@@ -428,6 +439,9 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
     packed = _pack(mx.zeros_like(y), y[:, None], logprobs)
     y = spec.safe_ids(y)
     new = state.replace(cache=cache, y=y, emitted=state.emitted + 1, key=key)
+    if state.window is not None:
+        new = new.replace(window=advance_window(state.window, state.y[:, None],
+                                                mx.ones_like(state.y)))
     if spec.use_head:  # the pair waits in the ring (the oldest is overwritten)
         at = (state.ring_n % RING).reshape(1)
         new = new.replace(

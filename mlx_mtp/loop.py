@@ -47,7 +47,7 @@ from .depth import DepthController
 from .distributed import agree, first_stage, trunk_length
 from .drafters import is_host_side
 from .mlx_lm_compat import generation_stream
-from .sampling import Filters, MTPSampler, RowSampling, row_arrays
+from .sampling import Filters, MTPSampler, Penalties, RowSampling, row_arrays, start_window
 
 
 def mtp_disabled_by_env() -> bool:
@@ -381,13 +381,14 @@ class Batch:
     def prepare(self, prompt, prompt_cache: Optional[list], max_tokens: int,
                 seed: Optional[int] = None, prefill_step_size: int = 2048, *,
                 sampler=None, logit_bias: Optional[Dict[int, float]] = None,
+                penalties: Optional[Penalties] = None,
                 logits_processors=None, stats: Optional[MTPStats] = None,
                 progress=None, cached_tokens: Sequence[int] = ()) -> Request:
         """Check one row's arguments against this batch's model: a Request.
         sampler: the row's own (default: the batch's; a RowSampling too);
-        logit_bias is added in-graph (mlx_lm's logit-bias processor),
-        logits_processors run on the host with the row's history:
-        `cached_tokens` (those the prompt cache already holds, as
+        logit_bias and penalties are applied in-graph (mlx_lm's processors'
+        arithmetic), logits_processors run on the host. Both see the row's
+        history: `cached_tokens` (those the prompt cache already holds, as
         mlx_lm.server's batch passes them: `all_tokens`), the prompt, and the
         tokens emitted."""
         model = self.spec.model
@@ -400,7 +401,11 @@ class Batch:
             checks.integer("seed", seed)
         sampler = self.default_sampler if sampler is None else sampler
         sampling = (None if self.spec.sampler is not None else sampler
-                    if isinstance(sampler, RowSampling) else RowSampling.of(sampler, logit_bias))
+                    if isinstance(sampler, RowSampling)
+                    else RowSampling.of(sampler, logit_bias, penalties))
+        if penalties and sampling is None:
+            raise ValueError("penalties with an opaque sampler: pass mlx_lm's processors "
+                             "(logits_processors=)")
         if sampling is None and self.spec.sampler is None:
             raise ValueError("an opaque sampler is shared by a whole batch: make_batch(sampler=)")
         if logit_bias:
@@ -420,7 +425,8 @@ class Batch:
                            else logits_processors)
         return Request(ids, prompt_cache, keep_cache, max_tokens, row_key(sampling, seed),
                        stats if stats is not None else MTPStats(), sampling, processors,
-                       progress, cached_tokens=tuple(cached_tokens) if processors else ())
+                       progress, cached_tokens=tuple(cached_tokens) if (
+                           processors or (sampling is not None and sampling.penalties)) else ())
 
     def add(self, requests: List[Request], prefill_step_size: int = 2048) -> List[Optional[Row]]:
         """Prefill new rows (short prompts together, long ones alone) and merge
@@ -485,6 +491,8 @@ class Batch:
             held = HeldCache(r.prompt_cache, r.keep_cache)
             state = DecodeState(held.take(model, use_head), mx.array([y], dtype=mx.int32),
                                 mx.zeros((1,), mx.int32), key=r.key)
+            if spec.sampler is None:  # (kept while some row of the batch has penalties)
+                state = state.replace(window=start_window([*r.cached_tokens, *r.prompt[:-1]]))
             if use_head:
                 # a one-token prompt on an empty cache has no trunk hidden yet: its
                 # first drafts come from zeros (rejected; its first cycle fixes that)
@@ -586,7 +594,8 @@ class Batch:
         key = self.state.key
         if f.sampled and key is None:
             key = mx.zeros((len(self.rows), 2), mx.uint32)
-        self.state = self.state.replace(key=key if f.sampled else None, **arrays)
+        self.state = self.state.replace(key=key if f.sampled else None, **arrays,
+                                        window=self.state.window if any(f.penalties) else None)
 
     def limit_prefill(self, prompts: int):
         """Prompts prefilled together (mlx_lm.server's --prompt-concurrency)."""
@@ -739,12 +748,18 @@ def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthControll
 
 
 def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
-    """Rows of two states; a key only one side has is given zeros on the other
-    (greedy rows carry an unused key in a batch that samples)."""
-    if (a.key is None) != (b.key is None):
-        fill = lambda s, other: s if s.key is not None else s.replace(
-            key=mx.zeros((s.y.shape[0], 2), other.key.dtype))
-        a, b = fill(a, b), fill(b, a)
+    """Rows of two states; a key or a penalty window only one side has is
+    filled on the other (greedy rows carry an unused key in a batch that
+    samples; rows without penalties an empty window)."""
+    for name, fill in (("key", 0), ("window", -1)):
+        if (getattr(a, name) is None) != (getattr(b, name) is None):
+            like = getattr(a, name) if getattr(a, name) is not None else getattr(b, name)
+
+            def filled(s):
+                return s if getattr(s, name) is not None else s.replace(**{name: mx.full(
+                    (s.y.shape[0],) + like.shape[1:], fill, like.dtype)})
+
+            a, b = filled(a), filled(b)
     return DecodeState.concat(a, b)
 
 

@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
 from .mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
-__all__ = ["MTPSampler", "make_sampler", "speculative_sample", "is_greedy", "RowSampling"]
+__all__ = ["MTPSampler", "make_sampler", "speculative_sample", "is_greedy", "RowSampling",
+           "Penalties"]
 
 
 class MTPSampler:
@@ -243,6 +244,44 @@ def split_rows(keys: mx.array, num: int) -> mx.array:
     return _rows(lambda key: mx.random.split(key, num))(keys)
 
 
+# the longest context a penalty counts in-graph (mlx_lm's default is 20 tokens); a
+# longer one, or 0 (mlx_lm then counts the whole history), runs as mlx_lm's processor
+PENALTY_WINDOW = 256
+PENALTY_KINDS = ("repetition", "presence", "frequency")  # mlx_lm's order
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """mlx_lm's repetition, presence and frequency penalties
+    (`make_logits_processors`), each (penalty, context size) or None when
+    off, applied in-graph with mlx_lm's arithmetic (`penalize_rows`)."""
+
+    repetition: Optional[Tuple[float, int]] = None
+    presence: Optional[Tuple[float, int]] = None
+    frequency: Optional[Tuple[float, int]] = None
+
+    @classmethod
+    def of(cls, repetition_penalty=None, repetition_context_size=20, presence_penalty=None,
+           presence_context_size=20, frequency_penalty=None,
+           frequency_context_size=20) -> Optional["Penalties"]:
+        """The penalties mlx_lm would apply (a penalty of None or 0 is off,
+        as there), or None when one counts a context kept only on the host."""
+        given = {"repetition": (repetition_penalty, repetition_context_size),
+                 "presence": (presence_penalty, presence_context_size),
+                 "frequency": (frequency_penalty, frequency_context_size)}
+        on = {}
+        for kind, (penalty, size) in given.items():
+            if penalty is None or penalty == 0:
+                continue
+            if not 0 < size <= PENALTY_WINDOW:
+                return None
+            on[kind] = (float(penalty), int(size))
+        return cls(**on)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, kind) is not None for kind in PENALTY_KINDS)
+
+
 @dataclass(frozen=True)
 class RowSampling:
     """One row's sampler, as arrays a compiled cycle reads: greedy (temp 0),
@@ -250,8 +289,8 @@ class RowSampling:
     (top-p, min-p, top-k in mlx_lm's order, then temperature). The head
     drafts at `draft_temp` (None: temp; 0: greedy drafts). `logit_bias` is
     added to the logits of every position (mlx_lm's logit-bias processor,
-    in-graph). top_k and min_tokens_to_keep decide the graph's shape: the
-    sampled rows of a batch share them (`shared`)."""
+    in-graph), then the `penalties`. top_k and min_tokens_to_keep decide the
+    graph's shape: the sampled rows of a batch share them (`shared`)."""
 
     temp: float = 0.0
     top_p: float = 0.0
@@ -260,18 +299,21 @@ class RowSampling:
     min_tokens_to_keep: int = 1
     draft_temp: Optional[float] = None
     logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None
+    penalties: Optional[Penalties] = None
 
     @classmethod
-    def of(cls, sampler, logit_bias: Optional[Dict[int, float]] = None) -> Optional["RowSampling"]:
+    def of(cls, sampler, logit_bias: Optional[Dict[int, float]] = None,
+           penalties: Optional[Penalties] = None) -> Optional["RowSampling"]:
         """The row settings of a sampler: None (greedy), mlx_lm's greedy
         sampler or an MTPSampler that can be introspected; None for any
         other callable (it is called as it is: `Spec.sampler`)."""
         bias = tuple(sorted(logit_bias.items())) if logit_bias else None
+        penalties = penalties or None
         if is_greedy(sampler):
-            return cls(logit_bias=bias)
+            return cls(logit_bias=bias, penalties=penalties)
         if isinstance(sampler, MTPSampler) and sampler.speculative:
             return cls(sampler.temp, sampler.top_p, sampler.min_p, sampler.top_k,
-                       sampler.min_tokens_to_keep, sampler.draft_temp, bias)
+                       sampler.min_tokens_to_keep, sampler.draft_temp, bias, penalties)
         return None
 
     @property
@@ -294,6 +336,7 @@ class Filters:
     top_k: int = 0
     min_keep: int = 1
     bias: bool = False
+    penalties: Tuple[bool, ...] = (False,) * len(PENALTY_KINDS)  # which kinds some row has
 
     @classmethod
     def of(cls, rows: Iterable[RowSampling]) -> "Filters":
@@ -306,15 +349,19 @@ class Filters:
         top_k, min_keep = shared.pop() if shared else (0, 1)
         return cls(bool(sampled), any(0 < r.top_p < 1 for r in sampled),
                    any(r.min_p != 0 for r in sampled), top_k, min_keep,
-                   any(r.logit_bias for r in rows))
+                   any(r.logit_bias for r in rows),
+                   tuple(any(r.penalties is not None and getattr(r.penalties, kind) is not None
+                             for r in rows) for kind in PENALTY_KINDS))
 
 
 def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> dict:
     """The per-row arrays of a batch's decode state (None where unused):
     inverse temperatures, top-p, log(min-p), inverse draft temperatures
-    (0: greedy), logit bias [B, V]. Host arithmetic in double, as mlx_lm's
-    scalar settings are, so a row samples what mlx_lm's sampler would."""
-    out = dict(inv_temp=None, top_p=None, min_p_log=None, inv_draft_temp=None, bias=None)
+    (0: greedy), logit bias [B, V], penalties [B, 3] and their context sizes
+    [B, 3] (0: off). Host arithmetic in double, as mlx_lm's scalar settings
+    are, so a row samples what mlx_lm's sampler would."""
+    out = dict(inv_temp=None, top_p=None, min_p_log=None, inv_draft_temp=None, bias=None,
+               penalty=None, penalty_n=None)
     if filters.sampled:
         def inv(t):
             return 0.0 if t == 0 else 1.0 / t
@@ -332,7 +379,61 @@ def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> di
             for t, v in r.logit_bias or ():
                 b[t] += v
         out["bias"] = mx.array(bias, dtype=mx.float32)
+    if any(filters.penalties):
+        kinds = [[getattr(r.penalties, kind, None) or (0.0, 0) for kind in PENALTY_KINDS]
+                 for r in rows]
+        out["penalty"] = mx.array([[p for p, _ in row] for row in kinds], dtype=mx.float32)
+        out["penalty_n"] = mx.array([[n for _, n in row] for row in kinds], dtype=mx.int32)
     return out
+
+
+# -- penalties over a window of each row's last tokens ----------------------------------------
+# A row's `window` [W] holds the last W tokens fed to the trunk before its
+# last emitted one (-1 where the history is shorter); a position's context is
+# that window, then the tokens of the cycle up to it, as mlx_lm's processors
+# see the history at that point of plain decoding.
+def start_window(history: Sequence[int]) -> mx.array:
+    """A row's window [1, PENALTY_WINDOW] over its history before the last token."""
+    last = list(history)[-PENALTY_WINDOW:]
+    return mx.array([[-1] * (PENALTY_WINDOW - len(last)) + last], dtype=mx.int32)
+
+
+def advance_window(window: mx.array, tokens: mx.array, fed: mx.array) -> mx.array:
+    """The window after each row fed its first `fed` [B] tokens [B, T] (the
+    last one emitted is not fed yet)."""
+    W = window.shape[1]
+    ext = mx.concatenate([window, tokens.astype(mx.int32)], axis=1)
+    return mx.take_along_axis(ext, fed[:, None].astype(mx.int32) + mx.arange(W), axis=1)
+
+
+def penalize_rows(logits: mx.array, window: mx.array, tokens: mx.array, offset: int,
+                  arrays: dict, f: Filters) -> mx.array:
+    """mlx_lm's repetition, presence and frequency processors, in its order
+    and arithmetic, each row with its own penalties and context sizes, over
+    logits [B, T, V]: position i sees the window, then tokens[:, : offset + i + 1].
+    Repetition and presence change each token seen once (mlx_lm's gather and
+    assignment), frequency once per occurrence (its scatter-add)."""
+    B, T, V = logits.shape
+    W = window.shape[1]
+    ext = mx.concatenate([window, tokens[:, :offset + T].astype(mx.int32)], axis=1)
+    context = mx.take(ext, offset + 1 + mx.arange(T)[:, None] + mx.arange(W), axis=1)  # [B, T, W]
+    age = (W - 1) - mx.arange(W)  # 0: the newest token
+    b, t = mx.arange(B)[:, None, None], mx.arange(T)[None, :, None]
+    for j, kind in enumerate(PENALTY_KINDS):
+        if not f.penalties[j]:
+            continue
+        counted = (context >= 0) & (age < arrays["penalty_n"][:, j, None, None])
+        ids = mx.where(counted, context, 0)
+        p = arrays["penalty"][:, j, None, None].astype(logits.dtype)
+        if kind == "frequency":  # x + (-0.0) is x: uncounted entries change nothing
+            logits = logits.at[b, t, ids].add(mx.where(counted, -p, mx.array(-0.0, p.dtype)))
+            continue
+        seen = mx.zeros((B, T, V), mx.int32).at[b, t, ids].add(counted.astype(mx.int32)) > 0
+        if kind == "repetition":
+            logits = mx.where(seen, mx.where(logits < 0, logits * p, logits / p), logits)
+        else:
+            logits = mx.where(seen, logits - p, logits)
+    return logits
 
 
 def _per_row(x: mx.array, like: mx.array) -> mx.array:

@@ -69,7 +69,7 @@ from .load import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
 from .loop import MTPStats
-from .sampling import RowSampling, make_sampler
+from .sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
 
 MAX_BODY = 64 << 20  # bytes
 # sharded, rank 0's news (requests, clients gone) reaches the other ranks every
@@ -421,18 +421,21 @@ class _Settings:
     depth: object
     opaque: Optional[tuple]  # XTC sampler settings (match verification), else None
     sampling: Optional[RowSampling]  # in-graph row settings, else None (opaque)
-    processors: tuple  # penalties: mlx_lm's processors, on the host
+    processors: tuple  # mlx_lm's processors, on the host: what is not in-graph
 
     @classmethod
     def of(cls, gen: "MTPResponseGenerator", args) -> "_Settings":
         s, lg = args.sampling, args.logits
         depth = gen._depth(args)
         sampler = _sampler(args, gen.model_provider.tokenizer)
-        sampling = RowSampling.of(sampler, lg.logit_bias)
+        penalties = Penalties.of(*(getattr(lg, f"{kind}_{part}") for kind in PENALTY_KINDS
+                                   for part in ("penalty", "context_size")))
+        sampling = RowSampling.of(sampler, lg.logit_bias, penalties)
         opaque = None if sampling is not None else (
             s.temperature, s.top_p, s.min_p, s.top_k, s.xtc_probability, s.xtc_threshold)
-        if sampling is not None:  # the logit bias is added in-graph (RowSampling)
-            args = replace(args, logits=replace(lg, logit_bias=None))
+        if sampling is not None:  # the logit bias (and penalties) are applied in-graph
+            in_graph = {f"{kind}_penalty": 0.0 for kind in PENALTY_KINDS} if penalties else {}
+            args = replace(args, logits=replace(lg, logit_bias=None, **in_graph))
         processors = tuple(logits_processors_for(args))
         return cls(depth, opaque, sampling, processors)
 

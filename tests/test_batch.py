@@ -192,6 +192,55 @@ def test_processors_inside_a_batch(loaded):
         assert got == want, f"depth {k}"
 
 
+def test_penalties_in_graph_inside_a_batch(loaded):
+    """Rows with repetition/presence/frequency penalties decode in the
+    compiled, pipelined batch (no host history): greedy rows equal mlx_lm
+    decoding them alone with its processors, with drafts accepted (the
+    window of each row advances by its own count), at fixed depths and
+    auto; a sampled row with penalties equals itself decoded alone."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlx_mtp.sampling import Penalties
+
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(PROMPTS[i]) for i in (0, 1, 3, 2, 4)]
+    settings = [dict(presence_penalty=3.0, frequency_penalty=2.0, frequency_context_size=30),
+                dict(repetition_penalty=1.8, repetition_context_size=6),
+                {},
+                dict(repetition_penalty=1.3, presence_penalty=1.0, presence_context_size=4,
+                     frequency_penalty=4.0),
+                dict(presence_penalty=2.5)]
+    want = [reference(ref_model, i, 18, processors=make_logits_processors(**kw))
+            for i, kw in zip(ids, settings)]
+    for r in (0, 1, 3, 4):  # the penalties change the text
+        assert want[r] != reference(ref_model, ids[r], 18), r
+    drafter = BigramDrafter(want, model.vocab_size)
+    for k in (0, 1, 3, "auto"):
+        batch = make_batch(model, draft_tokens=k, drafter=drafter)
+        requests = [batch.prepare(i, None, 18, None, penalties=Penalties.of(**kw))
+                    for i, kw in zip(ids, settings)]
+        got = [[] for _ in ids]
+        for i, t, _, _, _ in decode_rows(batch, requests, (), 5):
+            got[i].append(t)
+            assert batch.lookahead == 1 and not batch.spec.processors
+        assert got == want, f"depth {k}"
+        if k in (1, 3):
+            assert all(r.stats.accepted > 0 for r in requests), f"depth {k}"
+    sampler, pen = mlx_mtp.make_sampler(temp=0.8), Penalties.of(**settings[1])
+    batch = make_batch(model, draft_tokens=2)
+    alone = [t for _, t, _, _, _ in decode_rows(
+        batch, [batch.prepare(ids[0], None, 16, 5, sampler=sampler, penalties=pen)], (), 1)]
+    batch = make_batch(model, draft_tokens=2)
+    requests = [batch.prepare(ids[0], None, 16, 5, sampler=sampler, penalties=pen),
+                batch.prepare(ids[1], None, 16, None, penalties=Penalties.of(**settings[3]))]
+    got = [[] for _ in requests]
+    for i, t, _, _, _ in decode_rows(batch, requests, (), 2):
+        got[i].append(t)
+    assert got[0] == alone
+    assert got[1] == reference(ref_model, ids[1], 16,
+                               processors=make_logits_processors(**settings[3]))
+
+
 def test_mixed_samplers_in_one_batch(loaded):
     """Greedy rows, rows sampling with different temperatures / top-p / min-p /
     seeds and a row with a logit bias decode in ONE batch (one trunk forward

@@ -695,3 +695,66 @@ def test_trimmed_draft_logits(flat_ckpt, bits):
     np.testing.assert_allclose(got[DRAFT_VOCAB], want, rtol=1e-5, atol=1e-5)
     rest = np.setdiff1d(np.arange(V), DRAFT_VOCAB)
     assert np.all(np.isneginf(got[rest]))
+
+
+# -- penalties in-graph ------------------------------------------------------------------------
+PENALTY_CASES = [  # (repetition, presence, frequency), each (penalty, context size) or None
+    ((1.5, 20), None, None),
+    (None, (2.0, 5), None),
+    (None, None, (3.0, 20)),
+    ((0.7, 3), (-1.0, 20), (0.5, 7)),
+    (None, None, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_penalties_are_mlx_lm_processors_bitwise(dtype):
+    """`penalize_rows` gives, at every position of every row, bitwise the
+    logits mlx_lm's repetition/presence/frequency processors give for that
+    row's history at that point: short histories, repeated tokens (frequency
+    counts each occurrence), context sizes shorter and longer than the
+    history, drafts after the window (offset), each row its own settings."""
+    from mlx_mtp.sampling import (Filters, Penalties, RowSampling, penalize_rows, row_arrays,
+                                  start_window)
+
+    V, T = 12, 3  # a small vocabulary: the histories repeat tokens
+    rng = np.random.default_rng(0)
+    histories = [rng.integers(0, V, n).tolist() for n in (1, 4, 30, 9, 300)]
+    rows = [RowSampling(penalties=Penalties(*case) or None) for case in PENALTY_CASES]
+    f = Filters.of(rows)
+    assert f.penalties == (True, True, True)
+    arrays = row_arrays(rows, f, V)
+    for offset in (0, 2):
+        tokens = mx.array(rng.integers(0, V, (len(rows), offset + T)), dtype=mx.int32)
+        logits = mx.array(rng.normal(size=(len(rows), T, V)) * 3).astype(dtype)
+        window = mx.concatenate([start_window(h[:-1]) for h in histories])
+        # the window holds the history before its last token; tokens[:, 0] is that token
+        tokens[:, 0] = mx.array([h[-1] for h in histories], dtype=mx.int32)
+        got = penalize_rows(logits, window, tokens, offset, arrays, f)
+        for b, (h, case) in enumerate(zip(histories, PENALTY_CASES)):
+            kw = {}
+            for kind, value in zip(("repetition", "presence", "frequency"), case):
+                if value is not None:
+                    kw[f"{kind}_penalty"], kw[f"{kind}_context_size"] = value
+            procs = make_logits_processors(**kw)
+            for i in range(T):
+                seen = mx.array(h[:-1] + tokens[b, : offset + i + 1].tolist())
+                want = logits[b:b + 1, i]
+                for proc in procs:
+                    want = proc(seen, want)
+                assert mx.array_equal(got[b:b + 1, i], want).item(), (b, i, offset)
+                if procs:
+                    changed = not mx.array_equal(want, logits[b:b + 1, i]).item()
+                    assert changed or i > 0, (b, i)
+
+
+def test_penalties_beyond_the_window_stay_processors():
+    """A context size of 0 (mlx_lm: the whole history) or past the window is
+    not taken in-graph."""
+    from mlx_mtp.sampling import PENALTY_WINDOW, Penalties
+
+    assert Penalties.of(repetition_penalty=1.2, repetition_context_size=0) is None
+    assert Penalties.of(presence_penalty=1.0, presence_context_size=PENALTY_WINDOW + 1) is None
+    assert Penalties.of(frequency_penalty=0.0, frequency_context_size=0) == Penalties()
+    assert not Penalties.of()
+    assert Penalties.of(presence_penalty=0.5) == Penalties(presence=(0.5, 20))
