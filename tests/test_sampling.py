@@ -687,7 +687,7 @@ def test_trimmed_draft_logits(flat_ckpt, bits):
     ids = mx.array(DRAFT_VOCAB)
     spec = Spec(model, filters=Filters(sampled=True), draft_vocab=ids)
     h = mx.random.normal((1, 1, model.text_args.hidden_size), key=mx.random.key(2))
-    state = SimpleNamespace(y=mx.array([0], dtype=mx.int32), bias=None)
+    state = SimpleNamespace(y=mx.array([0], dtype=mx.int32), bias=None, window=None)
     got = np.array(_draft_logprobs(spec, spec.aux(), state, h, None, []))[0]
     full = np.array(model.logits_from_hidden(h))[0, 0].astype(np.float64)
     sub = full[DRAFT_VOCAB]
