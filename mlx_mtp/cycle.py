@@ -581,7 +581,8 @@ def _pieces(n: int, step: int, stops) -> List[int]:
 
 def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_step_size: int,
             progress: Callable = lambda i, done, total: None, stops=None,
-            snapshot: Callable = lambda i, n: None) -> List[Prefilled]:
+            snapshot: Callable = lambda i, n: None,
+            head_window: Optional[int] = None) -> List[Prefilled]:
     """Feed each prompt but its last token to its prompt cache (mlx_lm's
     objects, updated in place), as mlx_lm feeds a prompt: pieces of at most
     `prefill_step_size` tokens. Several prompts go through the trunk together
@@ -605,7 +606,12 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
     last: List[Optional[mx.array]] = (
         kept_on_every_stage([last_hidden(c, model.is_linear) for c in caches], model)
         if spec.use_head else [None] * len(caches))
-    pieces = [_pieces(len(p) - 1, prefill_step_size, s) for p, s in zip(prompts, stops)]
+    # the head follows only each prompt's last `head_window` tokens (a piece ends
+    # where it starts following; before, only the trunk's caches are evaluated)
+    head_from = [0 if head_window is None else max(0, len(p) - 1 - head_window)
+                 for p in prompts]
+    pieces = [_pieces(len(p) - 1, prefill_step_size, (*s, f))
+              for p, s, f in zip(prompts, stops, head_from)]
     done = [0] * n_rows
     g: List[Optional[mx.array]] = [None] * n_rows
     for i in range(n_rows):
@@ -643,13 +649,14 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
         v = [p[r] if r < len(p) else 0 for p in pieces]
         h = _forward(lambda x: model.trunk_hidden(x, trunk), trunk,
                      [prompts[i][done[i]:done[i] + v[i]] for i in range(n_rows)], batched)
-        if head is not None:
-            head_pass(h, v)
+        followed = [v[i] if done[i] >= head_from[i] else 0 for i in range(n_rows)]
+        if head is not None and any(followed):
+            head_pass(h, followed)
         for i in range(n_rows):
             if v[i]:
-                if head is not None:  # (without the head no hidden is needed: the
-                    # trunk's last layer then runs only as far as its cache needs)
-                    last[i] = h[i:i + 1, v[i] - 1:v[i]]
+                if head is not None:  # (where no hidden is needed, the trunk's
+                    # last layer runs only as far as its cache needs)
+                    last[i] = h[i:i + 1, v[i] - 1:v[i]] if followed[i] else None
                 done[i] += v[i]
         mx.eval([c.state for c in trunk], [c.state for c in head or []],
                 [x for x in last if x is not None])

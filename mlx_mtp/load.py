@@ -56,6 +56,17 @@ def read_config(model_path: Path) -> Dict[str, Any]:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
+def head_context(config: Dict[str, Any], model_path: Path) -> Optional[int]:
+    """The context the head was trained on, when its config records it
+    (`mlx_mtp.head_context`, tokens): prompts longer than that are followed
+    by the head over their last that many tokens only."""
+    value = (config.get("mlx_mtp") or {}).get("head_context")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise CheckpointError(f"{model_path / 'config.json'}: mlx_mtp.head_context must be a "
+                              f"positive number of tokens, not {value!r}")
+    return value
+
+
 def check_tokenizer_files(model_path: Path):
     if not any((model_path / f).exists() for f in TOKENIZER_FILES) and not any(
             model_path.glob("*.tiktoken")):
@@ -105,6 +116,7 @@ def load(
         get_model_classes=lambda config: MODEL_CLASSES[config["model_type"]],
     )
     model.model_path = str(model_path)
+    model.head_context = head_context(config, model_path)
     if head is not None:
         attach_head(model, head, lazy=lazy, quiet=quiet)
     if not model.has_mtp and not quiet:

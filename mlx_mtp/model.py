@@ -116,6 +116,9 @@ class MTPModel:
     # share with the trunk it drafts for (a difference is refused naming the key)
     mlx_vlm_drafter: Optional[str] = None
     mlx_vlm_drafter_norms_shifted = True
+    # the context the head was trained on (config `mlx_mtp.head_context`): the
+    # head follows only a prompt's last this many tokens (None: all of them)
+    head_context: Optional[int] = None
     head_match_keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
 
     @property

@@ -385,3 +385,58 @@ def test_parked_prefill_skips_the_head(loaded, monkeypatch):
     calls.clear()  # not parked: the head follows the prompt in the prefill
     mtp(model, turns[0], "auto", 2, compiled=False, controller=DepthController())
     assert sum(calls) >= len(turns[0]) - 1, calls
+
+
+def test_head_follows_a_prompts_last_head_context_tokens(loaded, monkeypatch):
+    """A head whose config records the context it was trained on
+    (`mlx_mtp.head_context`) follows only a prompt's last that many tokens
+    (its forwards over the prompt counted), and decoding stays exact: one
+    row, then two rows prefilled together, drafting from that history."""
+    from mlx_mtp.loop import decode_rows, make_batch
+
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(LONG), tok.encode(SHORT + LONG)]
+    assert min(len(i) for i in ids) > 20
+    mtp(model, ids[0], 2, 1, compiled=False)  # (first use: the cache shapes are probed)
+    head = type(model.mtp)
+    calls = []
+    forward = head.__call__
+    monkeypatch.setattr(head, "__call__", lambda self, *a, **kw: (
+        calls.append(a[0].shape[1]), forward(self, *a, **kw))[1])
+    monkeypatch.setattr(model, "head_context", 6)
+    # one token: no cycle drafts, so every head forward is the prompt's
+    assert mtp(model, ids[0], 2, 1, compiled=False) == reference(ref_model, ids[0], 1)
+    assert sum(calls) == 6, calls
+    monkeypatch.setattr(model, "head_context", None)
+    calls.clear()
+    mtp(model, ids[0], 2, 1, compiled=False)
+    assert sum(calls) == len(ids[0]) - 1, calls
+
+    monkeypatch.setattr(model, "head_context", 6)
+    want = [reference(ref_model, i, 16) for i in ids]
+    got = mtp(model, ids[0], 2, 16, drafter=OracleDrafter(want[0], 0.7, model.vocab_size))
+    assert got == want[0]
+    batch = make_batch(model, draft_tokens=2, drafter=OracleDrafter(want[1], 0.7,
+                                                                    model.vocab_size))
+    requests = [batch.prepare(i, None, 16) for i in ids]
+    rows = [[] for _ in ids]
+    for i, t, _, _, _ in decode_rows(batch, requests, (), 2):
+        rows[i].append(t)
+    assert rows == want
+    assert requests[1].stats.accepted > 0
+
+
+def test_head_context_in_config_is_checked(tmp_path):
+    """A head_context that is not a positive number of tokens names the file."""
+    import json
+
+    from mlx_mtp.checkpoint import CheckpointError
+    from mlx_mtp.load import demo_model_path, head_context
+
+    assert head_context({"mlx_mtp": {"head_context": 256}}, tmp_path) == 256
+    assert head_context({}, tmp_path) is None
+    for bad in (0, -3, "256", True, 2.5):
+        with pytest.raises(CheckpointError, match="config.json: mlx_mtp.head_context must be"):
+            head_context({"mlx_mtp": {"head_context": bad}}, tmp_path)
+    demo = json.loads((demo_model_path() / "config.json").read_text())
+    assert head_context(demo, demo_model_path()) == 256  # trained on 256-token windows
