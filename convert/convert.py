@@ -239,6 +239,7 @@ def convert(
     head_q = _head_quant(model)
     float_dtype = _float_dtype(model)
     has_mtp = bool(model.has_mtp)
+    head_context = (config.get("mlx_mtp") or {}).get("head_context")  # the head's, kept
     config["mlx_mtp"] = {
         "version": __version__,
         "mtp": has_mtp,
@@ -246,6 +247,7 @@ def convert(
         "mtp_group_size": head_q["group_size"] if head_q else None,
         "norms_shifted": True,
         "source": str(hf_path) if hub else str(src),
+        **({"head_context": head_context} if has_mtp and head_context else {}),
     }
 
     # Removed on any exception or signal until published; `publish` checks again

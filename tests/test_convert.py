@@ -173,6 +173,20 @@ def test_double_conversion_does_not_shift_twice(hf, tmp_path, capsys):
         convert(via, tmp_path / "again", quantize=True, q_bits=4)
 
 
+def test_reconversion_keeps_the_heads_recorded_context(hf, tmp_path):
+    """A folder whose config records its head's training context
+    (mlx_mtp.head_context, as the demo does) keeps it when converted again."""
+    once = tmp_path / "once"
+    convert(hf, once)
+    cfg = json.loads((once / "config.json").read_text())
+    assert "head_context" not in cfg["mlx_mtp"]
+    cfg["mlx_mtp"]["head_context"] = 128
+    (once / "config.json").write_text(json.dumps(cfg))
+    convert(once, tmp_path / "q8", quantize=True, q_bits=8)
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["mlx_mtp"][
+        "head_context"] == 128
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_family_says_whether_a_checkpoint_is_unconverted(family, tmp_path):
     """One rule per family (`is_unconverted`), asked by the loader, convert,
