@@ -27,7 +27,8 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "kernels")) and os.
 
 _EXPORTS = {"load": "load", "generate": "generate", "generate_step": "generate",
             "stream_generate": "generate", "batch_generate": "generate",
-            "make_sampler": "sampling", "sharded_load": "distributed"}
+            "make_sampler": "sampling", "make_logits_processors": "sampling",
+            "sharded_load": "distributed"}
 __all__ = [*_EXPORTS, "__version__"]
 
 

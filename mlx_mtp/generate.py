@@ -114,8 +114,12 @@ def generate_step(
         cost, 0 included, up to max_draft_tokens); 0 decodes plainly.
         num_draft_tokens is mlx_lm's name for it.
     seed: the sampling key (None: drawn from mx.random, so mx.random.seed works).
-    lookahead: queue cycle n+1 before reading cycle n (logits processors turn
-        it off; `pipeline=` is its old, deprecated name).
+    logits_processors: mlx_lm's, run on the host with the token history
+        (the loop then reads each cycle before queuing the next); those of
+        `mlx_mtp.make_logits_processors(...)` (logit bias, penalties) run
+        in the compiled cycle instead.
+    lookahead: queue cycle n+1 before reading cycle n (host logits
+        processors turn it off; `pipeline=` is its old, deprecated name).
     compiled: one compiled graph per depth, kept across calls.
     draft_vocab: draft over these token ids only (see mlx_mtp.draft_vocab).
     stats: an MTPStats to fill (drafted, accepted, acceptance per position).
@@ -452,11 +456,9 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
 
 
 def main(argv=None):
-    from mlx_lm.sample_utils import make_logits_processors
-
     from .distributed import sharded_load, world
     from .load import CheckpointError, load
-    from .sampling import make_sampler
+    from .sampling import make_logits_processors, make_sampler
 
     args = setup_arg_parser().parse_args(argv)
     if args.no_pipeline:

@@ -47,7 +47,8 @@ from .depth import DepthController
 from .distributed import agree, first_stage, trunk_length
 from .drafters import is_host_side
 from .mlx_lm_compat import generation_stream
-from .sampling import Filters, MTPSampler, Penalties, RowSampling, row_arrays, start_window
+from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
+                       row_arrays, start_window)
 
 
 def mtp_disabled_by_env() -> bool:
@@ -212,7 +213,7 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
                 first_stage=first_stage(model))
     return Batch(spec, Graphs(spec, compiled), lookahead, depth, max_draft_tokens, controller,
                  timeline=timeline, default_sampler=sampler,
-                 default_processors=tuple(logits_processors or ()))
+                 default_processors=logits_processors or ())
 
 
 def row_key(sampling: Optional[RowSampling], seed: Optional[int]) -> Optional[mx.array]:
@@ -347,7 +348,7 @@ class Batch:
 
     def __init__(self, spec: Spec, graphs: Graphs, lookahead: bool, depth, max_draft_tokens=4,
                  controller=None, timeline: Optional[list] = None, default_sampler=None,
-                 default_processors: tuple = ()):
+                 default_processors=()):
         self.spec, self.graphs, self.may_look_ahead = spec, graphs, lookahead
         self.depth, self.max_depth, self.controller = depth, max_draft_tokens, controller
         self.timeline, self.default_sampler = timeline, default_sampler
@@ -403,6 +404,16 @@ class Batch:
         if seed is not None:
             checks.integer("seed", seed)
         sampler = self.default_sampler if sampler is None else sampler
+        processors = self.default_processors if logits_processors is None else logits_processors
+        if (isinstance(processors, LogitsProcessors) and processors.intact
+                and self.spec.sampler is None and not isinstance(sampler, RowSampling)):
+            # mlx_mtp.make_logits_processors': their bias and penalties run in-graph
+            if processors.logit_bias and logit_bias:
+                raise ValueError("a logit bias is given twice: as logit_bias and in "
+                                 "logits_processors")
+            logit_bias = processors.logit_bias or logit_bias
+            penalties, processors = processors.penalties, ()
+        processors = tuple(processors or ())
         sampling = (None if self.spec.sampler is not None else sampler
                     if isinstance(sampler, RowSampling)
                     else RowSampling.of(sampler, logit_bias, penalties))
@@ -424,8 +435,6 @@ class Batch:
         context = getattr(model.text_args, "max_position_embeddings", None)
         checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
                              id(model))
-        processors = tuple(self.default_processors if logits_processors is None
-                           else logits_processors)
         return Request(ids, prompt_cache, keep_cache, max_tokens, row_key(sampling, seed),
                        stats if stats is not None else MTPStats(), sampling, processors,
                        progress, cached_tokens=tuple(cached_tokens) if (

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors as _mlx_lm_make_logits_processors
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
 from .mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
-__all__ = ["MTPSampler", "make_sampler", "speculative_sample", "is_greedy", "RowSampling",
-           "Penalties"]
+__all__ = ["MTPSampler", "make_sampler", "make_logits_processors", "speculative_sample",
+           "is_greedy", "RowSampling", "Penalties"]
 
 
 class MTPSampler:
@@ -280,6 +281,44 @@ class Penalties:
 
     def __bool__(self) -> bool:
         return any(getattr(self, kind) is not None for kind in PENALTY_KINDS)
+
+
+class LogitsProcessors(list):
+    """mlx_lm's logits processors (the list its `make_logits_processors`
+    returns, so it works with mlx_lm too) that also tell the decoder their
+    settings: the logit bias and penalties then run in the compiled cycle
+    instead of on the host. A list changed after it was made is opaque."""
+
+    def __init__(self, processors: list, logit_bias: Optional[Dict[int, float]],
+                 penalties: Penalties):
+        super().__init__(processors)
+        self.logit_bias, self.penalties = logit_bias or None, penalties
+        self._made = tuple(processors)
+
+    @property
+    def intact(self) -> bool:
+        return tuple(self) == self._made
+
+
+def make_logits_processors(logit_bias: Optional[Dict[int, float]] = None,
+                           repetition_penalty: Optional[float] = None,
+                           repetition_context_size: Optional[int] = 20,
+                           presence_penalty: Optional[float] = None,
+                           presence_context_size: Optional[int] = 20,
+                           frequency_penalty: Optional[float] = None,
+                           frequency_context_size: Optional[int] = 20) -> list:
+    """Drop-in for `mlx_lm.sample_utils.make_logits_processors` (same
+    arguments, same processors): with `mlx_mtp` the logit bias and penalties
+    run in the compiled cycle (a penalty counting more than PENALTY_WINDOW
+    tokens, or all of them, stays mlx_lm's processor on the host)."""
+    processors = _mlx_lm_make_logits_processors(
+        logit_bias, repetition_penalty, repetition_context_size, presence_penalty,
+        presence_context_size, frequency_penalty, frequency_context_size)
+    penalties = Penalties.of(repetition_penalty, repetition_context_size, presence_penalty,
+                             presence_context_size, frequency_penalty, frequency_context_size)
+    if penalties is None:
+        return processors
+    return LogitsProcessors(processors, logit_bias, penalties)
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,42 @@ def test_penalties_in_graph_inside_a_batch(loaded):
                                processors=make_logits_processors(**settings[3]))
 
 
+def test_make_logits_processors_run_in_graph(loaded):
+    """`mlx_mtp.make_logits_processors` is mlx_lm's (same list, same tokens
+    under mlx_lm) and tells the decoder its bias and penalties, which then
+    run in the compiled cycle: no host processors, tokens equal mlx_lm's.
+    A list changed after it was made, or a context only the host keeps,
+    stays on the host, still exact."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, ref_model, tok = loaded("dense")
+    ids = tok.encode(PROMPTS[0])
+    kw = dict(logit_bias={5: 2.0}, presence_penalty=3.0, frequency_penalty=2.0,
+              frequency_context_size=30)
+    ours = mlx_mtp.make_logits_processors(**kw)
+    want = reference(ref_model, ids, 16, processors=make_logits_processors(**kw))
+    assert want != reference(ref_model, ids, 16)
+    assert reference(ref_model, ids, 16, processors=ours) == want  # mlx_lm's processors
+    batch = make_batch(model, draft_tokens=2, logits_processors=ours)
+    request = batch.prepare(ids, None, 16)
+    assert request.processors == () and request.sampling.penalties.presence == (3.0, 20)
+    assert request.sampling.logit_bias == ((5, 2.0),)
+    assert [t for _, t, _, _, _ in decode_rows(batch, [request], (), 1)] == want
+    got = [t for t, _ in mlx_mtp.generate_step(mx.array(ids), model, max_tokens=16,
+                                                draft_tokens=2, logits_processors=ours)]
+    assert got == want
+    changed = mlx_mtp.make_logits_processors(**kw)
+    changed.append(lambda tokens, logits: logits)
+    whole = mlx_mtp.make_logits_processors(repetition_penalty=1.5, repetition_context_size=0)
+    for procs in (changed, whole):
+        request = make_batch(model, draft_tokens=2).prepare(ids, None, 16,
+                                                            logits_processors=procs)
+        assert request.processors, procs
+    got = [t for t, _ in mlx_mtp.generate_step(mx.array(ids), model, max_tokens=16,
+                                                draft_tokens=2, logits_processors=changed)]
+    assert got == want
+
+
 def test_mixed_samplers_in_one_batch(loaded):
     """Greedy rows, rows sampling with different temperatures / top-p / min-p /
     seeds and a row with a logit bias decode in ONE batch (one trunk forward
