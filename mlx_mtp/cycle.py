@@ -58,7 +58,7 @@ from .sampling import (Filters, accept_rows, advance_window, draft_rows, is_gree
 
 # the per-row sampler arrays of a DecodeState (sampling.row_arrays)
 ROW_ARRAYS = ("inv_temp", "top_p", "min_p_log", "inv_draft_temp", "bias", "penalty",
-              "penalty_n")
+              "penalty_n", "xtc_p", "xtc_threshold", "xtc_keep")
 RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
 
 
@@ -82,6 +82,9 @@ class DecodeState:
     penalty: Optional[mx.array] = None  # [B, 3]: repetition, presence, frequency penalties
     penalty_n: Optional[mx.array] = None  # [B, 3]: their context sizes (0: off)
     window: Optional[mx.array] = None  # [B, W]: the tokens fed before y (sampling.py)
+    xtc_p: Optional[mx.array] = None  # [B]: XTC's probability, threshold and the
+    xtc_threshold: Optional[mx.array] = None  # ... tokens it never excludes [B, V]
+    xtc_keep: Optional[mx.array] = None
 
     def tree(self) -> dict:
         """Every field (caches as their `state`): a compiled step's inputs."""

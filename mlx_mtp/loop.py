@@ -424,6 +424,8 @@ class Batch:
             raise ValueError("an opaque sampler is shared by a whole batch: make_batch(sampler=)")
         if logit_bias:
             checks.logit_bias(logit_bias, model.vocab_size)
+        if sampling is not None and sampling.xtc_special:
+            checks.token_ids("xtc_special_tokens", sampling.xtc_special, model.vocab_size)
         keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
         if prompt_cache is None:
             prompt_cache = model.make_cache()

@@ -17,8 +17,10 @@ Leviathan–Chen acceptance instead of requiring an exact match:
 The emitted tokens then have exactly the target distribution, whatever q is.
 Everything here is in-graph (keys are explicit `mx.random` keys).
 
-A sampler the decoder cannot introspect (any other callable, or XTC whose
-filter is itself random) is still exact: the decoder falls back to "match"
+XTC's filter is itself random (a coin per token decides whether it applies):
+the target is then the mixture of the coin's two outcomes, one distribution
+like any other (`target_rows`). A sampler the decoder cannot introspect (any
+other callable) is still exact: the decoder falls back to "match"
 verification (targets sampled independently at every position, drafts kept
 while equal to them), which is exact for any sampler but accepts less.
 """
@@ -339,6 +341,9 @@ class RowSampling:
     draft_temp: Optional[float] = None
     logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None
     penalties: Optional[Penalties] = None
+    xtc_probability: float = 0.0  # mlx_lm's XTC (its random coin is a mixture here)
+    xtc_threshold: float = 0.1
+    xtc_special: Tuple[int, ...] = ()  # never excluded by XTC
 
     @classmethod
     def of(cls, sampler, logit_bias: Optional[Dict[int, float]] = None,
@@ -350,9 +355,11 @@ class RowSampling:
         penalties = penalties or None
         if is_greedy(sampler):
             return cls(logit_bias=bias, penalties=penalties)
-        if isinstance(sampler, MTPSampler) and sampler.speculative:
+        if isinstance(sampler, MTPSampler):
             return cls(sampler.temp, sampler.top_p, sampler.min_p, sampler.top_k,
-                       sampler.min_tokens_to_keep, sampler.draft_temp, bias, penalties)
+                       sampler.min_tokens_to_keep, sampler.draft_temp, bias, penalties,
+                       sampler.xtc_probability, sampler.xtc_threshold,
+                       tuple(sampler.xtc_special_tokens) if sampler.xtc_probability > 0 else ())
         return None
 
     @property
@@ -376,6 +383,7 @@ class Filters:
     min_keep: int = 1
     bias: bool = False
     penalties: Tuple[bool, ...] = (False,) * len(PENALTY_KINDS)  # which kinds some row has
+    xtc: bool = False  # some sampled row applies XTC
 
     @classmethod
     def of(cls, rows: Iterable[RowSampling]) -> "Filters":
@@ -390,7 +398,8 @@ class Filters:
                    any(r.min_p != 0 for r in sampled), top_k, min_keep,
                    any(r.logit_bias for r in rows),
                    tuple(any(r.penalties is not None and getattr(r.penalties, kind) is not None
-                             for r in rows) for kind in PENALTY_KINDS))
+                             for r in rows) for kind in PENALTY_KINDS),
+                   any(r.xtc_probability > 0 for r in sampled))
 
 
 def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> dict:
@@ -400,7 +409,7 @@ def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> di
     [B, 3] (0: off). Host arithmetic in double, as mlx_lm's scalar settings
     are, so a row samples what mlx_lm's sampler would."""
     out = dict(inv_temp=None, top_p=None, min_p_log=None, inv_draft_temp=None, bias=None,
-               penalty=None, penalty_n=None)
+               penalty=None, penalty_n=None, xtc_p=None, xtc_threshold=None, xtc_keep=None)
     if filters.sampled:
         def inv(t):
             return 0.0 if t == 0 else 1.0 / t
@@ -418,6 +427,14 @@ def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> di
             for t, v in r.logit_bias or ():
                 b[t] += v
         out["bias"] = mx.array(bias, dtype=mx.float32)
+    if filters.xtc:
+        out["xtc_p"] = mx.array([r.xtc_probability for r in rows], dtype=mx.float32)
+        out["xtc_threshold"] = mx.array([r.xtc_threshold for r in rows], dtype=mx.float32)
+        keep = [[False] * vocab_size for _ in rows]
+        for k, r in zip(keep, rows):
+            for t in r.xtc_special:
+                k[t] = True
+        out["xtc_keep"] = mx.array(keep)
     if any(filters.penalties):
         kinds = [[getattr(r.penalties, kind, None) or (0.0, 0) for kind in PENALTY_KINDS]
                  for r in rows]
@@ -480,7 +497,7 @@ def _per_row(x: mx.array, like: mx.array) -> mx.array:
     return x.reshape(x.shape + (1,) * (like.ndim - 1))
 
 
-def filter_rows(logprobs: mx.array, arrays: dict, f: Filters) -> mx.array:
+def filter_rows(logprobs: mx.array, arrays: dict, f: Filters, top_k: bool = True) -> mx.array:
     """Each sampled row's top-p, min-p and the shared top-k, in mlx_lm's
     order, over [B, ..., V]; removed tokens get -inf (a row whose setting
     is off keeps its log-probs unchanged)."""
@@ -494,9 +511,40 @@ def filter_rows(logprobs: mx.array, arrays: dict, f: Filters) -> mx.array:
             keep = mx.argpartition(logprobs, kth=-f.min_keep, axis=-1)[..., -f.min_keep:]
             remove = mx.put_along_axis(remove, keep, mx.array(False), axis=-1)
         logprobs = mx.where(remove, -float("inf"), logprobs)
-    if f.top_k > 0:
+    if top_k and f.top_k > 0:
         logprobs = apply_top_k(logprobs, f.top_k)
     return logprobs
+
+
+def _xtc_excluded(logprobs: mx.array, arrays: dict) -> mx.array:
+    """mlx_lm's `apply_xtc` when its coin says apply: every token more probable
+    than the least probable one above the row's threshold removed (special
+    tokens kept)."""
+    probs = mx.softmax(logprobs, -1)
+    threshold = _per_row(arrays["xtc_threshold"], probs)
+    least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    keep = arrays["xtc_keep"].reshape(arrays["xtc_keep"].shape[:1] + (1,) * (probs.ndim - 2)
+                                      + arrays["xtc_keep"].shape[-1:])
+    return mx.where((probs > least) & ~keep, -mx.inf, logprobs)
+
+
+def target_rows(logprobs: mx.array, arrays: dict, f: Filters, inv_t: mx.array) -> mx.array:
+    """Logits [B, ..., V] whose softmax is each row's sampling distribution
+    at inverse temperature inv_t: mlx_lm's filters in its order (top-p,
+    min-p, XTC, top-k), then the temperature. XTC applies with probability
+    xtc_p on mlx_lm's coin: as one distribution that is the mixture
+    xtc_p * p(excluded) + (1 - xtc_p) * p(kept), which Leviathan–Chen
+    verifies exactly like any other (rows without XTC: unchanged logits)."""
+    kept = filter_rows(logprobs, arrays, f, top_k=False)
+    top_k = (lambda x: apply_top_k(x, f.top_k)) if f.top_k > 0 else (lambda x: x)
+    plain = _scaled(top_k(kept), inv_t)
+    if not f.xtc:
+        return plain
+    excluded = _scaled(top_k(_xtc_excluded(kept, arrays)), inv_t)
+    w = _per_row(arrays["xtc_p"], plain)
+    mixture = w * mx.softmax(excluded.astype(mx.float32), axis=-1) + (1 - w) * mx.softmax(
+        plain.astype(mx.float32), axis=-1)
+    return mx.where(w > 0, mx.log(mixture), plain)
 
 
 def _scaled(logits: mx.array, inv_t: mx.array) -> mx.array:
@@ -511,7 +559,7 @@ def sample_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> mx.array:
     greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
     if not f.sampled:
         return greedy
-    target = _scaled(filter_rows(logprobs, arrays, f), arrays["inv_temp"])
+    target = target_rows(logprobs, arrays, f, arrays["inv_temp"])
     drawn = categorical_rows(target, keys).astype(mx.int32)
     return mx.where(arrays["inv_temp"] > 0, drawn, greedy)
 
@@ -519,9 +567,8 @@ def sample_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> mx.array:
 def draft_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> Tuple[mx.array, mx.array]:
     """Each row's draft from the head's log-probs [B, V] and the distribution
     q [B, V] it was drawn from (one-hot for greedy drafts)."""
-    filtered = filter_rows(logprobs, arrays, f)
-    greedy = mx.argmax(filtered, axis=-1).astype(mx.int32)
-    logits = _scaled(filtered.astype(mx.float32), arrays["inv_draft_temp"])
+    greedy = mx.argmax(filter_rows(logprobs, arrays, f), axis=-1).astype(mx.int32)
+    logits = target_rows(logprobs.astype(mx.float32), arrays, f, arrays["inv_draft_temp"])
     drawn = categorical_rows(logits, keys).astype(mx.int32)
     sampled = arrays["inv_draft_temp"] > 0
     tok = mx.where(sampled, drawn, greedy)
@@ -539,7 +586,7 @@ def accept_rows(logprobs: mx.array, q: Optional[mx.array], drafts: mx.array, arr
     accepted = mx.cumprod((drafts == greedy[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
     if not f.sampled:
         return accepted, greedy
-    target = _scaled(filter_rows(logprobs, arrays, f), arrays["inv_temp"])
+    target = target_rows(logprobs, arrays, f, arrays["inv_temp"])
     acc_s, out_s = speculative_sample_rows(target, q, drafts, keys)
     sampled = arrays["inv_temp"] > 0
     return (mx.where(sampled, acc_s, accepted.astype(mx.int32)),

@@ -306,7 +306,7 @@ class MTPResponseGenerator(ResponseGenerator):
         `Batch` (rows sample each with its own settings; those with logits
         processors run them on the host); requests arriving together are
         prefilled together. Only a request that cannot share the batch (another
-        draft depth, an XTC sampler, sampled rows' top_k) waits until it drains."""
+        draft depth, sampled rows' top_k) waits until it drains."""
         self.model_provider.load_default()
         if self._is_distributed:  # rows without a seed draw the same keys on every rank
             mx.random.seed(mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item())
@@ -415,29 +415,26 @@ class MTPResponseGenerator(ResponseGenerator):
 
 @dataclass(frozen=True)
 class _Settings:
-    """How a request decodes: what its batch must share (the depth, an XTC
-    sampler, which every row then shares), and its own row settings."""
+    """How a request decodes: what its batch must share (the depth), and its
+    own row settings (mlx_lm's sampler, XTC included, as in-graph arrays)."""
 
     depth: object
-    opaque: Optional[tuple]  # XTC sampler settings (match verification), else None
-    sampling: Optional[RowSampling]  # in-graph row settings, else None (opaque)
+    sampling: RowSampling
     processors: tuple  # mlx_lm's processors, on the host: what is not in-graph
 
     @classmethod
     def of(cls, gen: "MTPResponseGenerator", args) -> "_Settings":
-        s, lg = args.sampling, args.logits
+        lg = args.logits
         depth = gen._depth(args)
         sampler = _sampler(args, gen.model_provider.tokenizer)
         penalties = Penalties.of(*(getattr(lg, f"{kind}_{part}") for kind in PENALTY_KINDS
                                    for part in ("penalty", "context_size")))
-        sampling = RowSampling.of(sampler, lg.logit_bias, penalties)
-        opaque = None if sampling is not None else (
-            s.temperature, s.top_p, s.min_p, s.top_k, s.xtc_probability, s.xtc_threshold)
-        if sampling is not None:  # the logit bias (and penalties) are applied in-graph
-            in_graph = {f"{kind}_penalty": 0.0 for kind in PENALTY_KINDS} if penalties else {}
-            args = replace(args, logits=replace(lg, logit_bias=None, **in_graph))
+        sampling = RowSampling.of(sampler, lg.logit_bias, penalties)  # (an MTPSampler: never None)
+        # the logit bias (and penalties) are applied in-graph
+        in_graph = {f"{kind}_penalty": 0.0 for kind in PENALTY_KINDS} if penalties else {}
+        args = replace(args, logits=replace(lg, logit_bias=None, **in_graph))
         processors = tuple(logits_processors_for(args))
-        return cls(depth, opaque, sampling, processors)
+        return cls(depth, sampling, processors)
 
 
 @dataclass
@@ -463,16 +460,9 @@ class _Lane:
     def __init__(self, gen: MTPResponseGenerator, settings: _Settings):
         from .loop import make_batch
 
-        self.gen, self.depth, self.opaque = gen, settings.depth, settings.opaque
-        mp = gen.model_provider
-        sampler = None
-        if settings.opaque is not None:
-            t, top_p, min_p, top_k, xtc_p, xtc_t = settings.opaque
-            sampler = make_sampler(t, top_p=top_p, min_p=min_p, top_k=top_k,
-                                   xtc_probability=xtc_p, xtc_threshold=xtc_t,
-                                   xtc_special_tokens=_xtc_special(mp.tokenizer))
-        self.batch = make_batch(mp.model, draft_tokens=settings.depth,
-                                max_draft_tokens=gen.cli_args.max_draft_tokens, sampler=sampler)
+        self.gen, self.depth = gen, settings.depth
+        self.batch = make_batch(gen.model_provider.model, draft_tokens=settings.depth,
+                                max_draft_tokens=gen.cli_args.max_draft_tokens)
         self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
@@ -480,7 +470,7 @@ class _Lane:
     def accepts(self, settings: _Settings, joining: int, width: int) -> bool:
         """A request with these settings can join now (`joining` already will)."""
         return (self.batch is not None and settings.depth == self.depth
-                and settings.opaque == self.opaque and self.batch.accepts(settings.sampling)
+                and self.batch.accepts(settings.sampling)
                 and len(self.rows) + joining < width)
 
     def join(self, requests: list):

@@ -279,16 +279,17 @@ def test_make_logits_processors_run_in_graph(loaded):
 
 def test_mixed_samplers_in_one_batch(loaded):
     """Greedy rows, rows sampling with different temperatures / top-p / min-p /
-    seeds and a row with a logit bias decode in ONE batch (one trunk forward
+    XTC / seeds and a row with a logit bias decode in ONE batch (one trunk forward
     per cycle): greedy rows equal mlx_lm alone, sampled rows equal themselves
     decoded alone with the same seed at the same fixed depth."""
     model, ref_model, tok = loaded("dense")
-    ids = [tok.encode(p) for p in PROMPTS[:6]]
+    ids = [tok.encode(p) for p in PROMPTS[:7]]
     samplers = [None, mlx_mtp.make_sampler(temp=0.7, top_p=0.9), None,
                 mlx_mtp.make_sampler(temp=1.0), mlx_mtp.make_sampler(temp=0.9, min_p=0.05),
-                None]
-    biases = [None, None, {5: 3.0, 7: -1.5}, None, None, None]
-    seeds = [None, 11, None, 12, 13, None]
+                None, mlx_mtp.make_sampler(temp=0.9, xtc_probability=0.5, xtc_threshold=0.05,
+                                           xtc_special_tokens=[3])]
+    biases = [None, None, {5: 3.0, 7: -1.5}, None, None, None, None]
+    seeds = [None, 11, None, 12, 13, None, 14]
     from mlx_lm.sample_utils import make_logits_processors
 
     for k in (1, 3):
@@ -301,9 +302,10 @@ def test_mixed_samplers_in_one_batch(loaded):
         requests = [batch.prepare(i, None, 16, seed, sampler=s, logit_bias=b)
                     for i, s, b, seed in zip(ids, samplers, biases, seeds)]
         got = [[] for _ in ids]
-        for i, t, _, _, _ in decode_rows(batch, requests, (), 6):
+        for i, t, _, _, _ in decode_rows(batch, requests, (), 7):
             got[i].append(t)
         assert got == alone, f"depth {k}"
+        assert batch.spec.sampler is None and requests[6].sampling.xtc_probability == 0.5
         for r in (0, 5):  # greedy rows: mlx_lm's tokens
             assert got[r] == reference(ref_model, ids[r], 16)
         bias = make_logits_processors(logit_bias=biases[2])
