@@ -397,6 +397,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=flag("min_p"), default=0.0)
     p.add_argument("--top-k", type=flag("top_k"), default=0)
     p.add_argument("--min-tokens-to-keep", type=flag("min_tokens_to_keep"), default=1)
+    p.add_argument("--xtc-probability", type=flag("xtc_probability"), default=0.0)
+    p.add_argument("--xtc-threshold", type=flag("xtc_threshold"), default=0.1)
     p.add_argument("--repetition-penalty", type=flag("repetition_penalty"), default=None)
     p.add_argument("--repetition-context-size", type=flag("repetition_context_size"),
                    default=20)
@@ -458,6 +460,7 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
 def main(argv=None):
     from .distributed import sharded_load, world
     from .load import CheckpointError, load
+    from .mlx_lm_compat import xtc_special_tokens
     from .sampling import make_logits_processors, make_sampler
 
     args = setup_arg_parser().parse_args(argv)
@@ -512,7 +515,10 @@ def main(argv=None):
             prompt = build_prompt(tokenizer, args, using_cache=prompt_cache is not None)
             checks.top_k(args.top_k, model.vocab_size)
             sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
-                                   top_k=args.top_k, draft_temp=args.draft_temp)
+                                   top_k=args.top_k, draft_temp=args.draft_temp,
+                                   xtc_probability=args.xtc_probability,
+                                   xtc_threshold=args.xtc_threshold,
+                                   xtc_special_tokens=xtc_special_tokens(tokenizer))
             processors = make_logits_processors(checks.logit_bias(args.logit_bias, model.vocab_size),
                                                 args.repetition_penalty,
                                                 args.repetition_context_size)

@@ -85,6 +85,12 @@ logits_processors_for = _server._make_logits_processors
 run_http_server = _server._run_http_server
 
 
+def xtc_special_tokens(tokenizer) -> list:
+    """The tokens XTC never removes, as mlx_lm's generate and server pass them
+    (inline there: "\\n" and the EOS tokens)."""
+    return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+
+
 # -- where mlx_lm has no clean override ------------------------------------------------------
 def hand_body_to(handler, body: dict):
     """Give mlx_lm's `APIHandler.do_POST` the (checked) request body.

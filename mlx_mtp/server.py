@@ -63,7 +63,7 @@ from .mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, GenerationCo
                             LRUPromptCache, ModelProvider, Response, ResponseGenerator,
                             format_top_logprobs, generation_arguments, generation_stream,
                             hand_body_to, logits_processors_for, parse_size, run_http_server,
-                            text_segments, validate_depth)
+                            text_segments, validate_depth, xtc_special_tokens)
 from .distributed import sharded_load, trunk_length
 from .load import CheckpointError, load
 from . import checks
@@ -247,7 +247,7 @@ def _sampler(args, tokenizer):
     s = args.sampling
     return make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k,
                         xtc_probability=s.xtc_probability, xtc_threshold=s.xtc_threshold,
-                        xtc_special_tokens=_xtc_special(tokenizer))
+                        xtc_special_tokens=xtc_special_tokens(tokenizer))
 
 
 class MTPResponseGenerator(ResponseGenerator):
@@ -617,10 +617,6 @@ def _snapshot_points(prompt: list, segments: list, kinds: list, cached: int, mod
         if at > 0:
             points[at] = kind
     return tuple(sorted(points)), points
-
-
-def _xtc_special(tokenizer) -> list:
-    return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
 
 
 # -- HTTP --------------------------------------------------------------------------------------
