@@ -27,6 +27,8 @@ Run only when named (--workloads):
              frequency_penalty 0.3
   long       1 client, one chat with a ~2K-token prompt (5 pieces of code),
              64 tokens, streamed
+  xtc        1 client, 4 chats sampling with XTC (temperature 0.8,
+             xtc_probability 0.5, xtc_threshold 0.1, seeded), 96 tokens each
 
 On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md); the
 servers inherit the environment:
@@ -227,6 +229,8 @@ WORKLOADS.update({
     "mixedpen": lambda url, rnd: clients(url, 4, 3, 64, rnd,
                                          fields=[{}, {}, {}, {"frequency_penalty": 0.3}]),
     "long": long_prompt,
+    "xtc": lambda url, rnd: clients(url, 1, 4, 96, rnd, fields=[{
+        "temperature": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.1, "seed": 4}]),
 })
 
 
