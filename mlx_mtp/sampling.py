@@ -276,7 +276,7 @@ class Penalties:
         for kind, (penalty, size) in given.items():
             if penalty is None or penalty == 0:
                 continue
-            if not 0 < size <= PENALTY_WINDOW:
+            if not isinstance(size, int) or not 0 < size <= PENALTY_WINDOW:
                 return None
             on[kind] = (float(penalty), int(size))
         return cls(**on)
