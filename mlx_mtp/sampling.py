@@ -406,7 +406,8 @@ def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> di
     """The per-row arrays of a batch's decode state (None where unused):
     inverse temperatures, top-p, log(min-p), inverse draft temperatures
     (0: greedy), logit bias [B, V], penalties [B, 3] and their context sizes
-    [B, 3] (0: off). Host arithmetic in double, as mlx_lm's scalar settings
+    [B, 3] (0: off), XTC's probability, threshold and the tokens it keeps
+    [B, V]. Host arithmetic in double, as mlx_lm's scalar settings
     are, so a row samples what mlx_lm's sampler would."""
     out = dict(inv_temp=None, top_p=None, min_p_log=None, inv_draft_temp=None, bias=None,
                penalty=None, penalty_n=None, xtc_p=None, xtc_threshold=None, xtc_keep=None)
