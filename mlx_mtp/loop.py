@@ -354,9 +354,6 @@ class Batch:
         self.timeline, self.default_sampler = timeline, default_sampler
         self.default_processors = default_processors
         self.limit_prefill(PREFILL_BATCH)
-        # the head follows only a prompt's last this many tokens: a head trained
-        # on short windows drafts worse over a longer history (docs/design.md)
-        self.head_window = spec.model.head_context
         self.state: Optional[DecodeState] = None
         self.rows: List[Row] = []
         self.inflight: deque = deque()
@@ -490,7 +487,8 @@ class Batch:
             prefilled = prefill(spec if follows else dataclasses.replace(spec, use_head=False),
                                 [r.prompt_cache for r in requests],
                                 [r.prompt for r in requests], prefill_step_size, progress,
-                                [r.stops for r in requests], snapshot, self.head_window)
+                                [r.stops for r in requests], snapshot,
+                                model.head_context)  # (docs/design.md, "Head context")
         rows, states = [], []
         for r, pf in zip(requests, prefilled):
             y = r.prompt[-1]

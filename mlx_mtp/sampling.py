@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import make_logits_processors as _mlx_lm_make_logits_processors
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
@@ -431,10 +432,9 @@ def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> di
     if filters.xtc:
         out["xtc_p"] = mx.array([r.xtc_probability for r in rows], dtype=mx.float32)
         out["xtc_threshold"] = mx.array([r.xtc_threshold for r in rows], dtype=mx.float32)
-        keep = [[False] * vocab_size for _ in rows]
+        keep = np.zeros((len(rows), vocab_size), bool)
         for k, r in zip(keep, rows):
-            for t in r.xtc_special:
-                k[t] = True
+            k[list(r.xtc_special)] = True
         out["xtc_keep"] = mx.array(keep)
     if any(filters.penalties):
         kinds = [[getattr(r.penalties, kind, None) or (0.0, 0) for kind in PENALTY_KINDS]
@@ -512,9 +512,7 @@ def filter_rows(logprobs: mx.array, arrays: dict, f: Filters, top_k: bool = True
             keep = mx.argpartition(logprobs, kth=-f.min_keep, axis=-1)[..., -f.min_keep:]
             remove = mx.put_along_axis(remove, keep, mx.array(False), axis=-1)
         logprobs = mx.where(remove, -float("inf"), logprobs)
-    if top_k and f.top_k > 0:
-        logprobs = apply_top_k(logprobs, f.top_k)
-    return logprobs
+    return _top_k(logprobs, f) if top_k else logprobs
 
 
 def _xtc_excluded(logprobs: mx.array, arrays: dict) -> mx.array:
@@ -524,24 +522,31 @@ def _xtc_excluded(logprobs: mx.array, arrays: dict) -> mx.array:
     probs = mx.softmax(logprobs, -1)
     threshold = _per_row(arrays["xtc_threshold"], probs)
     least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
-    keep = arrays["xtc_keep"].reshape(arrays["xtc_keep"].shape[:1] + (1,) * (probs.ndim - 2)
-                                      + arrays["xtc_keep"].shape[-1:])
+    keep = arrays["xtc_keep"] if probs.ndim == 2 else arrays["xtc_keep"][:, None]
     return mx.where((probs > least) & ~keep, -mx.inf, logprobs)
+
+
+def _top_k(logprobs: mx.array, f: Filters) -> mx.array:
+    return apply_top_k(logprobs, f.top_k) if f.top_k > 0 else logprobs
 
 
 def target_rows(logprobs: mx.array, arrays: dict, f: Filters, inv_t: mx.array) -> mx.array:
     """Logits [B, ..., V] whose softmax is each row's sampling distribution
     at inverse temperature inv_t: mlx_lm's filters in its order (top-p,
-    min-p, XTC, top-k), then the temperature. XTC applies with probability
-    xtc_p on mlx_lm's coin: as one distribution that is the mixture
-    xtc_p * p(excluded) + (1 - xtc_p) * p(kept), which Leviathan–Chen
-    verifies exactly like any other (rows without XTC: unchanged logits)."""
-    kept = filter_rows(logprobs, arrays, f, top_k=False)
-    top_k = (lambda x: apply_top_k(x, f.top_k)) if f.top_k > 0 else (lambda x: x)
-    plain = _scaled(top_k(kept), inv_t)
+    min-p, XTC, top-k), then the temperature."""
+    return _target_of_kept(filter_rows(logprobs, arrays, f, top_k=False), arrays, f, inv_t)
+
+
+def _target_of_kept(kept: mx.array, arrays: dict, f: Filters, inv_t: mx.array) -> mx.array:
+    """`target_rows` from log-probs already through top-p and min-p. XTC
+    applies with probability xtc_p on mlx_lm's coin: as one distribution,
+    the mixture xtc_p * p(excluded) + (1 - xtc_p) * p(kept), which
+    Leviathan–Chen verifies exactly like any other (rows without XTC:
+    unchanged logits)."""
+    plain = _scaled(_top_k(kept, f), inv_t)
     if not f.xtc:
         return plain
-    excluded = _scaled(top_k(_xtc_excluded(kept, arrays)), inv_t)
+    excluded = _scaled(_top_k(_xtc_excluded(kept, arrays), f), inv_t)
     w = _per_row(arrays["xtc_p"], plain)
     mixture = w * mx.softmax(excluded.astype(mx.float32), axis=-1) + (1 - w) * mx.softmax(
         plain.astype(mx.float32), axis=-1)
@@ -568,8 +573,9 @@ def sample_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> mx.array:
 def draft_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> Tuple[mx.array, mx.array]:
     """Each row's draft from the head's log-probs [B, V] and the distribution
     q [B, V] it was drawn from (one-hot for greedy drafts)."""
-    greedy = mx.argmax(filter_rows(logprobs, arrays, f), axis=-1).astype(mx.int32)
-    logits = target_rows(logprobs.astype(mx.float32), arrays, f, arrays["inv_draft_temp"])
+    kept = filter_rows(logprobs, arrays, f, top_k=False)  # once, for both kinds of draft
+    greedy = mx.argmax(_top_k(kept, f), axis=-1).astype(mx.int32)
+    logits = _target_of_kept(kept.astype(mx.float32), arrays, f, arrays["inv_draft_temp"])
     drawn = categorical_rows(logits, keys).astype(mx.int32)
     sampled = arrays["inv_draft_temp"] > 0
     tok = mx.where(sampled, drawn, greedy)

@@ -427,8 +427,9 @@ class _Settings:
         lg = args.logits
         depth = gen._depth(args)
         sampler = _sampler(args, gen.model_provider.tokenizer)
-        penalties = Penalties.of(*(getattr(lg, f"{kind}_{part}") for kind in PENALTY_KINDS
-                                   for part in ("penalty", "context_size")))
+        penalties = Penalties.of(**{f"{kind}_{part}": getattr(lg, f"{kind}_{part}")
+                                    for kind in PENALTY_KINDS
+                                    for part in ("penalty", "context_size")})
         sampling = RowSampling.of(sampler, lg.logit_bias, penalties)  # (an MTPSampler: never None)
         # the logit bias (and penalties) are applied in-graph
         in_graph = {f"{kind}_penalty": 0.0 for kind in PENALTY_KINDS} if penalties else {}
