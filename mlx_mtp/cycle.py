@@ -102,6 +102,20 @@ class DecodeState:
     def without_buffers(self) -> "DecodeState":
         return self.replace(cache=self.cache.without_buffers())
 
+    # the head's part of the state, which a parked plain step neither reads nor writes
+    HEAD_FIELDS = ("g", "ring_h", "ring_tok", "ring_n")
+
+    def without_head(self) -> "DecodeState":
+        """What a plain step without the head reads (a batch parked at depth 0
+        between probes: the graph is then depth 0's; docs/design.md §3)."""
+        return self.replace(cache=MTPCache(self.cache.trunk, []),
+                            **{n: None for n in self.HEAD_FIELDS})
+
+    def with_head_of(self, other: "DecodeState") -> "DecodeState":
+        """This state with `other`'s head part, untouched."""
+        return self.replace(cache=MTPCache(self.cache.trunk, other.cache.head),
+                            **{n: getattr(other, n) for n in self.HEAD_FIELDS})
+
     def _rows(self) -> List[str]:
         """The fields with a batch axis (the ring's count is the batch's)."""
         return [f.name for f in dataclasses.fields(self) if f.name not in ("cache", "ring_n")]

@@ -135,6 +135,16 @@ class DepthController:
         return (1 - w) * old + w * x
 
     # -- decision ----------------------------------------------------------------
+    def quiet_cycles(self) -> int:
+        """Cycles before a probe can start (0: one may start now, or one runs).
+        Parked at depth 0 the loop runs depth 0's own graph until then, and
+        keeps the head's ring only for the last cycles before it."""
+        if self._probe_left > 0:
+            return 0
+        blocked = min((self._not_before.get(c, 0) for c in (self.k - 1, self.k + 1)
+                       if 0 <= c <= self.max_depth), default=0)
+        return max(0, self.interval - self.since_probe, blocked - self.cycles)
+
     def next_depth(self) -> int:
         if self._probe_left > 0:  # finish a probe: cycles at a neighbour depth until it
             # has min_samples new cost samples (they may arrive a cycle late, or be

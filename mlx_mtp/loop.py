@@ -114,9 +114,10 @@ class Lengths:
     def flushed(self) -> "Lengths":
         return Lengths(self.trunk, self.head + min(self.ring, RING), 0)
 
-    def after(self, k: int, accepted: int) -> "Lengths":
+    def after(self, k: int, accepted: int, ring: bool = True) -> "Lengths":
+        """After a cycle of depth k (a plain step writing the ring, or not)."""
         if k == 0:
-            return Lengths(self.trunk + 1, self.head, self.ring + 1)
+            return Lengths(self.trunk + 1, self.head, self.ring + int(ring))
         return Lengths(self.trunk + accepted + 1, self.flushed().head + accepted + 1, 0)
 
 
@@ -129,6 +130,7 @@ class Launched:
     rows: list  # the batch's rows, in order, when it was launched
     stamps: dict  # perf_counter times of its launch
     flush_after: bool = False  # the head caught up right after it (rows joined)
+    cold: bool = False  # a parked plain step of depth 0's graph (no ring write)
 
 
 def generate_tokens(
@@ -358,6 +360,7 @@ class Batch:
         self.rows: List[Row] = []
         self.inflight: deque = deque()
         self.ring = 0  # plain steps' pairs waiting for the head (the same for every row)
+        self._parked_graphs: Optional[Graphs] = None  # depth 0's, for cold parked steps
         self.cycles = 0
         self._tic = time.perf_counter()
         self._launched = 0  # cycles launched since the last read
@@ -592,6 +595,7 @@ class Batch:
         if (filters, processors) != (spec.filters, spec.processors):
             self.spec = spec = dataclasses.replace(spec, filters=filters, processors=processors)
             self.graphs.use(spec)
+            self._parked_graphs = None
         self.lookahead = 1 if (self.may_look_ahead and not spec.host_history
                                and spec.trusted_sampler) else 0
         if self.state is None or spec.sampler is not None:
@@ -629,6 +633,21 @@ class Batch:
         ctl = self._controller(batch_size)
         return ctl is not None and ctl.k == 0
 
+    def _cold(self, ctl, k: int) -> Optional[Graphs]:
+        """Depth 0's graphs when this plain step of a parked batch can skip the
+        head's part of the state: no probe within the ring's length (the ring
+        then holds the last plain steps when the head catches up). Parking
+        then costs what fixed depth 0 costs (docs/design.md §3, plain_step).
+        Not for sharded models (every rank must run the same graphs)."""
+        if (k or ctl is None or ctl.k or self.spec.group is not None or not self.spec.use_head
+                or ctl.quiet_cycles() <= RING + self.lookahead):
+            return None
+        if self._parked_graphs is None:
+            spec = dataclasses.replace(self.spec, use_head=False, draft_vocab=None,
+                                       drafter=None, draft_rows=None)
+            self._parked_graphs = Graphs(spec, self.graphs.compiled)
+        return self._parked_graphs
+
     def _in_flight(self, row: Row) -> List[Launched]:
         return [c for c in self.inflight if row in c.rows]
 
@@ -645,6 +664,7 @@ class Batch:
             k = min(k, max(max(r.max_tokens - r.landed - len(self._in_flight(r))
                                for r in self.rows) - 1, 0))
         catch_up = k > 0 and self.ring > 0
+        cold = self._cold(ctl, k)
         bounds = [_upper_bound(r.lens, self._in_flight(r)) for r in self.rows]
         self.state = self.state.replace(cache=self.state.cache.grown(
             max(b.trunk for b in bounds) + k + 1,
@@ -656,13 +676,18 @@ class Batch:
         keep = any(r.held.keep for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
-        self.state, out = self.graphs.step(self.state, k, catch_up, history)
+        if cold is not None:
+            new, out = cold.step(self.state.without_head(), 0, False, history)
+            self.state = new.with_head_of(self.state)
+        else:
+            self.state, out = self.graphs.step(self.state, k, catch_up, history)
         built = time.perf_counter()
         mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
         t1 = time.perf_counter()
         self.inflight.append(Launched(k, out, before, self.graphs.traces > traces,
-                                      list(self.rows), dict(build0=t0, build1=built, queued=t1)))
-        self.ring = 0 if k else self.ring + int(spec.use_head)
+                                      list(self.rows), dict(build0=t0, build1=built, queued=t1),
+                                      cold=cold is not None))
+        self.ring = 0 if k else self.ring + int(spec.use_head and cold is None)
         self._launched += 1
 
     def step(self) -> List[Tuple[Row, List[int], mx.array, np.ndarray, int]]:
@@ -696,7 +721,7 @@ class Batch:
             if self.vocab is not None:
                 _check_sampled(tokens, self.vocab)
             before_lens = row.lens
-            row.lens = before_lens.after(k, a)
+            row.lens = before_lens.after(k, a, ring=not cycle.cold)
             if cycle.flush_after:
                 row.lens = row.lens.flushed()
             y = (row.last.tokens or [row.last.y])[-1]
@@ -789,7 +814,7 @@ def _check_sampled(tokens: List[int], vocab: int):
 def _upper_bound(lens: Lengths, inflight) -> Lengths:
     """Lengths after the launched cycles if each accepted every draft."""
     for c in inflight:
-        lens = lens.after(c.k, c.k)
+        lens = lens.after(c.k, c.k, ring=not c.cold)
         if c.flush_after:
             lens = lens.flushed()
     return lens

@@ -335,6 +335,57 @@ def test_depth_learned_per_batch_size(loaded):
     assert sum(four.accept_n) >= four.cycles
 
 
+class Scheduled(DepthController):
+    """Parked at depth 0 with no probe due for the first `cold` launches,
+    then a probe due; depth `k` from launch `drafting` on."""
+
+    def __init__(self, cold, drafting, k):
+        super().__init__(initial=0)
+        self.launches, self.cold, self.drafting, self.k_draft = 0, cold, drafting, k
+
+    def next_depth(self):
+        self.launches += 1
+        return self.k_draft if self.launches > self.drafting else 0
+
+    def quiet_cycles(self):
+        return 10 ** 6 if self.launches < self.cold else 0
+
+
+@pytest.mark.parametrize("drafted", ["head", "bigram"])
+def test_parked_steps_run_depth_zeros_graph(loaded, monkeypatch, drafted):
+    """Parked with no probe due, a batch's plain steps run depth 0's graph
+    (the head's state set aside, no ring written); before a probe they
+    write the ring again, and the head catches up on those pairs. Every row
+    (three, of different lengths) stays mlx_lm's, drafts accepted or not."""
+    from mlx_mtp.cycle import RING, Graphs
+
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:3]]
+    want = [reference(ref_model, i, 60) for i in ids]
+    steps = []
+    step = Graphs.step
+    monkeypatch.setattr(Graphs, "step", lambda self, state, k, catch_up=False, history=None: (
+        steps.append((self.spec.use_head, k, catch_up)), step(self, state, k, catch_up, history))[1])
+    drafter = BigramDrafter(want, model.vocab_size) if drafted == "bigram" else None
+    batch = make_batch(model, draft_tokens="auto", drafter=drafter,
+                       controller=Scheduled(cold=30, drafting=45, k=2))
+    limits = [60, 52, 44]
+    requests = [batch.prepare(p, None, n) for p, n in zip(ids, limits)]
+    got = [[] for _ in ids]
+    for i, t, *_ in decode_rows(batch, requests, (), 3):
+        got[i].append(t)
+    assert got == [w[:n] for w, n in zip(want, limits)]
+    cold = [s for s in steps if not s[0]]
+    warm = [s for s in steps[len(cold):] if s[1] == 0]
+    drafted_cycles = [s for s in steps if s[1] > 0]
+    assert len(cold) >= 25 and all(s[1] == 0 for s in cold)
+    assert steps[:len(cold)] == cold  # parked and quiet: depth 0's graph only
+    assert 0 < len(warm) <= RING + 2  # the ring's plain steps before the probe
+    assert drafted_cycles and drafted_cycles[0][2]  # the head catches up on them
+    if drafter is not None:
+        assert sum(r.stats.accepted for r in requests) > 0
+
+
 def test_cycles_count_for_the_batch_size_they_ran(loaded):
     """A cycle launched with two rows and read after one left is the two-row
     controller's sample: a cycle's cost and acceptance go to the controller of
