@@ -22,6 +22,8 @@ Each step is a function state -> (state, output) with nothing kept elsewhere:
                     RING pairs, which the head catches up on when it drafts
                     again (after a longer run of plain steps it drafts from a
                     history with a gap: acceptance may dip, exactness cannot).
+                    Parked with no probe due, the loop runs depth 0's own graph
+                    instead: no pair is written and the ring is dropped (a gap).
   prefill / feed    the prompt (several prompts at once) and the tokens a
                     finished generation leaves in the cache, on mlx_lm's own
                     caches exactly as mlx_lm feeds them.
@@ -29,8 +31,10 @@ Each step is a function state -> (state, output) with nothing kept elsewhere:
 Invariant at the start of a cycle (P = tokens in the trunk's cache): `y` is
 the last emitted token, not yet fed; the head's cache holds the pairs
 (h_p, tok_{p+1}) for p < P, the last one (h_{P-1}, y), but those waiting in
-the ring (`ring_n` of them, the last RING kept); when none wait, `g` is the
-head's hidden of that last pair (it drafts d1).
+the ring (`ring_n` of them, the last RING kept) and those skipped (a gap:
+older than the ring, or plain steps of depth 0's graph); when none wait or
+were skipped, `g` is the head's hidden of that last pair (it drafts d1;
+after a gap `g` is older, and only acceptance pays).
 
 `Graphs.step` runs a step through a graph compiled once per depth and mode
 with the state as its input (`DecodeState.tree()` lists every field, so a
@@ -112,9 +116,11 @@ class DecodeState:
                             **{n: None for n in self.HEAD_FIELDS})
 
     def with_head_of(self, other: "DecodeState") -> "DecodeState":
-        """This state with `other`'s head part, untouched."""
-        return self.replace(cache=MTPCache(self.cache.trunk, other.cache.head),
-                            **{n: getattr(other, n) for n in self.HEAD_FIELDS})
+        """This state with `other`'s head part, its ring dropped (the pairs
+        waiting there are skipped, like those of the plain steps since)."""
+        head = {n: getattr(other, n) for n in self.HEAD_FIELDS}
+        head["ring_n"] = mx.zeros_like(other.ring_n)
+        return self.replace(cache=MTPCache(self.cache.trunk, other.cache.head), **head)
 
     def _rows(self) -> List[str]:
         """The fields with a batch axis (the ring's count is the batch's)."""

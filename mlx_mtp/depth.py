@@ -136,9 +136,12 @@ class DepthController:
 
     # -- decision ----------------------------------------------------------------
     def quiet_cycles(self) -> int:
-        """Cycles before a probe can start (0: one may start now, or one runs).
-        Parked at depth 0 the loop runs depth 0's own graph until then, and
-        keeps the head's ring only for the last cycles before it."""
+        """Launches before which no probe starts, for a controller at depth 0
+        (a lower bound: a probe blocked by its spacing waits for a later
+        interval; 0 while one runs). Parked, the loop runs depth 0's own graph
+        until then and fills the head's ring only for the last cycles before
+        it (loop.py); an early or late probe costs acceptance, never
+        exactness."""
         if self._probe_left > 0:
             return 0
         blocked = min((self._not_before.get(c, 0) for c in (self.k - 1, self.k + 1)

@@ -115,9 +115,10 @@ class Lengths:
         return Lengths(self.trunk, self.head + min(self.ring, RING), 0)
 
     def after(self, k: int, accepted: int, ring: bool = True) -> "Lengths":
-        """After a cycle of depth k (a plain step writing the ring, or not)."""
+        """After a cycle of depth k: a plain step writes a pair into the ring,
+        or (ring False: depth 0's graph, parked) drops the ring."""
         if k == 0:
-            return Lengths(self.trunk + 1, self.head, self.ring + int(ring))
+            return Lengths(self.trunk + 1, self.head, self.ring + 1 if ring else 0)
         return Lengths(self.trunk + accepted + 1, self.flushed().head + accepted + 1, 0)
 
 
@@ -130,7 +131,7 @@ class Launched:
     rows: list  # the batch's rows, in order, when it was launched
     stamps: dict  # perf_counter times of its launch
     flush_after: bool = False  # the head caught up right after it (rows joined)
-    cold: bool = False  # a parked plain step of depth 0's graph (no ring write)
+    cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
 
 
 def generate_tokens(
@@ -537,6 +538,7 @@ class Batch:
             self.state = new
         else:
             if self.ring:  # every row's ring empty, so they stay in step
+                self._grow(0, catch_up=True)
                 self.state = self.graphs.flush(self.state)
                 self.ring = 0
                 # the rows' lengths count the flush once the cycles before it land
@@ -648,6 +650,19 @@ class Batch:
             self._parked_graphs = Graphs(spec, self.graphs.compiled)
         return self._parked_graphs
 
+    def _grow(self, k: int, catch_up: bool):
+        """Room in the caches for a cycle of depth k: the trunk's k + 1
+        entries, the head's ring and k + 1 more. A catch-up runs the head over
+        all RING slots at its length before trimming the unwritten ones, so
+        it needs RING entries there (a write past a buffer's end would
+        corrupt memory: MLX does not check a dynamic slice_update)."""
+        bounds = [_upper_bound(r.lens, self._in_flight(r)) for r in self.rows]
+        head = max(b.flushed().head + k + 1 for b in bounds)
+        if catch_up:
+            head = max(head, max(b.head for b in bounds) + RING)
+        self.state = self.state.replace(cache=self.state.cache.grown(
+            max(b.trunk for b in bounds) + k + 1, head))
+
     def _in_flight(self, row: Row) -> List[Launched]:
         return [c for c in self.inflight if row in c.rows]
 
@@ -665,10 +680,7 @@ class Batch:
                                for r in self.rows) - 1, 0))
         catch_up = k > 0 and self.ring > 0
         cold = self._cold(ctl, k)
-        bounds = [_upper_bound(r.lens, self._in_flight(r)) for r in self.rows]
-        self.state = self.state.replace(cache=self.state.cache.grown(
-            max(b.trunk for b in bounds) + k + 1,
-            max(b.flushed().head for b in bounds) + k + 1))
+        self._grow(k, catch_up)
         history = None
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
@@ -687,7 +699,7 @@ class Batch:
         self.inflight.append(Launched(k, out, before, self.graphs.traces > traces,
                                       list(self.rows), dict(build0=t0, build1=built, queued=t1),
                                       cold=cold is not None))
-        self.ring = 0 if k else self.ring + int(spec.use_head and cold is None)
+        self.ring = 0 if k or cold is not None else self.ring + int(spec.use_head)
         self._launched += 1
 
     def step(self) -> List[Tuple[Row, List[int], mx.array, np.ndarray, int]]:
@@ -887,5 +899,5 @@ class HeldCache:
         if tail:
             feed(spec, prompt_cache, tail, ring)
         else:  # the head catches up; the ring's last hidden is the trunk's last one
-            catch_up(spec, prompt_cache, ring)
+            catch_up(spec, prompt_cache, ring)  # (no ring: none is kept, a gap)
         mx.eval([c.state for c in prompt_cache])

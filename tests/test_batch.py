@@ -336,54 +336,103 @@ def test_depth_learned_per_batch_size(loaded):
 
 
 class Scheduled(DepthController):
-    """Parked at depth 0 with no probe due for the first `cold` launches,
-    then a probe due; depth `k` from launch `drafting` on."""
+    """Parked at depth 0; a probe due (no quiet cycles) in the launches
+    `warm`; depth `k` from launch `drafting` on."""
 
-    def __init__(self, cold, drafting, k):
+    def __init__(self, warm, drafting, k):
         super().__init__(initial=0)
-        self.launches, self.cold, self.drafting, self.k_draft = 0, cold, drafting, k
+        self.launches, self.warm, self.drafting, self.k_draft = 0, warm, drafting, k
 
     def next_depth(self):
         self.launches += 1
         return self.k_draft if self.launches > self.drafting else 0
 
     def quiet_cycles(self):
-        return 10 ** 6 if self.launches < self.cold else 0
+        return 0 if self.launches in self.warm else 10 ** 6
 
 
-@pytest.mark.parametrize("drafted", ["head", "bigram"])
-def test_parked_steps_run_depth_zeros_graph(loaded, monkeypatch, drafted):
+@pytest.mark.parametrize("drafted,compiled", [("head", True), ("bigram", True),
+                                              ("head", False)])
+def test_parked_steps_run_depth_zeros_graph(loaded, monkeypatch, drafted, compiled):
     """Parked with no probe due, a batch's plain steps run depth 0's graph
-    (the head's state set aside, no ring written); before a probe they
-    write the ring again, and the head catches up on those pairs. Every row
-    (three, of different lengths) stays mlx_lm's, drafts accepted or not."""
-    from mlx_mtp.cycle import RING, Graphs
+    (the head's state set aside and its ring dropped, no pair written);
+    before a probe they write the ring again, and the head catches up on
+    exactly those pairs (eager: the ring's count checked at the catch-up).
+    A warm stretch that no probe follows is dropped by the next cold step.
+    Every row (three, of different lengths) stays mlx_lm's, drafts accepted
+    or not."""
+    from mlx_mtp import cycle
 
     model, ref_model, tok = loaded("dense")
     ids = [tok.encode(p) for p in PROMPTS[:3]]
     want = [reference(ref_model, i, 60) for i in ids]
-    steps = []
-    step = Graphs.step
-    monkeypatch.setattr(Graphs, "step", lambda self, state, k, catch_up=False, history=None: (
+    steps, rings = [], []
+    step, catch_up_ring = cycle.Graphs.step, cycle.catch_up_ring
+    monkeypatch.setattr(cycle.Graphs, "step", lambda self, state, k, catch_up=False, history=None: (
         steps.append((self.spec.use_head, k, catch_up)), step(self, state, k, catch_up, history))[1])
+    monkeypatch.setattr(cycle, "catch_up_ring", lambda model_, state, head: (
+        rings.append(state.ring_n), catch_up_ring(model_, state, head))[1])
     drafter = BigramDrafter(want, model.vocab_size) if drafted == "bigram" else None
-    batch = make_batch(model, draft_tokens="auto", drafter=drafter,
-                       controller=Scheduled(cold=30, drafting=45, k=2))
+    warm = set(range(20, 26)) | set(range(36, 46))  # then drafting: a probe
+    batch = make_batch(model, draft_tokens="auto", drafter=drafter, compiled=compiled,
+                       controller=Scheduled(warm, drafting=45, k=2))
     limits = [60, 52, 44]
     requests = [batch.prepare(p, None, n) for p, n in zip(ids, limits)]
     got = [[] for _ in ids]
     for i, t, *_ in decode_rows(batch, requests, (), 3):
         got[i].append(t)
     assert got == [w[:n] for w, n in zip(want, limits)]
-    cold = [s for s in steps if not s[0]]
-    warm = [s for s in steps[len(cold):] if s[1] == 0]
-    drafted_cycles = [s for s in steps if s[1] > 0]
-    assert len(cold) >= 25 and all(s[1] == 0 for s in cold)
-    assert steps[:len(cold)] == cold  # parked and quiet: depth 0's graph only
-    assert 0 < len(warm) <= RING + 2  # the ring's plain steps before the probe
-    assert drafted_cycles and drafted_cycles[0][2]  # the head catches up on them
+    kinds = ["cold" if not use_head else "warm" if k == 0 else "drafted"
+             for use_head, k, _ in steps]
+    assert kinds[:19] == ["cold"] * 19 and kinds[19:25] == ["warm"] * 6
+    assert kinds[25:35] == ["cold"] * 10 and kinds[35:45] == ["warm"] * 10
+    assert kinds[45] == "drafted" and steps[45][2]  # the head catches up on the ring
+    if not compiled:
+        assert int(rings[0]) == 10  # the last warm stretch only: the first was dropped
     if drafter is not None:
         assert sum(r.stats.accepted for r in requests) > 0
+
+
+def test_catch_up_has_room_at_a_block_boundary(loaded, monkeypatch):
+    """A catch-up runs the head over all RING ring slots at the head's
+    length before trimming the unwritten ones: the head's buffer must have
+    RING entries of room there even when only two pairs wait, also where
+    the head's length nears the end of a capacity block (a write past it
+    would corrupt memory). Checked at every catch-up, eager loop, the head
+    crossing a block boundary; the tokens stay mlx_lm's."""
+    from mlx_mtp import cycle
+    from mlx_mtp.cache import BLOCK
+
+    model, ref_model, tok = loaded("dense")
+    ids = tok.encode(LONG * 40)[: BLOCK - 20]  # the head follows it: its length nears BLOCK
+
+    class TwoPlainOneDrafted(DepthController):
+        def __init__(self):
+            super().__init__(initial=1)
+            self.launches = 0
+
+        def next_depth(self):
+            self.launches += 1
+            return 1 if self.launches % 3 == 0 else 0
+
+        def quiet_cycles(self):
+            return 0
+
+    lengths = []
+    catch_up_ring = cycle.catch_up_ring
+
+    def checked(model_, state, head_cache):
+        for c in head_cache:
+            lengths.append(int(c.lengths.max()))
+            assert c.capacity >= lengths[-1] + cycle.RING, (c.capacity, lengths[-1])
+        return catch_up_ring(model_, state, head_cache)
+
+    monkeypatch.setattr(cycle, "catch_up_ring", checked)
+    got = list(t for t, *_ in generate_tokens(mx.array(ids), model, max_tokens=48,
+                                              draft_tokens="auto", compiled=False,
+                                              controller=TwoPlainOneDrafted()))
+    assert got == reference(ref_model, ids, 48)
+    assert min(lengths) < BLOCK - cycle.RING < max(lengths)  # near the block end and past it
 
 
 def test_cycles_count_for_the_batch_size_they_ran(loaded):

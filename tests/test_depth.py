@@ -77,3 +77,26 @@ def test_probes_cost_at_most_the_budget():
                               0.3, cycles=6000)
     assert ctl.k == 0
     assert got >= 0.97 * best
+
+
+def test_no_probe_starts_within_quiet_cycles():
+    """Parked (plain decoding pays), the controller says how many launches
+    pass before a probe may start, its spacing after probes that changed
+    nothing included: no probe starts sooner (the loop fills the head's
+    ring only for the last cycles before one)."""
+    rng = random.Random(1)
+    ctl = DepthController(max_depth=4)
+    promised = 0  # the launch before which no probe may start
+    probes, parked, far = 0, 0, 0
+    for n in range(6000):
+        k = ctl.next_depth()
+        if k and ctl.k == 0:
+            assert n >= promised, (n, promised)
+            probes += 1
+        a = sum(1 for _ in range(k) if rng.random() < 0.6)
+        ctl.update(k, a, (1.0 if k == 0 else 2.2 + 0.4 * k) * (1 + rng.uniform(-0.05, 0.05)))
+        if ctl.k == 0 and ctl._probe_left == 0:
+            promised = max(promised, n + 1 + ctl.quiet_cycles())
+            parked, far = parked + 1, far + (ctl.quiet_cycles() > 17)
+    assert ctl.k == 0 and probes >= 10  # parked, probing now and then
+    assert far > 0.8 * parked  # mostly far from the next probe: depth 0's graph
