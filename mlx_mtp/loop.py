@@ -48,7 +48,7 @@ from .distributed import agree, first_stage, trunk_length
 from .drafters import is_host_side
 from .mlx_lm_compat import generation_stream
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
-                       row_arrays, start_window)
+                       bias_row, row_arrays, start_window)
 
 
 def mtp_disabled_by_env() -> bool:
@@ -523,10 +523,8 @@ class Batch:
             if is_host_side(spec.drafter):
                 spec.drafter.start()  # such a drafter has one row
             if r.sampling is not None and r.sampling.logit_bias:
-                bias = [0.0] * model.vocab_size
-                for t, v in r.sampling.logit_bias:
-                    bias[t] += v
-                row.bias = mx.array(bias, dtype=mx.float32)
+                row.bias = mx.array(bias_row(r.sampling.logit_bias, model.vocab_size),
+                                    dtype=mx.float32)
             rows.append(row)
             states.append(state)
         if not states:

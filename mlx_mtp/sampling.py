@@ -403,6 +403,14 @@ class Filters:
                    any(r.xtc_probability > 0 for r in sampled))
 
 
+def bias_row(logit_bias, vocab_size: int) -> List[float]:
+    """One row's logit bias over the vocabulary, from its (token, bias) pairs."""
+    row = [0.0] * vocab_size
+    for t, v in logit_bias or ():
+        row[t] += v
+    return row
+
+
 def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> dict:
     """The per-row arrays of a batch's decode state (None where unused):
     inverse temperatures, top-p, log(min-p), inverse draft temperatures
@@ -424,11 +432,8 @@ def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> di
             [0.0 if r.greedy else inv(r.temp if r.draft_temp is None else r.draft_temp)
              for r in rows], dtype=mx.float32)
     if filters.bias:
-        bias = [[0.0] * vocab_size for _ in rows]
-        for b, r in zip(bias, rows):
-            for t, v in r.logit_bias or ():
-                b[t] += v
-        out["bias"] = mx.array(bias, dtype=mx.float32)
+        out["bias"] = mx.array([bias_row(r.logit_bias, vocab_size) for r in rows],
+                               dtype=mx.float32)
     if filters.xtc:
         out["xtc_p"] = mx.array([r.xtc_probability for r in rows], dtype=mx.float32)
         out["xtc_threshold"] = mx.array([r.xtc_threshold for r in rows], dtype=mx.float32)
