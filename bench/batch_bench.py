@@ -56,7 +56,7 @@ def main(argv=None):
     import mlx_lm
 
     import mlx_mtp
-    from mlx_mtp.load import resolve_model_path
+    from mlx_mtp.loader import resolve_model_path
 
     path = str(resolve_model_path(args.model))
     model, tok = mlx_mtp.load(path, quiet=True)

@@ -133,7 +133,7 @@ def model_27b(bits: int = 0, tiny: bool = False):
 
 
 def synthetic_model(args) -> Path:
-    from mlx_mtp.synthetic import write_checkpoint
+    from mlx_mtp.testing.synthetic import write_checkpoint
 
     d = Path(tempfile.mkdtemp(prefix="mlx_mtp_bench_"))
     over = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 3,
@@ -440,9 +440,9 @@ def main(argv=None):
     from mlx_lm.generate import generate_step
 
     import mlx_mtp
-    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import MTPStats, generate_tokens
-    from mlx_mtp.load import resolve_model_path
+    from mlx_mtp.loader import resolve_model_path
 
     rates = [None] if args.oracle_rate is None else [float(r) for r in args.oracle_rate.split(",")]
     cost_depths = [int(d) for d in args.cost_depths.split(",") if d]

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 import mlx_mtp.families as families
 from mlx_mtp.families import qwen4_exp
-from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 
 def module_at(rev: str):

@@ -265,7 +265,7 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown workload {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
     from bench import blas_in_use, machine_info
-    from mlx_mtp.load import resolve_model_path
+    from mlx_mtp.loader import resolve_model_path
 
     model = str(resolve_model_path(args.model))
     out = Path(args.json)

@@ -128,7 +128,7 @@ def config_object(config: Any, where) -> Dict[str, Any]:
 def read_model_config(folder: Path) -> Dict[str, Any]:
     """config.json of a model folder, checked to be a JSON object (text_config too),
     then mlx_mtp's own checks (model_type). One-line errors naming the file."""
-    from mlx_mtp.load import read_config
+    from mlx_mtp.loader import read_config
 
     folder = Path(folder)
     cfg_file = folder / "config.json"

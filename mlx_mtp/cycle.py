@@ -46,17 +46,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import CacheList
 
-from . import kernels
+from . import metal
 from .cache import CaptureCache, MTPCache, fill_empty, head_caches, last_hidden
 from .cache import set_last_hidden
 from .distributed import kept_on_every_stage, share
-from .drafters import Drafter, is_host_side
 from .sampling import (Filters, accept_rows, advance_window, draft_rows, is_greedy,
                        penalize_rows, sample_rows, split_rows)
 
@@ -64,6 +63,37 @@ from .sampling import (Filters, accept_rows, advance_window, draft_rows, is_gree
 ROW_ARRAYS = ("inv_temp", "top_p", "min_p_log", "inv_draft_temp", "bias", "penalty",
               "penalty_n", "xtc_p", "xtc_threshold", "xtc_keep")
 RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
+
+
+
+class Drafter(Protocol):
+    """What the decode loop asks of a drafter."""
+
+    host_side: bool  # proposals need the host: the loop reads every cycle before
+    #                  building the next, runs it eagerly, and reports the tokens
+    replaces_head: bool  # the head's own chain is skipped
+
+    def arrays(self) -> list:
+        """Device arrays the proposals read (passed to compiled graphs)."""
+
+    def graph_key(self) -> tuple:
+        """What a compiled graph bakes in."""
+
+    def propose(self, arrays, state, k: int, head_drafts, head_q):
+        """(drafts [B, k], q [B, k, V] or None) for a cycle of depth k; `state`
+        is the cycle's DecodeState (its y and emitted are per row)."""
+
+    def start(self) -> None:
+        """Host-side drafters: a row starts (its generated tokens: none yet)."""
+
+    def observe(self, tokens: List[int]) -> None:
+        """Host-side drafters: tokens the row emitted, as each cycle is read."""
+
+
+def is_host_side(drafter: Optional[Drafter]) -> bool:
+    """A drafter whose proposals need the host: its batch decodes one row,
+    eagerly, each cycle read before the next."""
+    return drafter is not None and drafter.host_side
 
 
 @dataclass
@@ -169,7 +199,7 @@ class Spec:
     use_head: bool = True
     processors: bool = False  # some row has logits processors (host history)
     draft_vocab: Optional[mx.array] = None  # greedy/sampled drafts over these ids only
-    drafter: Optional[Drafter] = None  # tests and benchmarks (drafters.py)
+    drafter: Optional[Drafter] = None  # tests and benchmarks (testing/drafters.py)
     draft_rows: Optional[dict] = field(default=None, repr=False)
     group: Any = None  # sharded model: the ranks that take rank 0's decisions
     first_stage: Optional[int] = None  # pipeline: the rank that embeds the tokens
@@ -222,13 +252,13 @@ class Spec:
         """Processors need the host's token history, opaque samplers mx.random's
         global state, host drafters the host: those steps run eagerly."""
         return (not self.host_history and self.sampler is None
-                and not kernels.backend().startswith("emu"))
+                and not metal.backend().startswith("emu"))
 
     def graph_key(self) -> tuple:
         vocab = None if self.draft_vocab is None else self.draft_vocab.size
         drafter = None if self.drafter is None else self.drafter.graph_key()
-        return (self.filters, self.use_head, vocab, drafter, kernels.backend(),
-                kernels.fused_default())
+        return (self.filters, self.use_head, vocab, drafter, metal.backend(),
+                metal.fused_default())
 
     def static(self) -> "Spec":
         """This spec without the arrays of one call (a graph gets those in `aux`)."""
@@ -366,7 +396,7 @@ def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
     states = [c.captured_states for c in gdn]
     inputs = [c.captured_conv_input for c in gdn]
     if consumed.shape[0] == 1:
-        picked = kernels.commit(states, inputs, consumed[0], conv_kernel)
+        picked = metal.commit(states, inputs, consumed[0], conv_kernel)
     else:  # one index per row
         n = consumed.astype(mx.int32)
         rows = (n[:, None] + mx.arange(conv_kernel - 1))[:, :, None]

@@ -24,7 +24,7 @@ from mlx_lm.generate import generation_stream
 from .cache import cache_length
 from .checkpoint import (WEIGHT_INDEX, CheckpointError, read_weight_map, safetensors_header,
                          text_config, weight_files)
-from .load import DOWNLOAD_PATTERNS, load, read_config, resolve_model_path
+from .loader import DOWNLOAD_PATTERNS, load, read_config, resolve_model_path
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -97,7 +97,7 @@ def expected_acceptance(model, tokens, depth: int = 4, max_starts: int = 256,
 
 
 def main(argv: Optional[list] = None) -> int:
-    from .load import load
+    from .loader import load
 
     p = argparse.ArgumentParser(prog="python -m mlx_mtp.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder or HF repo (default: demo model)")

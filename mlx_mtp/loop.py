@@ -41,11 +41,10 @@ from mlx_lm.models.cache import CacheList, KVCache
 from . import checks
 from .cache import (MTPCache, cache_length, check_prompt_cache, entry_length, fill_empty,
                     head_caches)
-from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring,
+from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, is_host_side,
                     prefill, ring_order, unpack)
 from .depth import DepthController
 from .distributed import agree, first_stage, trunk_length
-from .drafters import is_host_side
 from .mlx_lm_compat import generation_stream
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
                        bias_row, row_arrays, start_window)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import kernels
+from . import metal
 from .head import MTPHead
 
 
@@ -280,7 +280,7 @@ class MTPModel:
                 return mx.argmax(logits, axis=-1)
             return vocab_ids[mx.argmax(logits[:, vocab_ids], axis=-1)]
         # On GPUs the fused kernel never materializes the full-vocabulary logits.
-        _, ids = kernels.draft_project(h, vocab_ids=vocab_ids, **self.lm_head_weights())
+        _, ids = metal.draft_project(h, vocab_ids=vocab_ids, **self.lm_head_weights())
         return ids[:, 0]
 
     # -- weights ------------------------------------------------------------------

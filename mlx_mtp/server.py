@@ -65,7 +65,7 @@ from .mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, GenerationCo
                             hand_body_to, logits_processors_for, parse_size, run_http_server,
                             text_segments, validate_depth, xtc_special_tokens)
 from .distributed import sharded_load, trunk_length
-from .load import CheckpointError, load
+from .loader import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
 from .loop import MTPStats
@@ -1005,7 +1005,7 @@ def main(argv=None) -> int:
     args.num_draft_tokens = None
     served_id = args.model or "mlx-mtp-demo"
     if args.model is None:
-        from .load import demo_model_path
+        from .loader import demo_model_path
 
         args.model = str(demo_model_path())
     provider = MTPModelProvider(args, served_id)

@@ -16,7 +16,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
-from mlx_mtp.synthetic import write_checkpoint  # noqa: E402
+from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
 
 
 def _ckpt(factory, name, **kw):

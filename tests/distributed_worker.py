@@ -24,7 +24,7 @@ from mlx_lm.generate import generate_step as lm_generate_step
 import mlx_mtp
 from mlx_mtp.cache import head_caches
 from mlx_mtp.distributed import first_stage, sharded_load
-from mlx_mtp.drafters import BigramDrafter
+from mlx_mtp.testing.drafters import BigramDrafter
 from mlx_mtp.loop import Request, decode_rows, make_batch
 
 

@@ -4,7 +4,7 @@ each runs a kernel on a backend and compares it with the ops reference."""
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.kernels import launch, reference as R
+from mlx_mtp.metal import launch, reference as R
 
 def _np(a):
     return np.array(a.astype(mx.float32))

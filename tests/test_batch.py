@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_mtp
 from mlx_mtp.depth import DepthController
-from mlx_mtp.drafters import BigramDrafter
+from mlx_mtp.testing.drafters import BigramDrafter
 from mlx_mtp.loop import decode_rows, generate_tokens, make_batch
 from util import LONG, SHORT, reference
 

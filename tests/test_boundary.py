@@ -22,7 +22,7 @@ from mlx_lm.generate import generation_stream
 
 import mlx_mtp
 from mlx_mtp.loop import generate_tokens
-from mlx_mtp.synthetic import write_checkpoint
+from mlx_mtp.testing.synthetic import write_checkpoint
 from util import SHORT, reference
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 import mlx_mtp
 import mlx_mtp.cache as cache_mod
 from mlx_mtp.cache import PaddedKVCache, capacity_for
-from mlx_mtp.drafters import OracleDrafter
+from mlx_mtp.testing.drafters import OracleDrafter
 from util import LONG, OPENBLAS, SHORT, mtp, reference
 
 
@@ -167,7 +167,7 @@ def test_memory_kv_held_once_and_released(tmp_path):
     """While decoding, the KV buffers exist once (the prompt cache's objects
     hand them over, no copy stays alive); generations leave nothing behind,
     without gc.collect (no reference cycles keep a finished one's arrays)."""
-    from mlx_mtp.synthetic import write_checkpoint
+    from mlx_mtp.testing.synthetic import write_checkpoint
 
     path = write_checkpoint(tmp_path / "kv", seed=4, text_overrides={  # big KV, little else
         "num_hidden_layers": 2, "full_attention_interval": 2, "num_key_value_heads": 8,

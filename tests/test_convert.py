@@ -14,7 +14,7 @@ import pytest
 
 from mlx_mtp.convert import ConvertError, convert
 from mlx_mtp.convert.__main__ import main as cli
-from mlx_mtp.synthetic import write_checkpoint
+from mlx_mtp.testing.synthetic import write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +332,7 @@ def test_cli_subprocess_error_is_one_line(tmp_path):
 
 
 def test_partial_head_is_an_error(tmp_path, capsys):
-    from mlx_mtp.synthetic import random_weights, tiny_text_config
+    from mlx_mtp.testing.synthetic import random_weights, tiny_text_config
 
     w = random_weights(tiny_text_config(), seed=6)
     del w["mtp.layers.0.mlp.down_proj.weight"]

@@ -32,7 +32,7 @@ import pytest
 
 import mlx_mtp
 from mlx_mtp.convert.interrupts import PAUSED_MARKER
-from mlx_mtp.synthetic import write_checkpoint
+from mlx_mtp.testing.synthetic import write_checkpoint
 
 REPO = Path(mlx_mtp.__file__).resolve().parents[1]  # the checkout this test imports
 INT, TERM, KILL = signal.SIGINT, signal.SIGTERM, signal.SIGKILL

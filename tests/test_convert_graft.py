@@ -12,7 +12,7 @@ import pytest
 
 from mlx_mtp.convert import ConvertError, convert, graft
 from mlx_mtp.convert.__main__ import main as cli
-from mlx_mtp.synthetic import write_checkpoint
+from mlx_mtp.testing.synthetic import write_checkpoint
 
 SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
           "model-00003-of-00003.safetensors"]

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_mtp.convert import convert
-from mlx_mtp.synthetic import write_checkpoint
+from mlx_mtp.testing.synthetic import write_checkpoint
 
 N_TOKENS = 24
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 201, 12, 64, 88]
@@ -37,7 +37,7 @@ def reference(path):
 @pytest.mark.parametrize("name", ["q8", "q4", "q4h4", "moe_q4"])
 def test_greedy_parity_with_mlx_lm(converted, name):
     import mlx_mtp
-    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import MTPStats, generate_tokens
 
     ref, _, _ = reference(converted[name])

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_mtp
-from mlx_mtp.load import demo_model_path
+from mlx_mtp.loader import demo_model_path
 
 pytestmark = pytest.mark.skipif(demo_model_path() is None, reason="demo model not installed")
 

@@ -26,8 +26,8 @@ import pytest
 
 import mlx_mtp
 from mlx_mtp.distributed import check_files, check_loaded, sharded_load
-from mlx_mtp.load import CheckpointError
-from mlx_mtp.synthetic import write_checkpoint, write_qwen4_exp_checkpoint
+from mlx_mtp.loader import CheckpointError
+from mlx_mtp.testing.synthetic import write_checkpoint, write_qwen4_exp_checkpoint
 from distributed_worker import mixed_turns
 from serving import chat_text, free_port
 from util import reference

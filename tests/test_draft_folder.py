@@ -2,7 +2,7 @@
 `--draft-model FOLDER`), and the Qwen3.5/3.6 head naming and config variants.
 
 The drafter folders are written as mlx-vlm's splitters write them
-(mlx_mtp.synthetic.write_mlx_vlm_drafter): `qwen3_5_mtp` (prefix stripped,
+(mlx_mtp.testing.synthetic.write_mlx_vlm_drafter): `qwen3_5_mtp` (prefix stripped,
 norms shifted, experts as switch_mlp, optionally quantized) and, at the end,
 `qwen4_exp_mtp` (the same, but norms kept zero-centred)."""
 
@@ -18,7 +18,7 @@ import mlx_mtp
 from mlx_mtp.draft import DraftError
 from mlx_mtp.evaluate import teacher_forced_logits
 from mlx_mtp.model import MTPWeightError
-from mlx_mtp.synthetic import random_weights, tiny_text_config, write_checkpoint, write_mlx_vlm_drafter
+from mlx_mtp.testing.synthetic import random_weights, tiny_text_config, write_checkpoint, write_mlx_vlm_drafter
 
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 201, 12, 64, 88]
 N = 20
@@ -76,7 +76,7 @@ def test_quantized_drafter_on_q4_trunk_greedy_parity(folders):
     import mlx_lm
     from util import reference
 
-    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import MTPStats, generate_tokens
 
     ref_model, _ = mlx_lm.load(str(folders["lm_q4"]))
@@ -112,7 +112,7 @@ def test_drafter_checks(folders, tmp_path):
 
 
 def test_generate_cli_draft_model(folders, capsys):
-    from mlx_mtp.generate import main
+    from mlx_mtp.cli import main
 
     rc = main(["--model", str(folders["nohead"]), "--draft-model", str(folders["vlm"]),
                "--prompt", "def f():", "--max-tokens", "6", "--draft-tokens", "2", "--verbose"])
@@ -206,7 +206,7 @@ def _q4_trunk(src, out):
 
 @pytest.fixture(scope="module")
 def q4x(tmp_path_factory):
-    from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+    from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
     base = tmp_path_factory.mktemp("q4x_draft")
     wide = {"hidden_size": 64}
@@ -260,7 +260,7 @@ def test_qwen4_exp_drafter_greedy_equals_plain(q4x):
     with the head's own drafts and with oracle drafts right 70% of the time."""
     from util import mtp, reference
 
-    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import MTPStats
 
     model, _ = mlx_mtp.load(q4x["nohead"], draft=q4x["vlm"], quiet=True)
@@ -280,7 +280,7 @@ def test_qwen4_exp_quantized_drafter_on_q4_trunk(q4x):
     import mlx.nn as nn
     from util import mtp, reference
 
-    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import MTPStats
 
     own, _ = mlx_mtp.load(q4x["hf"], quiet=True)

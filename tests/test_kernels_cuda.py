@@ -6,7 +6,7 @@ device set to the GPU (the references then run on the GPU too)."""
 import mlx.core as mx
 import pytest
 
-import mlx_mtp.kernels as K
+import mlx_mtp.metal as K
 from kernel_checks import (
     CONV_CASES, DRAFT_CASES, GDN_CASES, check_commit, check_conv, check_draft, check_gdn,
 )

@@ -17,8 +17,8 @@ import mlx_lm
 from mlx_lm.generate import generate_step
 import mlx_lm.models.gated_delta as gd
 import mlx_lm.models.qwen3_5 as q35
-from mlx_mtp.kernels import emu
-from mlx_mtp.synthetic import write_checkpoint
+from mlx_mtp.metal import emu
+from mlx_mtp.testing.synthetic import write_checkpoint
 
 
 def _emulated_update(counter):
@@ -58,7 +58,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
-    from mlx_mtp.drafters import OracleDrafter
+    from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import generate_tokens
 
     import mlx_mtp
@@ -67,7 +67,7 @@ def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
     monkeypatch.setattr(q35, "gated_delta_update", _emulated_update(calls))
     monkeypatch.setenv("MLX_MTP_KERNELS", "emu-metal")
     verify_calls = []
-    from mlx_mtp.kernels import launch
+    from mlx_mtp.metal import launch
 
     real = launch.gdn_verify
     monkeypatch.setattr(launch, "gdn_verify",

@@ -1,5 +1,5 @@
-"""Every Metal kernel (and its CUDA twin) executed on Linux by kernels/emu and
-compared with the ops references in kernels/reference.py.
+"""Every Metal kernel (and its CUDA twin) executed on Linux by metal/emu and
+compared with the ops references in metal/reference.py.
 
 Emulated twins are selected with `-k twin`; tests on a real CUDA device live in
 test_kernels_cuda.py (`-k cuda`)."""
@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_mtp.kernels as K
-from mlx_mtp.kernels import emu, launch, reference as R
+import mlx_mtp.metal as K
+from mlx_mtp.metal import emu, launch, reference as R
 
 from kernel_checks import (CONV_CASES, DRAFT_CASES, GDN_CASES, _np, check_commit, check_conv,
                            check_draft, check_gdn, close, gdn_inputs)

@@ -2,7 +2,7 @@
 
 Every import counts, at the top of a module or inside a function: an import
 moved into a function to dodge a cycle still ties the two modules together
-(docs/design.md, "Layout"). kernels/ and convert/ are mlx_mtp.kernels and
+(docs/design.md, "Layout"). metal/ and convert/ are mlx_mtp.metal and
 mlx_mtp.convert (pyproject's package-dir).
 """
 
@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"mlx_mtp": ROOT / "mlx_mtp", "mlx_mtp.kernels": ROOT / "kernels",
+PACKAGES = {"mlx_mtp": ROOT / "mlx_mtp", "mlx_mtp.metal": ROOT / "metal",
             "mlx_mtp.convert": ROOT / "convert"}
 
 
@@ -93,10 +93,32 @@ def find_cycle(graph: dict):
 def test_graph_sees_known_imports():
     graph = import_graph()
     assert "mlx_mtp.cache" in graph["mlx_mtp.cycle"]
-    assert "mlx_mtp.kernels" in graph["mlx_mtp.cycle"]  # `from . import kernels`
+    assert "mlx_mtp.metal" in graph["mlx_mtp.cycle"]  # `from . import metal`
     assert "mlx_mtp.convert.interrupts" in graph["mlx_mtp.convert.common"]  # in functions
 
 
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_hides_a_lazy_export():
+    """The package's functions load on first use (PEP 562 `__getattr__`);
+    importing a submodule binds its name on the package, so a submodule named
+    like an export would hide the function. Only `generate.py` (the CLI's
+    `-m` entry) shares a name, and no project module imports it."""
+    import mlx_mtp
+
+    graph = import_graph()
+    for name in mlx_mtp._EXPORTS:
+        module = f"mlx_mtp.{name}"
+        importers = sorted(m for m, deps in graph.items() if module in deps)
+        assert not importers, f"{importers} import {module}, hiding mlx_mtp.{name}()"
+    code = ("import mlx_mtp, mlx_mtp.cli, mlx_mtp.server, mlx_mtp.distributed;"
+            "assert all(callable(getattr(mlx_mtp, n)) for n in mlx_mtp._EXPORTS), "
+            "[n for n in mlx_mtp._EXPORTS if not callable(getattr(mlx_mtp, n))]")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -9,9 +9,9 @@ import mlx_lm
 import pytest
 
 import mlx_mtp
-from mlx_mtp.load import CheckpointError
+from mlx_mtp.loader import CheckpointError
 from mlx_mtp.model import MTPWeightError
-from mlx_mtp.synthetic import random_weights, tiny_text_config, write_checkpoint
+from mlx_mtp.testing.synthetic import random_weights, tiny_text_config, write_checkpoint
 
 
 def test_model_works_unchanged_with_mlx_lm(loaded):

@@ -64,7 +64,7 @@ def test_sampled_eos_stops_like_synchronous(loaded, dense_ckpt):
 def test_old_lookahead_spelling_still_works(loaded, dense_ckpt, capsys):
     """`pipeline=` / `--no-pipeline` were lookahead's names before the word
     was left to pipeline parallelism: accepted, with a deprecation notice."""
-    from mlx_mtp.generate import main
+    from mlx_mtp.cli import main
 
     model, _, tok = loaded("dense")
     ids = tok.encode(SHORT)
@@ -82,7 +82,7 @@ def test_host_side_drafter_sees_the_rows_tokens(loaded):
     """A host-side drafter drafts from the tokens emitted so far: the loop
     reports them (`Drafter.observe`) as each cycle is read, and `start`s it
     for a new row."""
-    from mlx_mtp.drafters import DistributionDrafter
+    from mlx_mtp.testing.drafters import DistributionDrafter
 
     model, _, tok = loaded("dense")
     V = model.vocab_size

@@ -14,8 +14,8 @@ import pytest
 requests = pytest.importorskip("requests")
 
 from mlx_mtp import checks, params, server  # noqa: E402
-from mlx_mtp.generate import setup_arg_parser  # noqa: E402
-from mlx_mtp.load import demo_model_path  # noqa: E402
+from mlx_mtp.cli import setup_arg_parser  # noqa: E402
+from mlx_mtp.loader import demo_model_path  # noqa: E402
 from mlx_mtp.sampling import make_sampler  # noqa: E402
 from serving import Server  # noqa: E402
 

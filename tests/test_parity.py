@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import mlx_lm
 import mlx_mtp
 from mlx_mtp.depth import DepthController
-from mlx_mtp.drafters import OracleDrafter
+from mlx_mtp.testing.drafters import OracleDrafter
 from mlx_mtp.loop import MTPStats, generate_tokens
 from util import (LONG, SAME, SHORT, assert_head_follows, assert_trunk_equal, mtp,
                   plain_cache, reference)

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_
 import mlx_lm
 import mlx_mtp
 from mlx_mtp.depth import DepthController
-from mlx_mtp.drafters import OracleDrafter
+from mlx_mtp.testing.drafters import OracleDrafter
 from mlx_mtp.loop import MTPStats
 from util import LONG, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference
 
@@ -327,7 +327,7 @@ def test_cli_prompt_cache_file(loaded, dense_ckpt, tmp_path, capsys, monkeypatch
     the same text as mlx_lm.generate with that file."""
     import importlib
 
-    from mlx_mtp.generate import main
+    from mlx_mtp.cli import main
 
     lm_cache_prompt = importlib.import_module("mlx_lm.cache_prompt")
     lm_generate = importlib.import_module("mlx_lm.generate")
@@ -438,7 +438,7 @@ def test_head_context_in_config_is_checked(tmp_path):
     import json
 
     from mlx_mtp.checkpoint import CheckpointError
-    from mlx_mtp.load import demo_model_path, head_context
+    from mlx_mtp.loader import demo_model_path, head_context
 
     assert head_context({"mlx_mtp": {"head_context": 256}}, tmp_path) == 256
     assert head_context({}, tmp_path) is None

@@ -21,7 +21,7 @@ from qwen4_exp_reference import Reference, head_sizes, layer_multipliers
 from util import assert_pooled_block_keys
 
 from mlx_mtp.families import qwen4_exp
-from mlx_mtp.synthetic import qwen4_exp_random_weights, write_qwen4_exp_checkpoint
+from mlx_mtp.testing.synthetic import qwen4_exp_random_weights, write_qwen4_exp_checkpoint
 
 # 16 tokens: QSA chooses 2 of up to 8 two-token blocks; an EOS (258) cuts the n-grams
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 258, 12, 64, 88, 5, 9, 200, 31, 1]

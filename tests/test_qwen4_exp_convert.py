@@ -20,9 +20,9 @@ from util import mtp, reference
 import mlx_mtp
 from mlx_mtp.convert import ConvertError, convert, graft
 from mlx_mtp.convert.__main__ import main as cli
-from mlx_mtp.drafters import OracleDrafter
+from mlx_mtp.testing.drafters import OracleDrafter
 from mlx_mtp.loop import MTPStats
-from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 OVERRIDES = {"hidden_size": 64, "ple_embed_dim": 256}  # n-gram rows: 256 / 4 heads = 64
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 258, 12, 64, 88, 5, 9, 200, 31, 1]

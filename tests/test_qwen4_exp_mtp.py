@@ -20,9 +20,9 @@ from util import assert_pooled_block_keys, mtp, reference
 import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.cache import PaddedCacheList
-from mlx_mtp.drafters import BigramDrafter, OracleDrafter
+from mlx_mtp.testing.drafters import BigramDrafter, OracleDrafter
 from mlx_mtp.loop import MTPStats, decode_rows, make_batch
-from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 # 16 tokens with an EOS (258): QSA picks 2 of up to 8 two-token blocks, n-grams are cut
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 258, 12, 64, 88, 5, 9, 200, 31, 1]

@@ -17,7 +17,7 @@ import mlx_mtp
 from mlx_mtp import cycle, loop
 from mlx_mtp.cycle import Spec, prefill
 from mlx_mtp.families import qwen4_exp
-from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 EOS = 258  # the tiny config's: QSA blocks of 2 tokens, a PLE conv window of 6 positions
 

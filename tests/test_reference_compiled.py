@@ -5,7 +5,7 @@ check end to end)."""
 import mlx.core as mx
 import pytest
 
-from mlx_mtp.kernels import reference
+from mlx_mtp.metal import reference
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])

@@ -36,7 +36,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from mlx_mtp.cycle import Spec
-from mlx_mtp.drafters import DistributionDrafter, OracleDrafter
+from mlx_mtp.testing.drafters import DistributionDrafter, OracleDrafter
 from mlx_mtp.loop import MTPStats, generate_tokens
 from mlx_mtp.sampling import make_sampler, speculative_sample
 
@@ -150,7 +150,7 @@ LM_HEAD_SCALE = 0.25  # flatter logits than the shared fixtures: more outcomes p
 
 @pytest.fixture(scope="module")
 def flat_ckpt(tmp_path_factory):
-    from mlx_mtp.synthetic import random_weights, tiny_text_config, write_checkpoint
+    from mlx_mtp.testing.synthetic import random_weights, tiny_text_config, write_checkpoint
 
     w = random_weights(tiny_text_config(), seed=5)
     w["lm_head.weight"] = w["lm_head.weight"] * LM_HEAD_SCALE
@@ -498,7 +498,7 @@ def test_seed_reproducible(models):
 
 
 def test_cli_seed(flat_ckpt, capsys):
-    from mlx_mtp.generate import main
+    from mlx_mtp.cli import main
 
     args = ["--model", str(flat_ckpt), "--prompt", "hi", "--max-tokens", "12", "--temp", "0.8",
             "--top-k", "20", "--repetition-penalty", "1.2", "--draft-tokens", "2",
@@ -588,7 +588,7 @@ def echo_model(tmp_path_factory):
     embedding with the trunk's final norm. q ~ p, so Leviathan–Chen must
     accept nearly every draft at any temperature, with every setting."""
     import mlx_mtp
-    from mlx_mtp.synthetic import random_weights, tiny_text_config, write_checkpoint
+    from mlx_mtp.testing.synthetic import random_weights, tiny_text_config, write_checkpoint
 
     tc = tiny_text_config()
     H = tc["hidden_size"]
@@ -641,7 +641,7 @@ def test_sampling_bf16_and_moe(loaded, name):
 
 # -- the trained demo model (drafts mostly accepted) ------------------------------
 def _demo_path():
-    from mlx_mtp.load import demo_model_path
+    from mlx_mtp.loader import demo_model_path
 
     env = os.environ.get("MLX_MTP_DEMO_PATH")
     return env if env else demo_model_path()

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
-from mlx_mtp.load import demo_model_path  # noqa: E402
+from mlx_mtp.loader import demo_model_path  # noqa: E402
 from serving import Server, chat_text, greedy_ids  # noqa: E402
 
 DEMO = str(demo_model_path())
@@ -364,7 +364,7 @@ def test_refused_flags():
 def test_draft_model_folder(tmp_path):
     """--draft-model attaches a split drafter (mlx-vlm's layout) to a trunk
     without a head; a folder without a head is refused in one line."""
-    from mlx_mtp.synthetic import write_checkpoint, write_mlx_vlm_drafter
+    from mlx_mtp.testing.synthetic import write_checkpoint, write_mlx_vlm_drafter
 
     hf = write_checkpoint(tmp_path / "hf", seed=31)
     nohead = write_checkpoint(tmp_path / "nohead", seed=31, mtp=False)
@@ -402,7 +402,7 @@ def test_qwen4_exp_concurrent_greedy_equals_in_process(tmp_path):
     EOS) and mlx_mtp.generate's text, and a second turn, started from the
     first turn's stored prompt cache, still gets them."""
     import mlx_mtp
-    from mlx_mtp.synthetic import write_qwen4_exp_checkpoint
+    from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
     # a seed and prompts whose answers differ from the first token (the tiny random
     # model follows the chat template's last tokens, the same in every prompt)

@@ -25,7 +25,7 @@ from typing import List, Tuple
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# The usual Qwen ChatML template (as mlx_mtp/synthetic.py's).
+# The usual Qwen ChatML template (as mlx_mtp/testing/synthetic.py's).
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -38,6 +38,30 @@ EXCLUDED_DIRS = {
 }
 EXCLUDED_NAME_PREFIXES = ("_sysconfigdata", "config-")
 MAX_FILE_BYTES = 400_000
+
+# Named corpora. "stdlib" is every file above (the first two training stages);
+# "algo" is a coherent slice of it for the third: small, well-written
+# pure-Python modules of algorithms, text and data handling (~1.3M characters),
+# the style the demo is meant to write. The held-out rule is the same, so its
+# held-out files (sched, secrets, traceback, chunk) are in the style too.
+CORPORA = {
+    "stdlib": None,
+    "algo": (
+        "heapq.py", "bisect.py", "statistics.py", "fractions.py", "textwrap.py",
+        "string.py", "functools.py", "collections/__init__.py", "random.py",
+        "difflib.py", "shlex.py", "json/__init__.py", "json/encoder.py",
+        "json/decoder.py", "csv.py", "graphlib.py", "copy.py", "pprint.py",
+        "reprlib.py", "calendar.py", "colorsys.py", "operator.py", "contextlib.py",
+        "numbers.py", "glob.py", "fnmatch.py", "posixpath.py", "genericpath.py",
+        "queue.py", "sched.py", "base64.py", "quopri.py", "html/__init__.py",
+        "html/parser.py", "urllib/parse.py", "tokenize.py", "gettext.py",
+        "weakref.py", "_collections_abc.py", "abc.py", "secrets.py", "hmac.py",
+        "uuid.py", "linecache.py", "traceback.py", "types.py", "cmd.py",
+        "timeit.py", "filecmp.py", "fileinput.py", "netrc.py", "getopt.py",
+        "tomllib/_parser.py", "dataclasses.py", "ipaddress.py", "chunk.py",
+        "keyword.py", "stat.py", "selectors.py", "_strptime.py",
+    ),
+}
 
 
 def stdlib_root() -> Path:
@@ -72,10 +96,13 @@ def read_text(p: Path):
         return None
 
 
-def split_corpus(root: Path = None):
+def split_corpus(root: Path = None, corpus: str = "stdlib"):
     """-> (train_docs, heldout_docs) as lists of (relpath, text)."""
+    keep = CORPORA[corpus]
     train, held = [], []
     for rel, p in list_files(root):
+        if keep is not None and rel not in keep:
+            continue
         text = read_text(p)
         if text is None:
             continue
@@ -83,8 +110,13 @@ def split_corpus(root: Path = None):
     return train, held
 
 
-def function_examples(docs, max_chars: int = 1200) -> List[Tuple[str, str]]:
-    """(signature, dedented function source) for functions of the given docs."""
+def function_examples(docs, max_chars: int = 1200, min_lines: int = 1,
+                      classes: bool = False) -> List[Tuple[str, str]]:
+    """(signature, dedented source) for the functions of the given docs with at
+    least `min_lines` lines and at most `max_chars` characters. With `classes`,
+    also each class whose header is one line, as its header and the leading
+    statements of its body that fit in `max_chars` (whole statements, at least
+    one method): the opening a user prompt like `class Matrix:` asks for."""
     out = []
     for _, text in docs:
         try:
@@ -93,6 +125,11 @@ def function_examples(docs, max_chars: int = 1200) -> List[Tuple[str, str]]:
             continue
         lines = text.splitlines()
         for node in ast.walk(tree):
+            if classes and isinstance(node, ast.ClassDef):
+                ex = _class_opening(node, lines, max_chars)
+                if ex is not None and ex[1].count("\n") + 1 >= min_lines:
+                    out.append(ex)
+                continue
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             if not node.body or node.body[0].lineno <= node.lineno:
@@ -105,10 +142,28 @@ def function_examples(docs, max_chars: int = 1200) -> List[Tuple[str, str]]:
                 continue
             src = "\n".join(lines[node.lineno - 1 : node.end_lineno])
             src = textwrap.dedent(src)
-            if len(src) > max_chars:
+            if len(src) > max_chars or src.count("\n") + 1 < min_lines:
                 continue
             out.append((head, src))
     return out
+
+
+def _class_opening(node, lines, max_chars):
+    if node.decorator_list or not node.body or node.body[0].lineno <= node.lineno:
+        return None
+    head = lines[node.lineno - 1].strip()
+    if not head.endswith(":") or node.body[0].lineno - node.lineno > 1:
+        return None
+    end, methods = None, 0
+    for stmt in node.body:
+        src = textwrap.dedent("\n".join(lines[node.lineno - 1 : stmt.end_lineno]))
+        if len(src) > max_chars:
+            break
+        end = stmt.end_lineno
+        methods += isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+    if end is None or methods == 0:
+        return None
+    return head, textwrap.dedent("\n".join(lines[node.lineno - 1 : end]))
 
 
 def chat_text(signature: str, source: str) -> str:
@@ -116,12 +171,13 @@ def chat_text(signature: str, source: str) -> str:
             f"<|im_start|>assistant\n{source}<|im_end|>\n")
 
 
-def build_documents(train_docs, seed: int, chat_fraction: float):
-    """Training documents: files plus chat examples, shuffled with `seed`."""
+def build_documents(train_docs, seed: int, chat_fraction: float, **examples):
+    """Training documents: files plus chat examples (`function_examples`'
+    options in `examples`), shuffled with `seed`."""
     rng = random.Random(seed)
     docs = [t for _, t in train_docs]
     n_chars = sum(map(len, docs))
-    ex = function_examples(train_docs)
+    ex = function_examples(train_docs, **examples)
     rng.shuffle(ex)
     chat, chars = [], 0
     budget = chat_fraction * n_chars / (1 - chat_fraction)

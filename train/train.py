@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from . import data
 from .gdn_chunked import ChunkedGatedDeltaNet
@@ -123,11 +123,27 @@ def lr_at(step, progress, peak, warmup, floor=0.1):
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def batches(stream: np.ndarray, B: int, T: int, rng: np.random.Generator):
-    n = len(stream) - T - 1
-    while True:
-        idx = rng.integers(0, n, size=B)
-        yield np.stack([stream[i : i + T] for i in idx])
+def batch_at(stream: np.ndarray, B: int, T: int, key) -> np.ndarray:
+    """B windows of T tokens at offsets drawn from `key` alone."""
+    idx = np.random.default_rng(list(key)).integers(0, len(stream) - T - 1, size=B)
+    return np.stack([stream[i : i + T] for i in idx])
+
+
+def _read_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def initial_weights(path: str) -> dict:
+    """Training-model parameters from a ckpt.safetensors, or from a model
+    folder (read by mlx_mtp.load: the same classes, so the same names)."""
+    if Path(path).is_dir():
+        import mlx_mtp
+
+        loaded, _ = mlx_mtp.load(path)
+        return dict(tree_flatten(loaded.parameters()))
+    return mx.load(path)
 
 
 def evaluate_loss(model, stream: np.ndarray, T: int, B: int = 8, max_windows: int = 64):
@@ -204,6 +220,14 @@ def main(argv=None):
                    help="do not back-propagate the head loss into the trunk")
     p.add_argument("--chat-fraction", type=float, default=0.15,
                    help="share of training characters in chat-formatted function examples")
+    p.add_argument("--corpus", default="stdlib", choices=sorted(data.CORPORA),
+                   help="which stdlib files to train on (train/data.py CORPORA)")
+    p.add_argument("--chat-max-chars", type=int, default=1200, help="longest chat example")
+    p.add_argument("--chat-min-lines", type=int, default=1, help="shortest chat example, in lines")
+    p.add_argument("--chat-classes", action="store_true",
+                   help="also chat examples of class openings (user: `class Name:`)")
+    p.add_argument("--tokenizer", default=None,
+                   help="use this folder's tokenizer.json (e.g. mlx_mtp/demo) instead of training one")
     p.add_argument("--config", default=None, help="JSON overrides of the text config")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--time-limit", type=float, default=None,
@@ -212,8 +236,12 @@ def main(argv=None):
                         "fraction (steps or time) is further along. Without it the run is a "
                         "pure function of the seed and --steps.")
     p.add_argument("--init", default=None,
-                   help="start from these weights (a ckpt.safetensors of an earlier run; fresh optimizer): "
-                        "a continuation stage")
+                   help="start from these weights (a ckpt.safetensors of an earlier run, or a model "
+                        "folder mlx_mtp.load reads, e.g. mlx_mtp/demo; fresh optimizer): a continuation stage")
+    p.add_argument("--stretch", type=float, default=None,
+                   help="minutes: stop after this long, saving weights, optimizer and step to --out; "
+                        "`--resume` continues the same run (schedule and batches follow the step)")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--smoke", action="store_true", help="timing only: a few steps, no export")
     p.add_argument("--demo-dir", default=None,
                    help="also convert the HF export into this folder (e.g. mlx_mtp/demo)")
@@ -229,15 +257,17 @@ def main(argv=None):
 
     # 1-2. corpus and tokenizer
     t0 = time.time()
-    train_docs, held_docs = data.split_corpus()
-    docs, n_chat = data.build_documents(train_docs, args.seed, args.chat_fraction)
+    train_docs, held_docs = data.split_corpus(corpus=args.corpus)
+    docs, n_chat = data.build_documents(
+        train_docs, args.seed, args.chat_fraction, max_chars=args.chat_max_chars,
+        min_lines=args.chat_min_lines, classes=args.chat_classes)
     log(f"corpus: {len(train_docs)} train files, {len(held_docs)} held-out files, "
         f"{n_chat} chat examples, {sum(map(len, docs)) / 1e6:.1f}M train chars", logf)
     tok_dir = out / "tokenizer"
+    if args.tokenizer and not (tok_dir / "tokenizer.json").exists():
+        data.save_tokenizer(_read_tokenizer(Path(args.tokenizer) / "tokenizer.json"), tok_dir)
     if (tok_dir / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        tok = _read_tokenizer(tok_dir / "tokenizer.json")
     else:
         tok = data.train_tokenizer(docs, args.vocab)
         data.save_tokenizer(tok, tok_dir)
@@ -263,8 +293,8 @@ def main(argv=None):
         tc.update(json.loads(args.config))
     config = full_config(tc, [eot, im_end])
     model = build_model(config)
-    if args.init:
-        model.load_weights(args.init)
+    if args.init and not args.resume:
+        model.load_weights(list(initial_weights(args.init).items()))
         log(f"initialized from {args.init}", logf)
     model.train()
     npar = n_params(model)
@@ -284,21 +314,43 @@ def main(argv=None):
         opt.update(model, grads)
         return a, b, gnorm
 
-    # a continuation stage draws different batches than the stage before it
-    rng = np.random.default_rng(args.seed + (1 if args.init else 0))
-    it = batches(train_stream, args.batch, args.seq, rng)
+    # Batch i depends only on (seed, stage, i): a resumed run draws what it
+    # would have drawn; a continuation stage draws different batches.
+    stage = 1 if args.init else 0
     steps = 6 if args.smoke else args.steps
-    t_start = time.time()
+    state_f = out / "state.json"
+    step0, elapsed0 = 0, 0.0
+    if args.resume and state_f.exists():
+        st = json.loads(state_f.read_text())
+        model.load_weights(str(out / "ckpt.safetensors"))
+        opt.init(model.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(out / "opt.safetensors")).items()))
+        step0, elapsed0 = st["step"], st["elapsed"]
+        log(f"resumed at step {step0} ({elapsed0 / 60:.1f} min trained)", logf)
+
+    def save(step_done, elapsed):
+        mx.save_safetensors(str(out / "ckpt.safetensors"), dict(tree_flatten(model.parameters())))
+        mx.save_safetensors(str(out / "opt.safetensors"), dict(tree_flatten(opt.state)))
+        state_f.write_text(json.dumps({"step": step_done, "elapsed": elapsed}))
+
+    t_start = time.time() - elapsed0
+    t_stretch = time.time()
     ema = None
-    for s in range(steps):
+    s, progress, stopped = step0, 0.0, False
+    for s in range(step0, steps):
         progress = s / steps
         if args.time_limit:
             progress = max(progress, (time.time() - t_start) / 60 / args.time_limit)
             if progress >= 1.0:
                 log(f"time budget spent after {s} steps", logf)
                 break
+        if args.stretch and (time.time() - t_stretch) / 60 >= args.stretch:
+            save(s, time.time() - t_start)
+            log(f"stretch over at step {s}; saved, continue with --resume", logf)
+            stopped = True
+            break
         opt.learning_rate = lr_at(s, progress, args.lr, args.warmup)
-        x = mx.array(next(it))
+        x = mx.array(batch_at(train_stream, args.batch, args.seq, (args.seed, stage, s)))
         ts = time.time()
         a, b, gn = step(x)
         mx.eval(model.parameters(), opt.state, a, b)
@@ -315,7 +367,9 @@ def main(argv=None):
             lt, lh = evaluate_loss(model, held_stream, args.seq, max_windows=32)
             log(f"eval step {s + 1}: held-out trunk {lt:.3f} head {lh:.3f}", logf)
             model.train()
-            mx.save_safetensors(str(out / "ckpt.safetensors"), dict(tree_flatten(model.parameters())))
+            save(s + 1, time.time() - t_start)
+    if stopped:
+        return 0
     train_min = (time.time() - t_start) / 60
     n_steps = s + 1 if progress < 1.0 else s
     log(f"training: {n_steps} steps, {train_min:.1f} min", logf)

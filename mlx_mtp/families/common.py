@@ -8,7 +8,7 @@ import re
 
 import mlx.core as mx
 
-from .. import kernels
+from .. import metal
 from ..cache import CaptureCache
 from ..head import HEAD_NORM_SUFFIXES
 from ..model import MTPWeightError
@@ -95,7 +95,7 @@ def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
     state = cache[1]
     if state is None:
         state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), mx.float32)
-    conv_out, conv_input = kernels.conv_verify(conv_state, qkv, layer.conv1d.weight)
+    conv_out, conv_input = metal.conv_verify(conv_state, qkv, layer.conv1d.weight)
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(
@@ -104,7 +104,7 @@ def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
             [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
         )
     ]
-    y, states = kernels.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
+    y, states = metal.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
     cache.captured_states = states
     cache.captured_conv_input = conv_input
     out = layer.out_proj(layer.norm(y, z).reshape(B, S, -1))

@@ -1,7 +1,7 @@
 """Time each kernel against its ops reference on the current GPU backend.
 
-    python -m mlx_mtp.kernels.bench_kernels            # Qwen3.6-27B shapes, bf16
-    python -m mlx_mtp.kernels.bench_kernels --small --backend emu-metal   # smoke test
+    python -m mlx_mtp.metal.bench_kernels            # Qwen3.6-27B shapes, bf16
+    python -m mlx_mtp.metal.bench_kernels --small --backend emu-metal   # smoke test
 
 Prints one row per kernel: ms per call for the kernel and the reference
 (median of --iters, after warm-up) and their ratio. Emulator timings say

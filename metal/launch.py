@@ -3,8 +3,8 @@
 Each public function takes the reference's arguments plus `backend`:
   "metal"      mx.fast.metal_kernel on the `.metal` source (Apple GPU)
   "cuda"       mx.fast.cuda_kernel on the `.cu` twin (MLX CUDA backend)
-  "emu-metal"  the `.metal` source run by kernels/emu on the CPU (tests)
-  "emu-cuda"   the `.cu` twin run by kernels/emu on the CPU (tests)
+  "emu-metal"  the `.metal` source run by metal/emu on the CPU (tests)
+  "emu-cuda"   the `.cu` twin run by metal/emu on the CPU (tests)
 Grid, threadgroup and template arguments are computed here for every backend
 alike, so the emulator tests exercise the same launch code as the GPU paths.
 """

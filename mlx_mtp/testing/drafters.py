@@ -3,46 +3,16 @@
 A drafter replaces the proposals of a cycle (`loop.generate_tokens(..., drafter=)`,
 `make_batch(..., drafter=)`); verify, accept, commit and the head's cache
 rewrite run as usual, so known accept patterns exercise the real rollback.
-The interface is `Drafter` below; the loop calls nothing else.
+The interface is `cycle.Drafter`; the loop calls nothing else.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
-
-
-class Drafter(Protocol):
-    """What the decode loop asks of a drafter."""
-
-    host_side: bool  # proposals need the host: the loop reads every cycle before
-    #                  building the next, runs it eagerly, and reports the tokens
-    replaces_head: bool  # the head's own chain is skipped
-
-    def arrays(self) -> list:
-        """Device arrays the proposals read (passed to compiled graphs)."""
-
-    def graph_key(self) -> tuple:
-        """What a compiled graph bakes in."""
-
-    def propose(self, arrays, state, k: int, head_drafts, head_q):
-        """(drafts [B, k], q [B, k, V] or None) for a cycle of depth k; `state`
-        is the cycle's DecodeState (its y and emitted are per row)."""
-
-    def start(self) -> None:
-        """Host-side drafters: a row starts (its generated tokens: none yet)."""
-
-    def observe(self, tokens: List[int]) -> None:
-        """Host-side drafters: tokens the row emitted, as each cycle is read."""
-
-
-def is_host_side(drafter: Optional[Drafter]) -> bool:
-    """A drafter whose proposals need the host: its batch decodes one row,
-    eagerly, each cycle read before the next."""
-    return drafter is not None and drafter.host_side
 
 
 class OracleDrafter:

@@ -1,0 +1,242 @@
+"""The CLI `python -m mlx_mtp.generate`: mlx_lm.generate's flags plus
+--draft-tokens (--draft-model takes a folder holding the MTP head, not a
+separate model). The library functions are in `api.py` (`mlx_mtp.generate`,
+...); `generate.py` only runs `main` (see there why)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import mlx.core as mx
+
+from . import checks, params
+from .api import print_stats, stream_generate
+
+
+# -- CLI ------------------------------------------------------------------------
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def _json_object(name):
+    """An argparse type: a JSON object (argparse prints the message, exits 2)."""
+    def parse(text):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(
+                f"{name} is not valid JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object")
+        return value
+    return parse
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    """mlx_lm.generate's flags (same names and defaults but --top-p's 0, also
+    off, and --verbose off), plus the MTP ones; the numeric ones are
+    range-checked by the table in params.py (a bad value: one `error:` line,
+    exit 2)."""
+    flag = params.flag
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_mtp.generate",
+        description="Generate text with MTP speculative decoding (exact; same output as mlx_lm).",
+    )
+    p.add_argument("--model", type=str, default=None,
+                   help="Model folder or Hugging Face repo (default: the embedded demo model)")
+    p.add_argument("--prompt", "-p", type=str, default=DEFAULT_PROMPT,
+                   help="Message to the model ('-' reads stdin)")
+    p.add_argument("--system-prompt", type=str, default=None)
+    p.add_argument("--max-tokens", "-m", type=flag("max_tokens"), default=100,
+                   help="tokens to generate (-1: no limit)")
+    p.add_argument("--draft-tokens", "--num-draft-tokens", type=flag("draft_tokens"),
+                   default="auto",
+                   help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
+                        "measured acceptance and cost, 0 (plain decoding) included")
+    p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
+                   help="A folder holding the model's MTP head, drafted with instead of the "
+                        "checkpoint's own (mlx-vlm's split drafter, or mtp.* safetensors with "
+                        "their config). A separate draft model is refused: the head drafts")
+    p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"), default=4,
+                   help="largest depth 'auto' tries")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the layers over the ranks (pipeline "
+                        "parallel) instead of sharding each layer (tensor parallel)")
+    p.add_argument("--no-lookahead", action="store_true",
+                   help="read every cycle before building the next (default: cycle n+1 is "
+                        "queued before cycle n is read)")
+    p.add_argument("--no-pipeline", action="store_true", help=argparse.SUPPRESS)  # deprecated
+    p.add_argument("--draft-vocab", type=str, default=None,
+                   help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
+                        "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
+    p.add_argument("--temp", type=flag("temp"), default=0.0, help="Sampling temperature")
+    p.add_argument("--top-p", type=flag("top_p"), default=0.0)
+    p.add_argument("--min-p", type=flag("min_p"), default=0.0)
+    p.add_argument("--top-k", type=flag("top_k"), default=0)
+    p.add_argument("--min-tokens-to-keep", type=flag("min_tokens_to_keep"), default=1)
+    p.add_argument("--xtc-probability", type=flag("xtc_probability"), default=0.0)
+    p.add_argument("--xtc-threshold", type=flag("xtc_threshold"), default=0.1)
+    p.add_argument("--repetition-penalty", type=flag("repetition_penalty"), default=None)
+    p.add_argument("--repetition-context-size", type=flag("repetition_context_size"),
+                   default=20)
+    p.add_argument("--logit-bias", type=_json_object("--logit-bias"), default=None,
+                   help='JSON object of token id -> additive bias, e.g. \'{"13": -5}\'')
+    p.add_argument("--draft-temp", type=flag("draft_temp"), default=None,
+                   help="Temperature the MTP head drafts at when sampling (default: --temp; "
+                        "0: greedy drafts). Any value keeps the output exact")
+    p.add_argument("--seed", type=flag("seed"), default=None,
+                   help="Seed of mx.random: the same seed gives the same output")
+    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--chat-template-config", type=_json_object("--chat-template-config"),
+                   default=None, help="JSON of extra chat-template arguments")
+    p.add_argument("--extra-eos-token", type=str, nargs="+", default=())
+    p.add_argument("--prefill-step-size", type=flag("prefill_step_size"), default=2048)
+    p.add_argument("--prompt-cache-file", type=str, default=None,
+                   help="A prompt cache from mlx_lm.cache_prompt (or save_prompt_cache): "
+                        "the prompt continues after the cached one")
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
+                   nargs="?", const=True, default=False,
+                   help="Print tokens as they come and timing / MTP statistics")
+    return p
+
+
+def read_prompt(args) -> str:
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if prompt != "-":
+        return prompt
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from None
+
+
+def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
+    prompt = read_prompt(args)
+    use_chat = not args.ignore_chat_template and tokenizer.has_chat_template
+    if use_chat:
+        messages = []
+        if args.system_prompt is not None:
+            messages.append({"role": "system", "content": args.system_prompt})
+        messages.append({"role": "user", "content": prompt})
+        kwargs = args.chat_template_config or {}
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        if using_cache:  # as mlx_lm: the cached prompt is the prefix of this one
+            messages[-1]["content"] = "<query>"
+            test = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            prompt = prompt[test.index("<query>"):]
+    ids = tokenizer.encode(prompt, add_special_tokens=not use_chat)
+    if not ids:
+        raise ValueError("the prompt is empty (give --prompt some text)")
+    return ids
+
+
+def main(argv=None):
+    from .distributed import sharded_load, world
+    from .loader import CheckpointError, load
+    from .mlx_lm_compat import xtc_special_tokens
+    from .sampling import make_logits_processors, make_sampler
+
+    args = setup_arg_parser().parse_args(argv)
+    if args.no_pipeline:
+        print("mlx_mtp: --no-pipeline is deprecated; use --no-lookahead", file=sys.stderr)
+        args.no_lookahead = True
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    prompt_cache, model_path, tokenizer_config = None, args.model, None
+    try:
+        if args.prompt_cache_file is not None:
+            from mlx_lm.models.cache import load_prompt_cache
+
+            try:
+                prompt_cache, metadata = load_prompt_cache(args.prompt_cache_file,
+                                                           return_metadata=True)
+            except (OSError, ValueError, KeyError) as e:
+                print(f"error: cannot read the prompt cache {args.prompt_cache_file}: {e}",
+                      file=sys.stderr)
+                return 1
+            tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
+            cached_model = metadata.get("model")
+            if model_path is None:
+                model_path = cached_model
+            elif cached_model is not None and model_path != cached_model:
+                print(f"error: the prompt cache was made with {cached_model}, not {model_path}",
+                      file=sys.stderr)
+                return 1
+        group = world()
+        try:
+            if group is not None:  # under mlx.launch: this rank's share of the model
+                if args.draft_model is not None:
+                    raise ValueError("--draft-model is not supported on a sharded model")
+                model, tokenizer = sharded_load(
+                    model_path, pipeline_group=group if args.pipeline else None,
+                    tensor_group=None if args.pipeline else group,
+                    tokenizer_config=tokenizer_config)
+            else:
+                model, tokenizer = load(model_path, tokenizer_config=tokenizer_config,
+                                        draft=args.draft_model)
+        except (FileNotFoundError, CheckpointError, ValueError) as e:
+            rank = "" if group is None else f"rank {group.rank()}: "
+            print(f"error: {rank}{e}", file=sys.stderr)
+            return 1
+        # every rank decodes; rank 0 prints
+        out = sys.stdout if group is None or group.rank() == 0 else open(os.devnull, "w")
+        from . import draft_vocab
+
+        try:
+            for eos in args.extra_eos_token:
+                tokenizer.add_eos_token(eos)
+            prompt = build_prompt(tokenizer, args, using_cache=prompt_cache is not None)
+            checks.top_k(args.top_k, model.vocab_size)
+            sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
+                                   top_k=args.top_k, draft_temp=args.draft_temp,
+                                   xtc_probability=args.xtc_probability,
+                                   xtc_threshold=args.xtc_threshold,
+                                   xtc_special_tokens=xtc_special_tokens(tokenizer))
+            processors = make_logits_processors(checks.logit_bias(args.logit_bias, model.vocab_size),
+                                                args.repetition_penalty,
+                                                args.repetition_context_size)
+            vocab = draft_vocab.load(args.draft_vocab, tokenizer, model.vocab_size)
+        except (TypeError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        text, last = "", None
+        try:
+            if args.verbose:
+                print("=" * 10, file=out)
+            for last in stream_generate(
+                    model, tokenizer, prompt, max_tokens=args.max_tokens,
+                    draft_tokens=args.draft_tokens, sampler=sampler,
+                    logits_processors=processors, prefill_step_size=args.prefill_step_size,
+                    draft_vocab=vocab, max_draft_tokens=args.max_draft_tokens,
+                    lookahead=not args.no_lookahead, prompt_cache=prompt_cache):
+                text += last.text
+                if args.verbose:
+                    print(last.text, end="", flush=True, file=out)
+        except KeyboardInterrupt:  # keep what was generated
+            print("" if args.verbose else text, flush=True, file=out)
+            n = last.generation_tokens if last is not None else 0
+            print(f"interrupted after {n} generated tokens", file=sys.stderr)
+            return 130
+        if args.verbose:
+            print(file=out)
+            print("=" * 10, file=out)
+            print_stats(last, model, file=out)
+        else:
+            print(text, file=out)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:  # under mlx.launch: another rank stopped (its line says why)
+        group = mx.distributed.init()
+        if group.size() == 1:
+            raise
+        print(f"error: rank {group.rank()}: {e}", file=sys.stderr)
+        return 1
+
