@@ -357,6 +357,15 @@ class MTPCache:
         return MTPCache([grow(c, trunk_capacity) for c in self.trunk],
                         [grow(c, head_capacity) for c in self.head])
 
+    def room(self) -> tuple:
+        """The smallest KV capacity of the trunk's and of the head's layers:
+        what every dynamic write (at a row's length) must stay within."""
+        def capacity(c):
+            return min(x.capacity for x in c.caches) if isinstance(c, PaddedCacheList) \
+                else c.capacity
+        trunk = [capacity(c) for c in self.trunk if not isinstance(c, CaptureCache)]
+        return (min(trunk, default=1 << 62), min(map(capacity, self.head), default=1 << 62))
+
     def trimmed_head(self, n: int) -> "MTPCache":
         """The head's caches without their last n entries."""
         cut = lambda c: PaddedKVCache(c.keys, c.values, c.lengths - n)

@@ -182,9 +182,20 @@ class StepOutput:
 
 
 def unpack(values: np.ndarray, k: int):
-    """A read cycle's packed rows: (accepted [B], tokens [B, k+1], their log-probs)."""
+    """A read cycle's packed rows: (accepted [B], tokens [B, k+1] as the
+    sampler gave them, their log-probs, drafts outside the vocabulary [B])."""
     return (values[:, 0], values[:, 1:k + 2],
-            values[:, k + 2:].copy().view(np.float32))
+            values[:, k + 2:2 * k + 3].copy().view(np.float32), values[:, 2 * k + 3])
+
+
+def in_vocab(ids: mx.array, vocab_size: int) -> Tuple[mx.array, mx.array]:
+    """(ids fit to gather with, per row the number outside the vocabulary).
+    MLX's take and embedding do not check bounds: every id a sampler, a
+    logits processor or a drafter produced passes here before the device
+    uses it, and the host raises on the count or the raw ids it reads
+    (docs/design.md, "Memory safety")."""
+    ok = (ids >= 0) & (ids < vocab_size)
+    return mx.where(ok, ids, 0), (~ok).astype(mx.int32).reshape(ids.shape[0], -1).sum(axis=1)
 
 
 @dataclass
@@ -233,13 +244,9 @@ class Spec:
 
     @property
     def trusted_sampler(self) -> bool:
-        """Its tokens are in the vocabulary by construction (not an opaque sampler)."""
+        """Not an opaque sampler (those draw from mx.random's global state: their
+        steps run eagerly, each read before the next)."""
         return self.sampler is None
-
-    def safe_ids(self, ids: mx.array) -> mx.array:
-        """Ids fit to gather with: an opaque sampler's ids are clamped into the
-        vocabulary (the host checks the raw ones and stops before using any)."""
-        return ids if self.trusted_sampler else mx.clip(ids, 0, self.model.vocab_size - 1)
 
     @property
     def host_history(self) -> bool:
@@ -307,12 +314,23 @@ def _logprobs(spec: Spec, logits: mx.array, state: DecodeState, history: Optiona
                     context = mx.concatenate([seen, tokens[b, : offset + i + 1]])
                     col = row[:, i]
                     for proc in procs:
-                        col = proc(context, col)
+                        col = _processed(proc, context, col)
                     cols.append(col)
                 row = mx.stack(cols, axis=1)
             rows.append(row)
         logits = mx.concatenate(rows)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _processed(proc, context: mx.array, logits: mx.array) -> mx.array:
+    """A logits processor's output, which must keep the logits' shape (a
+    wider row would let a sampler pick an id past the vocabulary)."""
+    out = proc(context, logits)
+    if not isinstance(out, mx.array) or out.shape != logits.shape:
+        shape = getattr(out, "shape", type(out).__name__)
+        raise TypeError(f"the logits processor {proc!r} returned {shape} for logits of shape "
+                        f"{tuple(logits.shape)}: it must return the same shape")
+    return out
 
 
 def _sample_opaque(sampler, logprobs: mx.array) -> mx.array:
@@ -407,10 +425,13 @@ def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
         c.commit(window, st, consumed)
 
 
-def _pack(accepted: mx.array, out: mx.array, logprobs: mx.array) -> mx.array:
-    chosen = mx.take_along_axis(logprobs, out[..., None], axis=-1)[..., 0]
-    return mx.concatenate([accepted[:, None].astype(mx.int32), out.astype(mx.int32),
-                           chosen.astype(mx.float32).view(mx.int32)], axis=1)
+def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
+          bad_drafts: mx.array) -> mx.array:
+    """One int32 row per batch row, read with one host transfer (`unpack`)."""
+    chosen = mx.take_along_axis(logprobs, safe[..., None], axis=-1)[..., 0]
+    return mx.concatenate([accepted[:, None].astype(mx.int32), raw.astype(mx.int32),
+                           chosen.astype(mx.float32).view(mx.int32),
+                           bad_drafts[:, None].astype(mx.int32)], axis=1)
 
 
 # -- the steps ----------------------------------------------------------------------------
@@ -429,7 +450,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
 
     # 1. draft
     drafts, q, chained = draft(spec, aux, state, g, cache.head, k, keys, history)
-    drafts = spec.verified_drafts(drafts)
+    drafts, bad_drafts = in_vocab(spec.verified_drafts(drafts), model.vocab_size)
 
     # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
     tokens = mx.concatenate([state.y[:, None], drafts], axis=1)  # [B, k+1]
@@ -446,8 +467,8 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
         accepted, out = accept_rows(logprobs, q, drafts, _arrays(state), spec.filters,
                                     None if keys is None else keys[:, k])
     packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
-    accepted, out = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
-    out = spec.safe_ids(out)
+    accepted, raw = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
+    out, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
 
     # 4. commit: the trunk keeps [y, d1..da]; the head drops its drafting
     #    entries and is rewritten from the trunk's verified hiddens paired
@@ -468,7 +489,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
         new = new.replace(window=advance_window(state.window, tokens, accepted + 1))
     if catch_up:
         new = new.replace(ring_n=mx.zeros_like(state.ring_n))
-    return new, StepOutput(_pack(accepted, out, logprobs), logprobs)
+    return new, StepOutput(_pack(accepted, raw, out, logprobs, bad_drafts), logprobs)
 
 
 def plain_step(spec: Spec, aux: dict, state: DecodeState,
@@ -488,9 +509,9 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
             split = split_rows(key, 2)
             key, keys = split[:, 0], split[:, 1]
         y = sample_rows(logprobs[:, 0], _arrays(state), spec.filters, keys)
-    y = spec.shared(y)
-    packed = _pack(mx.zeros_like(y), y[:, None], logprobs)
-    y = spec.safe_ids(y)
+    raw = spec.shared(y)
+    y, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
+    packed = _pack(mx.zeros_like(y), raw[:, None], y[:, None], logprobs, mx.zeros_like(y))
     new = state.replace(cache=cache, y=y, emitted=state.emitted + 1, key=key)
     if state.window is not None:
         new = new.replace(window=advance_window(state.window, state.y[:, None],

@@ -367,11 +367,6 @@ class Batch:
         self._starting = True  # no cycle read since the batch was last empty
         self._settings()
 
-    @property
-    def vocab(self) -> Optional[int]:
-        """Set when sampled tokens must be checked on the host (an opaque sampler)."""
-        return None if self.spec.trusted_sampler else self.spec.model.vocab_size
-
     # -- rows join and leave ---------------------------------------------------------------
     def accepts(self, sampling: Optional[RowSampling]) -> bool:
         """A row with these settings can decode in this batch (the sampled
@@ -657,8 +652,13 @@ class Batch:
         head = max(b.flushed().head + k + 1 for b in bounds)
         if catch_up:
             head = max(head, max(b.head for b in bounds) + RING)
-        self.state = self.state.replace(cache=self.state.cache.grown(
-            max(b.trunk for b in bounds) + k + 1, head))
+        trunk = max(b.trunk for b in bounds) + k + 1
+        cache = self.state.cache.grown(trunk, head)
+        room = cache.room()
+        if room[0] < trunk or (cache.head and room[1] < head):
+            raise RuntimeError(f"internal error: buffers of {room} entries for a cycle that "
+                               f"may write up to ({trunk}, {head})")
+        self.state = self.state.replace(cache=cache)
 
     def _in_flight(self, row: Row) -> List[Launched]:
         return [c for c in self.inflight if row in c.rows]
@@ -714,8 +714,8 @@ class Batch:
         cycle = self.inflight.popleft()
         first, self._starting = self._starting, False
         wait0 = time.perf_counter()
-        accepted_all, tokens_all, lps_all = unpack(np.array(cycle.out.packed),
-                                                   cycle.k)
+        accepted_all, tokens_all, lps_all, bad_drafts = unpack(np.array(cycle.out.packed),
+                                                               cycle.k)
         toc = time.perf_counter()
         k, out, accepted = cycle.k, [], []
         # the controller of the batch size the cycle was launched with (rows
@@ -727,8 +727,7 @@ class Batch:
                 continue
             a = int(accepted_all[i])
             tokens = tokens_all[i, : a + 1].tolist()
-            if self.vocab is not None:
-                _check_sampled(tokens, self.vocab)
+            _check_ids(tokens, int(bad_drafts[i]), self.spec.model.vocab_size)
             before_lens = row.lens
             row.lens = before_lens.after(k, a, ring=not cycle.cold)
             if cycle.flush_after:
@@ -813,11 +812,16 @@ def _arrays(state: DecodeState) -> list:
     return [x for _, x in tree_flatten(state.tree()) if x is not None]
 
 
-def _check_sampled(tokens: List[int], vocab: int):
+def _check_ids(tokens: List[int], bad_drafts: int, vocab: int):
+    """A read cycle's ids, raw: the device used them clamped (cycle.in_vocab),
+    so nothing out of bounds was read; the generation stops here."""
     for t in tokens:
         if not 0 <= t < vocab:
             raise ValueError(f"the sampler returned token id {t}, outside the vocabulary "
                              f"(0..{vocab - 1})")
+    if bad_drafts:
+        raise ValueError(f"the drafter proposed {bad_drafts} token id(s) outside the "
+                         f"vocabulary (0..{vocab - 1})")
 
 
 def _upper_bound(lens: Lengths, inflight) -> Lengths:
