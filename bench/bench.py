@@ -441,7 +441,8 @@ def main(argv=None):
 
     import mlx_mtp
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.loop import MTPStats, generate_tokens
+    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.batch import MTPStats
     from mlx_mtp.loader import resolve_model_path
 
     rates = [None] if args.oracle_rate is None else [float(r) for r in args.oracle_rate.split(",")]

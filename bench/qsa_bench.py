@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import mlx_mtp.families as families
-from mlx_mtp.families import qwen4_exp
+from mlx_mtp.models import qwen4_exp
 from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 

@@ -24,11 +24,11 @@ launch each, equal to the references up to rounding (see the kernel files).
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-
-from . import reference
+import mlx.nn as nn
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 __all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "backend", "fused_default"]
 
@@ -62,7 +62,7 @@ def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None,
                 fused: Optional[bool] = None):
     be = backend or globals()["backend"]()
     if be == "ref" or not _fast(fused):
-        return reference.conv_verify_compiled(conv_state, qkv, weight)
+        return conv_verify_ref_compiled(conv_state, qkv, weight)
     from . import launch
 
     return launch.conv_verify(conv_state, qkv, weight, backend=be)
@@ -76,7 +76,7 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] =
     # Exact mode mirrors plain decoding, which uses mlx_lm's Metal kernel only
     # for Dk % 32 == 0 (its ops path otherwise, and always on CUDA).
     if be == "ref" or (not fast and (be.endswith("cuda") or Dk % 32 != 0)):
-        return reference.gdn_verify_compiled(q, k, v, a, b, A_log, dt_bias, state)
+        return gdn_verify_ref_compiled(q, k, v, a, b, A_log, dt_bias, state)
     from . import launch
 
     return launch.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be, fused=fast)
@@ -85,7 +85,7 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] =
 def commit(states, conv_inputs, consumed, conv_kernel, *, backend: Optional[str] = None):
     be = backend or globals()["backend"]()
     if be == "ref":
-        return reference.commit(states, conv_inputs, consumed, conv_kernel)
+        return commit_ref(states, conv_inputs, consumed, conv_kernel)
     from . import launch
 
     return launch.commit(states, conv_inputs, consumed, conv_kernel, backend=be)
@@ -98,9 +98,125 @@ def draft_project(hidden, weight, scales=None, biases=None, *, group_size: int =
     # kernel: float weights or mlx_lm affine quantization with bits dividing 32
     supported = bits in (0, 2, 4, 8) and (not bits or biases is not None)
     if be == "ref" or top_k > 32 or not supported:
-        return reference.draft_project(hidden, weight, scales, biases, group_size=group_size,
+        return draft_project_ref(hidden, weight, scales, biases, group_size=group_size,
                                        bits=bits, vocab_ids=vocab_ids, top_k=top_k)
     from . import launch
 
     return launch.draft_project(hidden, weight, scales, biases, group_size=group_size,
                                  bits=bits, vocab_ids=vocab_ids, top_k=top_k, backend=be)
+
+
+# -- the ops references ------------------------------------------------------------------
+def conv_verify_ref(
+    conv_state: mx.array, qkv: mx.array, weight: mx.array
+) -> Tuple[mx.array, mx.array]:
+    """Depthwise causal conv over a verify window.
+
+    conv_state: [B, K-1, C] rows before the window; qkv: [B, T, C];
+    weight: [C, K, 1] (mlx Conv1d layout, groups == C).
+    Returns (silu(conv) [B, T, C], conv_input [B, K-1+T, C]). The conv window
+    after consuming n tokens is conv_input[:, n : n+K-1]; keeping the whole
+    input is the cheapest form of "every position's window".
+    """
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    out = nn.silu(mx.conv1d(conv_input, weight, groups=weight.shape[0]))
+    return out, conv_input
+
+
+def gdn_verify_ref(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array,
+) -> Tuple[mx.array, mx.array]:
+    """Gated delta recurrence over T verify tokens, capturing every state.
+
+    q, k: [B, T, Hk, Dk] (conv output, not yet normalized); v: [B, T, Hv, Dv];
+    a, b: [B, T, Hv] raw gate projections; state: [B, Hv, Dv, Dk] fp32.
+    Returns y [B, T, Hv, Dv] (q.dtype) and states [B, T, Hv, Dv, Dk] fp32,
+    states[:, t] being the state after token t. Each step is mlx_lm's own
+    single-token update, so state t equals plain decoding's state exactly.
+    """
+    Dk = q.shape[-1]
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        sl = slice(t, t + 1)
+        y, state = gated_delta_update(
+            q[:, sl], k[:, sl], v[:, sl], a[:, sl], b[:, sl], A_log, dt_bias, state,
+            use_kernel=False,
+        )
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), mx.stack(states, axis=1)
+
+
+# The same function traced once per shape (T, batch, dtype): on the CPU backend
+# it runs several times faster (fewer graph nodes and launches per cycle) and,
+# as tests/test_reference_compiled.py checks, bit-identical to the eager one.
+gdn_verify_ref_compiled = mx.compile(gdn_verify_ref)
+conv_verify_ref_compiled = mx.compile(conv_verify_ref)
+
+
+def commit_ref(
+    states: Sequence[mx.array],
+    conv_inputs: Sequence[mx.array],
+    consumed: mx.array,
+    conv_kernel: int,
+) -> List[Tuple[mx.array, mx.array]]:
+    """Select, for every GDN layer, the state and conv window after `consumed`
+    verify tokens (1..T). `consumed` is a device int32 scalar so no host
+    synchronization is needed. Returns [(conv_window [B,K-1,C], state), ...].
+    """
+    n = consumed.astype(mx.int32).reshape(1)
+    out = []
+    rows = n + mx.arange(conv_kernel - 1)
+    for st, ci in zip(states, conv_inputs):
+        window = mx.take(ci, rows, axis=1)
+        state = mx.take(st, n - 1, axis=1).squeeze(1)
+        out.append((window, state))
+    return out
+
+
+def draft_project_ref(
+    hidden: mx.array,
+    weight: mx.array,
+    scales: Optional[mx.array] = None,
+    biases: Optional[mx.array] = None,
+    *,
+    group_size: int = 64,
+    bits: int = 0,
+    vocab_ids: Optional[mx.array] = None,
+    top_k: int = 1,
+) -> Tuple[mx.array, mx.array]:
+    """Draft head output projection fused with arg-max / top-k.
+
+    hidden: [N, H]; weight: [V, H] (float) or mlx_lm affine-quantized
+    (weight/scales/biases, bits 4 or 8). With vocab_ids only those rows are
+    scored. Returns (values [N, top_k] logits, ids [N, top_k] full-vocab ids),
+    ids sorted by decreasing logit (ties: lower id first).
+    """
+    if vocab_ids is not None:
+        weight = weight[vocab_ids]
+        if scales is not None:
+            scales, biases = scales[vocab_ids], biases[vocab_ids]
+    if bits:
+        logits = mx.quantized_matmul(
+            hidden, weight, scales, biases, transpose=True,
+            group_size=group_size, bits=bits,
+        )
+    else:
+        logits = hidden @ weight.T
+    logits = logits.astype(mx.float32)
+    if top_k == 1:
+        idx = mx.argmax(logits, axis=-1, keepdims=True)
+    else:
+        idx = mx.argsort(-logits, axis=-1)[:, :top_k]
+    vals = mx.take_along_axis(logits, idx, axis=-1)
+    if vocab_ids is not None:
+        idx = vocab_ids[idx]
+    return vals, idx.astype(mx.int32)

@@ -16,7 +16,8 @@ import time
 import mlx.core as mx
 
 from . import backend as default_backend
-from . import launch, reference as R
+from . import launch
+from . import conv_verify_ref, commit_ref, draft_project_ref, gdn_verify_ref
 
 
 def _time(fn, iters):
@@ -70,20 +71,20 @@ def main(argv=None):
     gdn = (q, k, v, ga, gb, A_log, dtb, st)
     rows = [
         ("gdn_verify exact", lambda: launch.gdn_verify(*gdn, backend=be),
-         lambda: R.gdn_verify(*gdn)),
+         lambda: gdn_verify_ref(*gdn)),
         ("gdn_verify fused", lambda: launch.gdn_verify(*gdn, backend=be, fused=True),
-         lambda: R.gdn_verify(*gdn)),
+         lambda: gdn_verify_ref(*gdn)),
         ("conv_verify", lambda: launch.conv_verify(cs, x, w, backend=be),
-         lambda: R.conv_verify(cs, x, w)),
+         lambda: conv_verify_ref(cs, x, w)),
         (f"commit x{L} layers", lambda: launch.commit(states, convs, n, Kw, backend=be),
-         lambda: R.commit(states, convs, n, Kw)),
+         lambda: commit_ref(states, convs, n, Kw)),
         ("draft bf16 argmax", lambda: launch.draft_project(hid, W, backend=be),
-         lambda: R.draft_project(hid, W)),
+         lambda: draft_project_ref(hid, W)),
         ("draft 4bit argmax", lambda: launch.draft_project(hid, qw, sc, bi, bits=4, backend=be),
-         lambda: R.draft_project(hid, qw, sc, bi, bits=4)),
+         lambda: draft_project_ref(hid, qw, sc, bi, bits=4)),
         ("draft 4bit top8 trimmed", lambda: launch.draft_project(
             hid, qw, sc, bi, bits=4, vocab_ids=ids, top_k=8, backend=be),
-         lambda: R.draft_project(hid, qw, sc, bi, bits=4, vocab_ids=ids, top_k=8)),
+         lambda: draft_project_ref(hid, qw, sc, bi, bits=4, vocab_ids=ids, top_k=8)),
     ]
     print(f"backend {be}, dtype {a.dtype}, T={T}, B={B}, Hk/Hv={Hk}/{Hv}, D={D}, H={H}, V={V}")
     print(f"{'kernel':26s} {'kernel ms':>10s} {'ops ms':>10s} {'ratio':>7s}")

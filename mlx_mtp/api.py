@@ -14,7 +14,8 @@ from mlx_lm.generate import BatchResponse, BatchStats, GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import checks
-from .loop import MTPStats, decode_rows, generate_tokens, make_batch
+from .batch import MTPStats, make_batch
+from .loop import decode_rows, generate_events, generate_tokens
 from .mlx_lm_compat import generation_stream, wired_limit
 from .sampling import RowSampling
 
@@ -156,38 +157,37 @@ def stream_generate(
     prompt = _encode(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     stats = kwargs.pop("stats", None) or MTPStats()
-    gen = generate_tokens(prompt, model, max_tokens=max_tokens, stats=stats, **kwargs)
+    gen = generate_events(prompt, model, max_tokens=max_tokens, stats=stats,
+                          stop_tokens=tokenizer.eos_token_ids, **kwargs)
 
-    def response(text, token, logprobs, from_draft, n, finish):
+    def response(text, event, n):
         return MTPGenerationResponse(
-            text=text, token=token, logprobs=logprobs, from_draft=from_draft,
+            text=text, token=event.token, logprobs=event.logprobs, from_draft=event.from_draft,
             prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n,
             generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=event.finish,
             drafted=stats.drafted, accepted=stats.accepted, acceptance=stats.acceptance,
             tokens_per_cycle=stats.tokens_per_cycle, draft_tokens=draft_tokens,
         )
 
     with wired_limit(model, [generation_stream]):
         tic = time.perf_counter()
-        n = 0
-        token, logprobs, from_draft = None, None, False
+        n, event = 0, None
         try:
-            for n, (token, logprobs, from_draft) in enumerate(gen, start=1):
+            for n, event in enumerate(gen, start=1):
                 if n == 1:
                     prompt_tps = prompt.size / (time.perf_counter() - tic)
                     tic = time.perf_counter()
-                if token in tokenizer.eos_token_ids:
+                if event.finish == "stop":  # the stop token is not text (as in mlx_lm)
                     break
-                detokenizer.add_token(token)
-                if n == max_tokens:
+                detokenizer.add_token(event.token)
+                if event.finish is not None:
                     break
-                yield response(detokenizer.last_segment, token, logprobs, from_draft, n, None)
+                yield response(detokenizer.last_segment, event, n)
         finally:
             gen.close()  # writes the prompt cache back
         detokenizer.finalize()
-        finish = "stop" if token in tokenizer.eos_token_ids else "length"
-        yield response(detokenizer.last_segment, token, logprobs, from_draft, n, finish)
+        yield response(detokenizer.last_segment, event, n)
 
 
 def generate(
@@ -279,7 +279,8 @@ def batch_generate(
             cache = model.make_cache()
         request = batch.prepare(prompt, cache, max_tokens[i], seeds[i], prefill_step_size,
                                 sampler=None if opaque else samplers[i],
-                                logits_processors=processors[i])
+                                logits_processors=processors[i],
+                                stop_tokens=tokenizer.eos_token_ids)
         if request.max_tokens == 0:
             raise ValueError("max_tokens must be at least 1 for each prompt")
         requests.append(request)
@@ -288,11 +289,10 @@ def batch_generate(
     tic = time.perf_counter()
     done = 0
     with wired_limit(model, [generation_stream]):
-        for i, token, _, reason, _ in decode_rows(batch, requests, tokenizer.eos_token_ids,
-                                                  completion_batch_size, prefill_step_size):
-            if reason != "stop":
-                results[i].append(token)
-            if reason is not None:
+        for i, event in decode_rows(batch, requests, completion_batch_size, prefill_step_size):
+            if event.finish != "stop":  # the stop token is left out, as in mlx_lm
+                results[i].append(event.token)
+            if event.finish is not None:
                 done += 1
                 if verbose:
                     print(f"[batch_generate] Finished processing {done}/{n} ...", end="\r")

@@ -1,139 +1,27 @@
-"""The decode loop: prefill, then cycles, with a lookahead of 0 or 1.
+"""The decode loop: one row (`generate_tokens`) or many with continuous
+batching (`decode_rows`), routing the events of `Batch.step` (batch.py).
 
-With lookahead 1 (the default) cycle n+1 is built and queued
-(`mx.async_eval`) before cycle n is read, so the device never waits for
-Python; with 0 (logits processors, host-side drafters, `lookahead=False`)
-each cycle is read before the next is built. Either way a cycle is read
-with one host transfer (its tokens and their log-probs), and a cycle
-launched past EOS or `max_tokens` is never read.
-
-Rows join between cycles, several at once: their prompts are prefilled
-together (cycle.prefill), but the last token of each, which the row's first
-cycle feeds, so a new row's first token comes out of the batch's next cycle
-like any other. Rows sample each with its own settings (sampling.RowSampling).
-
-The prompt cache (mlx_lm's objects, cache.py) is turned into the decoding
-form after the prompt and written back when the generator finishes, however
-it finishes (max_tokens, the caller stopping at EOS, close()): it then holds
-exactly what mlx_lm's would — the prompt and every token yielded, the last
-one included, and nothing drafted or rejected. The state before the cycle
-that emitted the last yielded token is kept for that (its KV buffers are the
-latest ones: later cycles only write past its lengths) and the tokens it
-emitted up to there are fed on top.
+The prompt cache (mlx_lm's objects) is turned into the decoding form after
+the prompt and written back when the generator finishes, however it
+finishes (max_tokens, a stop token, the caller stopping, close()): it then
+holds exactly what mlx_lm's would — the prompt and every token yielded, the
+last one included, and nothing drafted or rejected (rows.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import time
-import weakref
 from collections import deque
-from dataclasses import dataclass, field
-from typing import (Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple,
-                    Union)
+from typing import Callable, Generator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
-import numpy as np
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import CacheList, KVCache
 
-from . import checks
-from .cache import (MTPCache, cache_length, check_prompt_cache, entry_length, fill_empty,
-                    head_caches)
-from .cycle import (RING, DecodeState, Graphs, Spec, catch_up, feed, init_ring, is_host_side,
-                    prefill, ring_order, unpack)
+from .batch import Batch, Event, MTPStats, make_batch
 from .depth import DepthController
-from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
-from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
-                       bias_row, row_arrays, start_window)
+from .rows import HeldCache, Request
 
 
-def mtp_disabled_by_env() -> bool:
-    return os.environ.get("MLX_MTP_DISABLE", "0") not in ("", "0", "false", "False")
-
-
-@dataclass
-class MTPStats:
-    """Counters of one generation. Acceptance at position i is the fraction of
-    cycles that drafted a token at position i and had it accepted."""
-
-    cycles: int = 0
-    emitted: int = 0
-    drafted_at: List[int] = field(default_factory=list)
-    accepted_at: List[int] = field(default_factory=list)
-
-    def record(self, depth: int, accepted: int):
-        self.cycles += 1
-        self.emitted += accepted + 1
-        while len(self.drafted_at) < depth:
-            self.drafted_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(depth):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += int(i < accepted)
-
-    @property
-    def drafted(self) -> int:
-        return sum(self.drafted_at)
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.accepted_at)
-
-    @property
-    def acceptance(self) -> List[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
-
-    @property
-    def tokens_per_cycle(self) -> float:
-        return self.emitted / self.cycles if self.cycles else 0.0
-
-
-def mix_seed(seed: int) -> int:
-    """splitmix64 of the user's seed. MLX keys of nearby seeds give measurably
-    correlated samples; mixing makes runs with seeds 0, 1, 2, ... independent."""
-    m = (1 << 64) - 1
-    z = (int(seed) + 0x9E3779B97F4A7C15) & m
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-    return z ^ (z >> 31)
-
-
-@dataclass
-class Lengths:
-    """Host copies of a row's cache lengths (exact, or upper bounds) and of
-    the pairs written to its ring since the head caught up."""
-
-    trunk: int
-    head: int
-    ring: int = 0
-
-    def flushed(self) -> "Lengths":
-        return Lengths(self.trunk, self.head + min(self.ring, RING), 0)
-
-    def after(self, k: int, accepted: int, ring: bool = True) -> "Lengths":
-        """After a cycle of depth k: a plain step writes a pair into the ring,
-        or (ring False: depth 0's graph, parked) drops the ring."""
-        if k == 0:
-            return Lengths(self.trunk + 1, self.head, self.ring + 1 if ring else 0)
-        return Lengths(self.trunk + accepted + 1, self.flushed().head + accepted + 1, 0)
-
-
-@dataclass
-class Launched:
-    k: int
-    out: object  # StepOutput
-    before: Optional[DecodeState]  # the state it started from, without KV buffers
-    traced: bool  # its launch traced a graph (slow: not a cost sample)
-    rows: list  # the batch's rows, in order, when it was launched
-    stamps: dict  # perf_counter times of its launch
-    flush_after: bool = False  # the head caught up right after it (rows joined)
-    cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
-
-
-def generate_tokens(
+def generate_events(
     prompt: mx.array,
     model,
     *,
@@ -153,11 +41,13 @@ def generate_tokens(
     drafter=None,
     controller: Optional[DepthController] = None,
     timeline: Optional[list] = None,
-) -> Generator[Tuple[int, mx.array, bool], None, None]:
-    """Yield (token, logprobs, from_draft) like mlx_lm's speculative_generate_step.
-    See `mlx_mtp.generate_step` for the arguments; drafter, controller and
-    timeline are for tests and benchmarks (timeline: a list that gets, per
-    cycle read, the perf_counter stamps of the loop's host work)."""
+    stop_tokens: Sequence[int] = (),
+) -> Generator[Event, None, None]:
+    """One row's events (batch.Event), ending with the first of `stop_tokens`
+    or the max_tokens-th token. See `mlx_mtp.generate_step` for the
+    arguments; drafter, controller and timeline are for tests and benchmarks
+    (timeline: a list that gets, per cycle read, the perf_counter stamps of
+    the loop's host work)."""
     batch = make_batch(model, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens,
                        sampler=sampler, logits_processors=logits_processors,
                        lookahead=lookahead, compiled=compiled,
@@ -165,7 +55,7 @@ def generate_tokens(
                        timeline=timeline)
     request = batch.prepare(prompt, prompt_cache, max_tokens, seed, prefill_step_size,
                             stats=stats if stats is not None else MTPStats(),
-                            progress=prompt_progress_callback)
+                            progress=prompt_progress_callback, stop_tokens=stop_tokens)
     owner = object()
     gen = _generate(batch, request, prefill_step_size, owner)
     if request.keep_cache:
@@ -173,117 +63,37 @@ def generate_tokens(
     return gen
 
 
-def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_tokens: int = 4,
-               sampler: Optional[Callable] = None, logits_processors: Optional[list] = None,
-               lookahead: bool = True, compiled: bool = True,
-               draft_vocab: Optional[mx.array] = None, drafter=None,
-               controller: Optional[DepthController] = None,
-               timeline: Optional[list] = None) -> "Batch":
-    """An empty batch with these decoding settings; the arguments are checked
-    here, once. `sampler`: an opaque sampler (any callable that is not greedy
-    or an MTPSampler) is shared by every row; otherwise each row brings its
-    own sampler (`Batch.prepare`), this one being the default; likewise
-    `logits_processors` (mlx_lm's, run on the host with the row's history)."""
-    if not hasattr(model, "make_cache") or not hasattr(model, "has_mtp"):
-        raise TypeError("model must come from mlx_mtp.load")
-    depth = checks.depth(draft_tokens)
-    checks.integer("max_draft_tokens", max_draft_tokens, 1, checks.MAX_DEPTH)
-    if mtp_disabled_by_env():
-        depth = 0
-    auto = depth == "auto"
-    use_head = model.has_mtp and depth != 0
-    if not use_head:
-        depth, controller = 0, None
-    elif not auto:
-        controller = None
-    opaque = None if RowSampling.of(sampler) is not None else sampler
-    if use_head and opaque is not None and not isinstance(opaque, MTPSampler):
-        import warnings
-
-        warnings.warn("mlx_mtp: this sampler cannot be introspected, so drafts are verified by "
-                      "exact match (still exact, fewer accepted); build it with "
-                      "mlx_mtp.make_sampler for Leviathan-Chen acceptance", stacklevel=4)
-    if draft_vocab is not None and model.lm_head_group is not None:
-        raise ValueError("a draft vocabulary needs the whole lm_head on each rank; this "
-                         "model's is sharded over the vocabulary (tensor parallel)")
-    if is_host_side(drafter) and not (
-            isinstance(sampler, MTPSampler) and sampler.speculative):
-        raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
-    spec = Spec(model, opaque, use_head=use_head,
-                draft_vocab=draft_vocab if use_head else None,
-                drafter=drafter if use_head else None, group=model.distributed_group,
-                first_stage=first_stage(model))
-    return Batch(spec, Graphs(spec, compiled), lookahead, depth, max_draft_tokens, controller,
-                 timeline=timeline, default_sampler=sampler,
-                 default_processors=logits_processors or ())
+def generate_tokens(prompt: mx.array, model, **options
+                    ) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Yield (token, logprobs, from_draft) like mlx_lm's
+    speculative_generate_step (`generate_events`' options)."""
+    for event in generate_events(prompt, model, **options):
+        yield event.token, event.logprobs, event.from_draft
 
 
-def row_key(sampling: Optional[RowSampling], seed: Optional[int]) -> Optional[mx.array]:
-    """A sampled row's key [1, 2] (None when greedy): from the seed, else
-    drawn from mx.random (so mx.random.seed makes runs repeatable too)."""
-    if sampling is None or sampling.greedy:
-        return None
-    key = (mx.random.key(mix_seed(seed)) if seed is not None
-           else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
-    return key[None]
-
-
-def _generate(batch: "Batch", request: "Request", prefill_step_size, owner):
-    """One row: yield (token, log-probs, from_draft) as its cycles are read;
-    when the caller stops (max_tokens, EOS, close) the row's prompt cache is
-    written back (by `decode_rows`)."""
+def _generate(batch: Batch, request: Request, prefill_step_size, owner):
+    """One row: yield its events as its cycles are read;
+    when the caller stops (max_tokens, a stop token, close) the row's prompt
+    cache is written back (by `decode_rows`)."""
     try:
-        for _, t, logprobs, _, from_draft in decode_rows(batch, [request], (), 1,
-                                                          prefill_step_size):
-            if t is None:  # max_tokens 0
+        for _, event in decode_rows(batch, [request], 1, prefill_step_size):
+            if event is None:  # max_tokens 0
                 return
-            yield t, logprobs, from_draft
+            yield event
     finally:
         if request.keep_cache:
             HeldCache.release(request.prompt_cache, owner)
 
 
-@dataclass
-class Request:
-    """One sequence for `Batch.add` / `decode_rows` (made by `Batch.prepare`)."""
-
-    prompt: List[int]  # the tokens after what the prompt cache holds
-    prompt_cache: list
-    keep_cache: bool  # the caller holds the cache: write it back when the row finishes
-    max_tokens: int
-    key: Optional[mx.array]  # [1, 2]: a sampled row's key
-    stats: MTPStats = field(default_factory=MTPStats)
-    sampling: Optional[RowSampling] = field(default_factory=RowSampling)  # None: opaque
-    processors: tuple = ()  # mlx_lm logits processors (this row only)
-    progress: Optional[Callable[[int, int], None]] = None  # prompt tokens done, total
-    stops: tuple = ()  # prompt token counts after which `snapshot(n)` is called
-    snapshot: Optional[Callable[[int], None]] = None
-    cached_tokens: tuple = ()  # tokens before `prompt` (cached) that the processors see first
-
-
-def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int = 32,
+def decode_rows(batch: Batch, requests: List[Request], width: int = 32,
                 prefill_step_size: int = 2048):
     """Continuous batching: up to `width` requests decode together, the next
     joining as one finishes (those waiting join together, their prompts
-    prefilled in one batch). Yields (request index, token, log-probs, finish
-    reason or None, from_draft); a stop token comes with "stop", the
-    max_tokens-th with "length". A request with max_tokens 0 yields (index,
-    None, None, "length", False). A row still decoding when the caller stops
-    is finished with the tokens yielded so far."""
+    prefilled in one batch). Yields (request index, event); a request with
+    max_tokens 0 yields (index, None). A row still decoding when the caller
+    stops is finished with the tokens yielded so far."""
     pending = deque(enumerate(requests))
-    active: dict = {}  # Row -> [request index, tokens yielded]
-    stop_tokens = set(stop_tokens)
-
-    def emit(row, i, used, t, logprobs, from_draft):
-        active[row][1] += 1
-        row.used = used  # of its last read cycle's tokens: where it finishes
-        reason = ("stop" if t in stop_tokens else
-                  "length" if active[row][1] == row.max_tokens else None)
-        if reason is not None:
-            batch.finish(row)
-            del active[row]
-        return i, t, logprobs, reason, from_draft
-
+    active: dict = {}  # Row -> request index
     with mx.stream(generation_stream):
         try:
             while pending or active:
@@ -294,611 +104,16 @@ def decode_rows(batch: "Batch", requests: List[Request], stop_tokens, width: int
                     rows = batch.add([r for _, r in joining], prefill_step_size)
                     for (i, _), row in zip(joining, rows):
                         if row is None:
-                            yield i, None, None, "length", False
+                            yield i, None
                         else:
-                            active[row] = [i, 0]
-                for row, tokens, logprobs, _, accepted in batch.step():
-                    for j, t in enumerate(tokens):
-                        if row not in active:
-                            break
-                        yield emit(row, active[row][0], j + 1, t, logprobs[j], j < accepted)
+                            active[row] = i
+                for event in batch.step():
+                    if event.finish is not None:
+                        i = active.pop(event.row)
+                    else:
+                        i = active[event.row]
+                    yield i, event
         finally:
             for row in list(active):
-                batch.finish(row)
-
-
-class Finish(NamedTuple):
-    """A row's finishing point: where its prompt cache is written from."""
-
-    before: Optional[DecodeState]  # the state before its last read cycle (no KV buffers)
-    index: int  # the row's index in `before`
-    lens: Lengths  # its lengths then
-    y: int  # its y then
-    tokens: List[int]  # that cycle's tokens, of which the caller used `Row.used`
-
-
-@dataclass(eq=False)  # rows are compared by identity
-class Row:
-    """What the host keeps for one sequence of a batch."""
-
-    held: "HeldCache"  # its prompt cache
-    max_tokens: int  # -1: no limit
-    stats: MTPStats
-    lens: Lengths  # exact, after the cycles read so far
-    sampling: Optional[RowSampling]
-    processors: tuple = ()
-    landed: int = 0  # tokens read so far
-    last: Optional[Finish] = None  # its finishing point
-    used: int = 0
-    history: Optional[mx.array] = None  # the row's tokens (logits processors)
-    bias: Optional[mx.array] = None  # [V]: its logit bias, built once
-    done: bool = False
-
-
-# prompts of at most this many new tokens join in one batched prefill
-# (mlx_lm.server's --prompt-concurrency default); longer ones alone
-PREFILL_BATCH = 8
-
-
-class Batch:
-    """Rows decoding together: one trunk forward per cycle for all of them,
-    each row accepting its own number of drafts (per-row device lengths) and
-    sampling with its own settings. Rows join (`add`: their prompts prefilled
-    together, then merged) and leave (`finish`) between cycles. With
-    lookahead 1 the next cycle is queued before one is read (see the module
-    docstring)."""
-
-    def __init__(self, spec: Spec, graphs: Graphs, lookahead: bool, depth, max_draft_tokens=4,
-                 controller=None, timeline: Optional[list] = None, default_sampler=None,
-                 default_processors=()):
-        self.spec, self.graphs, self.may_look_ahead = spec, graphs, lookahead
-        self.depth, self.max_depth, self.controller = depth, max_draft_tokens, controller
-        self.timeline, self.default_sampler = timeline, default_sampler
-        self.default_processors = default_processors
-        self.limit_prefill(PREFILL_BATCH)
-        self.state: Optional[DecodeState] = None
-        self.rows: List[Row] = []
-        self.inflight: deque = deque()
-        self.ring = 0  # plain steps' pairs waiting for the head (the same for every row)
-        self._parked_graphs: Optional[Graphs] = None  # depth 0's, for cold parked steps
-        self.cycles = 0
-        self._tic = time.perf_counter()
-        self._launched = 0  # cycles launched since the last read
-        self._starting = True  # no cycle read since the batch was last empty
-        self._settings()
-
-    # -- rows join and leave ---------------------------------------------------------------
-    def accepts(self, sampling: Optional[RowSampling]) -> bool:
-        """A row with these settings can decode in this batch (the sampled
-        rows share top_k and min_tokens_to_keep; an opaque sampler is the
-        batch's own)."""
-        if self.spec.sampler is not None or sampling is None:
-            return self.spec.sampler is not None and sampling is None
-        shared = {r.sampling.shared for r in self.rows if not r.sampling.greedy}
-        return sampling.greedy or not shared or shared == {sampling.shared}
-
-    def prepare(self, prompt, prompt_cache: Optional[list], max_tokens: int,
-                seed: Optional[int] = None, prefill_step_size: int = 2048, *,
-                sampler=None, logit_bias: Optional[Dict[int, float]] = None,
-                penalties: Optional[Penalties] = None,
-                logits_processors=None, stats: Optional[MTPStats] = None,
-                progress=None, cached_tokens: Sequence[int] = ()) -> Request:
-        """Check one row's arguments against this batch's model: a Request.
-        sampler: the row's own (default: the batch's; a RowSampling too);
-        logit_bias and penalties are applied in-graph (mlx_lm's processors'
-        arithmetic), logits_processors run on the host. Both see the row's
-        history: `cached_tokens` (those the prompt cache already holds, as
-        mlx_lm.server's batch passes them: `all_tokens`), the prompt, and the
-        tokens emitted."""
-        model = self.spec.model
-        ids = checks.token_ids("prompt", prompt, model.vocab_size)
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        max_tokens = checks.max_tokens(max_tokens)
-        checks.integer("prefill_step_size", prefill_step_size, lo=1)
-        if seed is not None:
-            checks.integer("seed", seed)
-        sampler = self.default_sampler if sampler is None else sampler
-        processors = self.default_processors if logits_processors is None else logits_processors
-        if (isinstance(processors, LogitsProcessors) and processors.intact
-                and self.spec.sampler is None and not isinstance(sampler, RowSampling)):
-            # mlx_mtp.make_logits_processors': their bias and penalties run in-graph
-            if processors.logit_bias and logit_bias:
-                raise ValueError("a logit bias is given twice: as logit_bias and in "
-                                 "logits_processors")
-            logit_bias = processors.logit_bias or logit_bias
-            penalties, processors = processors.penalties, ()
-        processors = tuple(processors or ())
-        sampling = (None if self.spec.sampler is not None else sampler
-                    if isinstance(sampler, RowSampling)
-                    else RowSampling.of(sampler, logit_bias, penalties))
-        if penalties and sampling is None:
-            raise ValueError("penalties with an opaque sampler: pass mlx_lm's processors "
-                             "(logits_processors=)")
-        if sampling is None and self.spec.sampler is None:
-            raise ValueError("an opaque sampler is shared by a whole batch: make_batch(sampler=)")
-        if logit_bias:
-            checks.logit_bias(logit_bias, model.vocab_size)
-        if sampling is not None and sampling.xtc_special:
-            checks.token_ids("xtc_special_tokens", sampling.xtc_special, model.vocab_size)
-        keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
-        if prompt_cache is None:
-            prompt_cache = model.make_cache()
-        else:  # a generation still open on this cache finishes first (writing it back)
-            HeldCache.close_open(prompt_cache)
-        head_layers = len(model.mtp.layers) if model.has_mtp else 0
-        check_prompt_cache(prompt_cache, model.is_linear, head_layers, model.make_cache(),
-                           model.mtp.make_cache() if head_layers else None)
-        context = getattr(model.text_args, "max_position_embeddings", None)
-        checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
-                             id(model))
-        return Request(ids, prompt_cache, keep_cache, max_tokens, row_key(sampling, seed),
-                       stats if stats is not None else MTPStats(), sampling, processors,
-                       progress, cached_tokens=tuple(cached_tokens) if (
-                           processors or (sampling is not None and sampling.penalties)) else ())
-
-    def add(self, requests: List[Request], prefill_step_size: int = 2048) -> List[Optional[Row]]:
-        """Prefill new rows (short prompts together, long ones alone) and merge
-        them into the batch; their first tokens come out of the next cycle.
-        A row with max_tokens 0 only caches its prompt (None in its place)."""
-        shared = {r.sampling.shared for r in self.rows if r.sampling is not None}
-        for r in requests:
-            if r.sampling is not None:
-                shared.add(r.sampling.shared)
-            if not self.accepts(r.sampling) or len(shared - {None}) > 1:
-                raise ValueError("this row's sampler cannot share the batch (top_k and "
-                                 "min_tokens_to_keep differ from its sampled rows)")
-        drafter = self.spec.drafter
-        if is_host_side(drafter) and (self.rows or len(requests) > 1):
-            raise ValueError("a host-side drafter decodes one row at a time")
-        short = [r for r in requests if len(r.prompt) - 1 <= prefill_step_size]
-        groups = [short[i:i + self.prefill_batch]
-                  for i in range(0, len(short), self.prefill_batch)]
-        groups += [[r] for r in requests if r not in short]
-        made = {}
-        for group in groups:
-            for r, row in zip(group, self._join(group, prefill_step_size)):
-                made[id(r)] = row
-        return [made[id(r)] for r in requests]
-
-    def _join(self, requests: List[Request], prefill_step_size: int) -> List[Optional[Row]]:
-        spec, model = self.spec, self.spec.model
-        n_trunk = len(model.is_linear)
-        use_head = spec.use_head
-
-        def progress(i, done, total):
-            if requests[i].progress is not None:
-                requests[i].progress(done, total)
-
-        def snapshot(i, n):
-            if requests[i].snapshot is not None:
-                requests[i].snapshot(n)
-
-        # parked (auto at depth 0 for the batch these rows make), the head
-        # does not follow the prompts: prefill then costs what mlx_lm's does,
-        # and the head drafts from a history with a gap if it drafts again
-        # (acceptance may dip, exactness cannot; docs/design.md, "Parking"); a
-        # prompt only cached (max_tokens 0) is there for later drafting: it follows
-        follows = use_head and (not self._parked(len(self.rows) + len(requests))
-                                or any(r.max_tokens == 0 for r in requests))
-        with mx.stream(generation_stream):
-            prefilled = prefill(spec if follows else dataclasses.replace(spec, use_head=False),
-                                [r.prompt_cache for r in requests],
-                                [r.prompt for r in requests], prefill_step_size, progress,
-                                [r.stops for r in requests], snapshot,
-                                model.head_context)  # (docs/design.md, "Head context")
-        rows, states = [], []
-        for r, pf in zip(requests, prefilled):
-            y = r.prompt[-1]
-            if r.max_tokens == 0:  # mlx_lm then leaves the whole prompt in the cache
-                if r.keep_cache:
-                    feed(spec, r.prompt_cache, [y])
-                    mx.eval([c.state for c in r.prompt_cache])
-                rows.append(None)
-                continue
-            lens = Lengths(trunk_length(r.prompt_cache, model),
-                           entry_length(head_caches(r.prompt_cache, n_trunk)[0]) if use_head else 0)
-            held = HeldCache(r.prompt_cache, r.keep_cache)
-            state = DecodeState(held.take(model, use_head), mx.array([y], dtype=mx.int32),
-                                mx.zeros((1,), mx.int32), key=r.key)
-            if spec.sampler is None:  # (kept while some row of the batch has penalties)
-                state = state.replace(window=start_window([*r.cached_tokens, *r.prompt[:-1]]))
-            if use_head:
-                # a one-token prompt on an empty cache has no trunk hidden yet: its
-                # first drafts come from zeros (rejected; its first cycle fixes that)
-                g = pf.g if pf.g is not None else mx.zeros(
-                    (1, 1, model.hidden_width), mx.float32)
-                state = init_ring(state.replace(g=g))
-            row = Row(held, r.max_tokens, r.stats, lens, r.sampling, r.processors)
-            row.last = Finish(state.without_buffers() if held.keep else None, len(states),
-                              lens, y, [])
-            if r.processors:
-                row.history = mx.array([*r.cached_tokens, *r.prompt], dtype=mx.int32)
-            if is_host_side(spec.drafter):
-                spec.drafter.start()  # such a drafter has one row
-            if r.sampling is not None and r.sampling.logit_bias:
-                row.bias = mx.array(bias_row(r.sampling.logit_bias, model.vocab_size),
-                                    dtype=mx.float32)
-            rows.append(row)
-            states.append(state)
-        if not states:
-            return rows
-        new = states[0]
-        for s in states[1:]:
-            new = _concat(new, s)
-        if self.state is None:
-            self.state = new
-        else:
-            if self.ring:  # every row's ring empty, so they stay in step
-                self._grow(0, catch_up=True)
-                self.state = self.graphs.flush(self.state)
-                self.ring = 0
-                # the rows' lengths count the flush once the cycles before it land
-                if self.inflight:
-                    self.inflight[-1].flush_after = True
-                else:
-                    for r in self.rows:
-                        r.lens = r.lens.flushed()
-            self.state = _concat(self.state, new)
-        base = len(self.rows)
-        for row in rows:
-            if row is not None:
-                before = row.last.before
-                row.last = row.last._replace(
-                    before=None if before is None else self.state.without_buffers(),
-                    index=base + row.last.index)
-                self.rows.append(row)
-        self._settings()
-        self._tic = time.perf_counter()  # the next cost sample starts here, not in the prefill
-        return rows
-
-    def finish(self, row: Row, feed_tail: bool = True):
-        """The row leaves: its prompt cache gets the state at its finishing
-        point (the tokens the caller used), then it is removed from the batch.
-        feed_tail=False (the server's prefix cache, as mlx_lm.server keeps
-        it): the cache keeps the state before the row's last read cycle as it
-        is, without the tokens emitted since (no trunk forward when a row
-        leaves); `trunk_length` of its prompt cache says how far it goes."""
-        if row.done:
-            return
-        row.done = True
-        index = self.rows.index(row)
-        if row.held.keep:
-            before, i, lens, y, tokens = row.last
-            state = before.take_rows([i])
-            state = state.replace(cache=state.cache.with_buffers_of(
-                self.state.cache.take_rows(mx.array([index], dtype=mx.int32))))
-            row.held.give_back(self.spec, state, lens,
-                               [y] + tokens[:row.used] if feed_tail else [])
-        self.rows.pop(index)
-        keep = [i for i in range(len(self.rows) + 1) if i != index]
-        self.state = self.state.take_rows(keep) if self.rows else None
-        if not self.rows:
-            self.inflight.clear()
-            self.ring = 0
-            self._starting = True
-        self._settings()
-
-    def _settings(self):
-        """The spec and per-row sampler arrays the present rows need: a batch
-        whose last sampled row left runs the greedy graph again."""
-        spec = self.spec
-        filters = spec.filters if spec.sampler is not None else Filters.of(
-            r.sampling for r in self.rows)
-        processors = any(r.processors for r in self.rows)
-        if (filters, processors) != (spec.filters, spec.processors):
-            self.spec = spec = dataclasses.replace(spec, filters=filters, processors=processors)
-            self.graphs.use(spec)
-            self._parked_graphs = None
-        self.lookahead = 1 if (self.may_look_ahead and not spec.host_history
-                               and spec.trusted_sampler) else 0
-        if self.state is None or spec.sampler is not None:
-            return
-        f = spec.filters
-        arrays = row_arrays([r.sampling for r in self.rows], dataclasses.replace(f, bias=False),
-                            spec.model.vocab_size)
-        if f.bias:
-            zero = mx.zeros((spec.model.vocab_size,), mx.float32)
-            arrays["bias"] = mx.stack([r.bias if r.bias is not None else zero
-                                       for r in self.rows])
-        key = self.state.key
-        if f.sampled and key is None:
-            key = mx.zeros((len(self.rows), 2), mx.uint32)
-        self.state = self.state.replace(key=key if f.sampled else None, **arrays,
-                                        window=self.state.window if any(f.penalties) else None)
-
-    def limit_prefill(self, prompts: int):
-        """Prompts prefilled together (mlx_lm.server's --prompt-concurrency)."""
-        self.prefill_batch = max(1, prompts)
-
-    # -- cycles ------------------------------------------------------------------------------
-    def _controller(self, batch_size: Optional[int] = None):
-        """The `auto` controller of this batch (of `batch_size` rows: default
-        the present ones), or None at a fixed depth."""
-        if self.depth != "auto":
-            return None
-        if self.controller is not None:
-            return self.controller
-        return controller_for(self.spec, self.max_depth,
-                              len(self.rows) if batch_size is None else batch_size)
-
-    def _parked(self, batch_size: int) -> bool:
-        """Whether `auto` has a batch of this size decoding plainly (depth 0)."""
-        ctl = self._controller(batch_size)
-        return ctl is not None and ctl.k == 0
-
-    def _cold(self, ctl, k: int) -> Optional[Graphs]:
-        """Depth 0's graphs when this plain step of a parked batch can skip the
-        head's part of the state: no probe within the ring's length (the ring
-        then holds the last plain steps when the head catches up). Parking
-        then costs what fixed depth 0 costs (docs/design.md §3, plain_step).
-        Not for sharded models (every rank must run the same graphs)."""
-        if (k or ctl is None or ctl.k or self.spec.group is not None or not self.spec.use_head
-                or ctl.quiet_cycles() <= RING + self.lookahead):
-            return None
-        if self._parked_graphs is None:
-            spec = dataclasses.replace(self.spec, use_head=False, draft_vocab=None,
-                                       drafter=None, draft_rows=None)
-            self._parked_graphs = Graphs(spec, self.graphs.compiled)
-        return self._parked_graphs
-
-    def _grow(self, k: int, catch_up: bool):
-        """Room in the caches for a cycle of depth k: the trunk's k + 1
-        entries, the head's ring and k + 1 more. A catch-up runs the head over
-        all RING slots at its length before trimming the unwritten ones, so
-        it needs RING entries there (a write past a buffer's end would
-        corrupt memory: MLX does not check a dynamic slice_update)."""
-        bounds = [_upper_bound(r.lens, self._in_flight(r)) for r in self.rows]
-        head = max(b.flushed().head + k + 1 for b in bounds)
-        if catch_up:
-            head = max(head, max(b.head for b in bounds) + RING)
-        trunk = max(b.trunk for b in bounds) + k + 1
-        cache = self.state.cache.grown(trunk, head)
-        room = cache.room()
-        if room[0] < trunk or (cache.head and room[1] < head):
-            raise RuntimeError(f"internal error: buffers of {room} entries for a cycle that "
-                               f"may write up to ({trunk}, {head})")
-        self.state = self.state.replace(cache=cache)
-
-    def _in_flight(self, row: Row) -> List[Launched]:
-        return [c for c in self.inflight if row in c.rows]
-
-    def _needs_more(self, row: Row) -> bool:
-        """Each cycle emits at least one token for each of its rows."""
-        return row.max_tokens < 0 or row.landed + len(self._in_flight(row)) < row.max_tokens
-
-    def _launch(self):
-        spec, ctl = self.spec, self._controller()
-        k = ctl.next_depth() if ctl is not None else self.depth
-        # no drafts past what the rows asked for (not while rows sample: a seeded
-        # row's draws at a fixed depth must not depend on the rows beside it)
-        if not spec.speculative and all(r.max_tokens >= 0 for r in self.rows):
-            k = min(k, max(max(r.max_tokens - r.landed - len(self._in_flight(r))
-                               for r in self.rows) - 1, 0))
-        catch_up = k > 0 and self.ring > 0
-        cold = self._cold(ctl, k)
-        self._grow(k, catch_up)
-        history = None
-        if spec.processors:  # rows' tokens are on the host (lookahead 0)
-            history = [(r.processors, r.history[:-1]) if r.processors else None
-                       for r in self.rows]
-        keep = any(r.held.keep for r in self.rows)
-        before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
-        t0 = time.perf_counter()
-        if cold is not None:
-            new, out = cold.step(self.state.without_head(), 0, False, history)
-            self.state = new.with_head_of(self.state)
-        else:
-            self.state, out = self.graphs.step(self.state, k, catch_up, history)
-        built = time.perf_counter()
-        mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
-        t1 = time.perf_counter()
-        self.inflight.append(Launched(k, out, before, self.graphs.traces > traces,
-                                      list(self.rows), dict(build0=t0, build1=built, queued=t1),
-                                      cold=cold is not None))
-        self.ring = 0 if k or cold is not None else self.ring + int(spec.use_head)
-        self._launched += 1
-
-    def step(self) -> List[Tuple[Row, List[int], mx.array, np.ndarray, int]]:
-        """Queue cycles up to the lookahead, read the oldest one: per row still
-        in the batch, (row, its tokens, their log-prob rows, the tokens'
-        log-probs, drafts accepted)."""
-        # a batch's first cycle is read before the next is queued: on MLX's CPU
-        # backend queuing one runs most of it, which would delay the first token
-        ahead = 0 if self._starting else self.lookahead
-        while self.rows and len(self.inflight) <= ahead and any(
-                self._needs_more(r) for r in self.rows):
-            self._launch()
-        if not self.inflight:
-            return []
-        cycle = self.inflight.popleft()
-        first, self._starting = self._starting, False
-        wait0 = time.perf_counter()
-        accepted_all, tokens_all, lps_all, bad_drafts = unpack(np.array(cycle.out.packed),
-                                                               cycle.k)
-        toc = time.perf_counter()
-        k, out, accepted = cycle.k, [], []
-        # the controller of the batch size the cycle was launched with (rows
-        # may have joined or left since): a cheaper cycle of fewer rows must
-        # not count as a sample of a larger batch's probe, nor the reverse
-        ctl = self._controller(len(cycle.rows))
-        for i, row in enumerate(cycle.rows):
-            if row.done:
-                continue
-            a = int(accepted_all[i])
-            tokens = tokens_all[i, : a + 1].tolist()
-            _check_ids(tokens, int(bad_drafts[i]), self.spec.model.vocab_size)
-            before_lens = row.lens
-            row.lens = before_lens.after(k, a, ring=not cycle.cold)
-            if cycle.flush_after:
-                row.lens = row.lens.flushed()
-            y = (row.last.tokens or [row.last.y])[-1]
-            row.last, row.used = Finish(cycle.before, i, before_lens, y, tokens), 0
-            row.landed += len(tokens)
-            row.stats.record(k, a)
-            accepted.append(a)
-            if row.history is not None:
-                row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])
-            if is_host_side(self.spec.drafter):
-                self.spec.drafter.observe(tokens)
-            out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
-        if ctl is not None and accepted:
-            ctl.update_acceptance(k, accepted)
-            # the cost sample goes to the cycle the host waited on: on MLX's CPU
-            # backend async_eval itself runs most queued work (at most ~10 tasks
-            # in flight), so there it is the one just launched
-            launched = self.inflight[-1] if self.inflight else cycle
-            t0, t1 = launched.stamps["build0"], launched.stamps["queued"]
-            waited_on = launched if self.lookahead and t1 - t0 > toc - t1 else cycle
-            if self.spec.group is not None:  # which depth gets the sample must not differ by rank
-                waited_on = cycle
-            # the interval spans both cycles: a sample only when they ran the same
-            # rows, and when it held one launch (a batch's second read follows
-            # two: the lookahead's, and would count as a cycle twice as slow);
-            # not a batch's first read (its cycle also finishes the prompt's work)
-            if not (first or cycle.traced or launched.traced) \
-                    and len(launched.rows) == len(cycle.rows) and self._launched == 1:
-                ctl.update_cost(waited_on.k, toc - self._tic)
-        self._tic, self._launched = toc, 0
-        if self.timeline is not None:
-            stamps = (self.inflight[-1] if self.inflight else cycle).stamps
-            self.timeline.append(dict(stamps, wait0=wait0, wait1=toc,
-                                      land1=time.perf_counter(), k=k,
-                                      accepted=int(accepted_all[0]) if len(accepted_all) else 0))
-        self.cycles += 1
-        if self.cycles % 128 == 0:
-            mx.clear_cache()
-        return out
-
-
-def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthController:
-    """The adaptive controller for this model, mode and batch size (a verify
-    costs more at a larger batch, so each size learns its own depth; sizes
-    share a controller within powers of two). Kept on the model across calls."""
-    bucket = 1 << max(0, batch_size - 1).bit_length()
-    key = (max_depth, spec.speculative,
-           None if spec.draft_vocab is None else spec.draft_vocab.size, bucket)
-    controllers = spec.model.runtime.controllers
-    ctl = controllers.get(key)
-    if ctl is None:
-        # sharded: every rank switches depth when rank 0 does (timings differ by rank)
-        agreed = None if spec.group is None else (lambda v: agree(v, spec.group))
-        # a verify costs more at a larger batch: start no deeper than the
-        # largest smaller size settled on
-        smaller = [c.k for other, c in controllers.items()
-                   if other[:-1] == key[:-1] and other[-1] < bucket]
-        ctl = controllers[key] = DepthController(
-            max_depth=max_depth, agree=agreed, initial=min([1] + smaller[-1:]))
-    return ctl
-
-
-def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
-    """Rows of two states; a key or a penalty window only one side has is
-    filled on the other (greedy rows carry an unused key in a batch that
-    samples; rows without penalties an empty window)."""
-    for name, fill in (("key", 0), ("window", -1)):
-        if (getattr(a, name) is None) != (getattr(b, name) is None):
-            like = getattr(a, name) if getattr(a, name) is not None else getattr(b, name)
-
-            def filled(s):
-                return s if getattr(s, name) is not None else s.replace(**{name: mx.full(
-                    (s.y.shape[0],) + like.shape[1:], fill, like.dtype)})
-
-            a, b = filled(a), filled(b)
-    return DecodeState.concat(a, b)
-
-
-def _arrays(state: DecodeState) -> list:
-    return [x for _, x in tree_flatten(state.tree()) if x is not None]
-
-
-def _check_ids(tokens: List[int], bad_drafts: int, vocab: int):
-    """A read cycle's ids, raw: the device used them clamped (cycle.in_vocab),
-    so nothing out of bounds was read; the generation stops here."""
-    for t in tokens:
-        if not 0 <= t < vocab:
-            raise ValueError(f"the sampler returned token id {t}, outside the vocabulary "
-                             f"(0..{vocab - 1})")
-    if bad_drafts:
-        raise ValueError(f"the drafter proposed {bad_drafts} token id(s) outside the "
-                         f"vocabulary (0..{vocab - 1})")
-
-
-def _upper_bound(lens: Lengths, inflight) -> Lengths:
-    """Lengths after the launched cycles if each accepted every draft."""
-    for c in inflight:
-        lens = lens.after(c.k, c.k, ring=not c.cold)
-        if c.flush_after:
-            lens = lens.flushed()
-    return lens
-
-
-def _let_go(caches: list):
-    """Empty mlx_lm cache objects (their arrays live in the decoding form)."""
-    for c in caches:
-        if isinstance(c, KVCache):
-            c.keys = c.values = None
-            c.offset = 0
-        elif isinstance(c, CacheList):
-            _let_go(list(c.caches))
-        else:
-            c.cache = [None] * len(c.cache)
-
-
-class HeldCache:
-    """A row's prompt cache (mlx_lm's objects) while the row decodes on it
-    (docs/design.md, "Finishing"): the row takes its arrays into the decoding
-    state, leaving the objects empty (an array referenced twice would be
-    copied by every in-place write), and gives back the state at its
-    finishing point. `keep`: the caller holds the cache (else nobody sees it
-    and nothing is given back). One generation at a time holds a caller's
-    cache: a new one first closes the one still open, which gives it back."""
-
-    # the open generation on each cache, keyed weakly by the cache's first
-    # object (a cache its caller dropped drops its entry)
-    _open: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-    def __init__(self, prompt_cache: list, keep: bool):
-        self.prompt_cache, self.keep = prompt_cache, keep
-
-    @classmethod
-    def hold(cls, prompt_cache: list, owner, gen):
-        cls._open[prompt_cache[0]] = (owner, weakref.ref(gen))
-
-    @classmethod
-    def release(cls, prompt_cache: list, owner):
-        if cls._open.get(prompt_cache[0], (None,))[0] is owner:
-            del cls._open[prompt_cache[0]]
-
-    @classmethod
-    def close_open(cls, prompt_cache: list):
-        entry = cls._open.get(prompt_cache[0]) if prompt_cache else None
-        gen = entry[1]() if entry is not None else None
-        if gen is not None:
-            gen.close()
-
-    def take(self, model, use_head: bool) -> MTPCache:
-        """The decoding form of the cache; its objects let go of the arrays."""
-        n_trunk = len(model.is_linear)
-        fill_empty(self.prompt_cache, model,
-                   n_trunk + (len(model.mtp.layers) if use_head else 0))
-        cache = MTPCache.from_prompt_cache(self.prompt_cache, n_trunk, use_head)
-        _let_go(self.prompt_cache[:n_trunk] + (
-            head_caches(self.prompt_cache, n_trunk) if use_head else []))
-        return cache
-
-    def give_back(self, spec: Spec, state: DecodeState, lens: Lengths, tail: List[int]):
-        """Write the row's state at its finishing point back into the cache,
-        and feed the tokens it had emitted up to there (the last one used
-        included), or none (tail empty)."""
-        prompt_cache, n_trunk = self.prompt_cache, len(spec.model.is_linear)
-        state.cache.write_back(prompt_cache, n_trunk, lens.trunk, lens.head)
-        ring = None
-        if spec.use_head and lens.ring:
-            order = ring_order(lens.ring)
-            ring = (state.ring_h[:, order], state.ring_tok[:, order])
-        if tail:
-            feed(spec, prompt_cache, tail, ring)
-        else:  # the head catches up; the ring's last hidden is the trunk's last one
-            catch_up(spec, prompt_cache, ring)  # (no ring: none is kept, a gap)
-        mx.eval([c.state for c in prompt_cache])
+                if not row.done:
+                    batch.finish(row)

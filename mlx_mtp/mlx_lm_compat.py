@@ -209,6 +209,19 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.cache:LRUPromptCache.insert_cache",
          ("self", "model", "tokens", "prompt_cache", "cache_type")),
     Need("mlx_lm.models.pipeline:PipelineMixin.pipeline", ("self", "group")),
+    # imported where they are used: by the kernels' references (metal/) and
+    # launcher, the training's chunked GDN, and models/qwen4_exp.py, an mlx_lm
+    # model file that imports mlx_lm directly, as an upstream one would
+    Need("mlx_lm.models.gated_delta:gated_delta_update",
+         ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask", "use_kernel"),
+         why="metal/__init__.py (references): plain decoding's GDN step, which the verify reproduces"),
+    Need("mlx_lm.models.gated_delta:normalize_qk", ("q", "k", "inv_scale", "eps"),
+         why="metal/: the verify normalizes q, k as plain decoding does"),
+    Need("mlx_lm.models.gated_delta:compute_g", ("A_log", "a", "dt_bias"),
+         why="metal/launch.py: the decay the GDN kernel's gates use"),
+    Need("mlx_lm.models.base:create_ssm_mask", ("h", "cache"),
+         why="models/qwen4_exp.py: the GDN layers' padding mask"),
+    Need("mlx_lm.models.pipeline:PipelineMixin", why="models/qwen4_exp.py: pipeline stages"),
     Need("mlx_lm.sample_utils:apply_top_p", ("logprobs", "top_p")),
     Need("mlx_lm.sample_utils:apply_min_p", ("logprobs", "min_p", "min_tokens_to_keep")),
     Need("mlx_lm.sample_utils:apply_top_k", ("logprobs", "top_k")),

@@ -10,6 +10,16 @@ is one new file (docs/design.md, "Model adapter").
 
 The trunk's modules, weights and `__call__` stay mlx_lm's, so the object
 also works unchanged with `mlx_lm.generate`.
+
+The MTP head (`MTPHead`): one extra full-attention decoder layer that drafts
+token t+2. Forward (docs/design.md, "Models"), at position t:
+    x = fc(concat[pre_fc_norm_embedding(embed(tok_{t+1})), pre_fc_norm_hidden(h_t)])
+    x = decoder_layer(x)                   # the family's mlx_lm layer, own KV cache
+    g = norm(x)                            # fed back as h for the next draft step
+    logits = lm_head(g)                    # shared with the trunk
+h_t is the trunk's final hidden after its final norm. Embedding and lm_head are
+the trunk's; the head owns none. The decoder layer is built by the family
+(`head_layer`, docs/design.md "Families").
 """
 
 from __future__ import annotations
@@ -17,14 +27,65 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from types import MappingProxyType
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from . import metal
-from .head import MTPHead
+from .mlx_lm_compat import create_attention_mask
+
+
+# Zero-centred RMSNorm weights of the head (stored as w, applied as 1+w in HF).
+HEAD_NORM_SUFFIXES = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "norm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
+
+class MTPHead(nn.Module):
+    def __init__(self, args, num_layers: int,
+                 make_layer: Callable[[object, int], nn.Module]):
+        """args: the trunk's text args; make_layer(args, i): head layer i, a
+        full-attention decoder layer of the family (its `head_layer`)."""
+        super().__init__()
+        H = args.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.layers = [make_layer(args, i) for i in range(num_layers)]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+    def make_cache(self):
+        return [KVCache() for _ in self.layers]
+
+    def __call__(
+        self,
+        hidden: mx.array,
+        token_embeddings: mx.array,
+        cache: Optional[list] = None,
+    ) -> mx.array:
+        """hidden: [B, T, H] post-norm trunk (or head) hiddens at positions p;
+        token_embeddings: [B, T, H] embeddings of the tokens at p+1.
+        Returns the head's post-norm hidden [B, T, H]."""
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(token_embeddings), self.pre_fc_norm_hidden(hidden)],
+            axis=-1,
+        )
+        x = self.fc(x)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(x, cache[0])
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, mask=mask, cache=c)
+        return self.norm(x)
 
 
 class MTPWeightError(ValueError):
@@ -96,6 +157,28 @@ class Runtime:
         self.graphs.clear()
         self.traces.clear()
         self.controllers.clear()
+
+
+class LanguageModelTrunk:
+    """The trunk accessors of a family whose checkpoint nests the text model
+    as `language_model` (Qwen3.5/3.6 and qwen4_exp, as mlx_lm loads them)."""
+
+    @property
+    def text_model(self):
+        return self.language_model.model
+
+    @property
+    def text_args(self):
+        return self.language_model.args
+
+    @property
+    def untied_lm_head(self):
+        return self.language_model.lm_head
+
+    @property
+    def lm_head_group(self):
+        """The group `shard()` split the lm_head over (by vocabulary), else None."""
+        return getattr(self.language_model, "sharding_group", None)
 
 
 class MTPModel:

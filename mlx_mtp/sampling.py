@@ -588,18 +588,14 @@ def draft_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> Tuple[mx.a
     return tok, mx.where(sampled[:, None], mx.softmax(logits, axis=-1), one_hot)
 
 
-def accept_rows(logprobs: mx.array, q: Optional[mx.array], drafts: mx.array, arrays: dict,
-                f: Filters, keys) -> Tuple[mx.array, mx.array]:
-    """Per row: greedy rows keep drafts while they equal the arg-max; sampled
-    rows by Leviathan–Chen. logprobs [B, k+1, V] (processed); returns
-    (accepted [B], tokens [B, k+1])."""
-    k = drafts.shape[1]
-    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    accepted = mx.cumprod((drafts == greedy[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
-    if not f.sampled:
-        return accepted, greedy
+def accept_sampled_rows(logprobs: mx.array, q: mx.array, drafts: mx.array, arrays: dict,
+                        f: Filters, keys, greedy_accepted: mx.array,
+                        greedy: mx.array) -> Tuple[mx.array, mx.array]:
+    """A batch's sampled rows by Leviathan–Chen, beside its greedy rows
+    (their acceptance, by arg-max match, is the cycle's: cycle.py).
+    logprobs [B, k+1, V] (processed); returns (accepted [B], tokens [B, k+1])."""
     target = target_rows(logprobs, arrays, f, arrays["inv_temp"])
     acc_s, out_s = speculative_sample_rows(target, q, drafts, keys)
     sampled = arrays["inv_temp"] > 0
-    return (mx.where(sampled, acc_s, accepted.astype(mx.int32)),
+    return (mx.where(sampled, acc_s, greedy_accepted.astype(mx.int32)),
             mx.where(sampled[:, None], out_s, greedy))

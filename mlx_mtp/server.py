@@ -68,7 +68,7 @@ from .distributed import sharded_load, trunk_length
 from .loader import CheckpointError, load
 from . import checks
 from .checks import depth as parse_depth
-from .loop import MTPStats
+from .batch import MTPStats
 from .sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
 
 MAX_BODY = 64 << 20  # bytes
@@ -459,7 +459,7 @@ class _Lane:
     request cannot share the present one and it has drained."""
 
     def __init__(self, gen: MTPResponseGenerator, settings: _Settings):
-        from .loop import make_batch
+        from .batch import make_batch
 
         self.gen, self.depth = gen, settings.depth
         self.batch = make_batch(gen.model_provider.model, draft_tokens=settings.depth,
@@ -538,7 +538,9 @@ class _Lane:
             prompt[n:], cache, args.max_tokens, args.seed, gen.cli_args.prefill_step_size,
             sampler=settings.sampling, logits_processors=settings.processors, stats=ctx.stats,
             progress=lambda done, total: rqueue.put((n + done, n + total)),
-            cached_tokens=prompt[:n])  # penalties count the cached prefix, as mlx_lm.server's
+            cached_tokens=prompt[:n],  # penalties count the cached prefix, as mlx_lm.server's
+            stop_tokens=tokenizer.eos_token_ids,
+            feed_tail=False)  # the cache as it stands when the row leaves: no forward then
         r.stops, r.snapshot = stops, snapshot
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
                           stop_sequences.matcher(), tokenizer.detokenizer)
@@ -549,12 +551,10 @@ class _Lane:
         self.cycles += 1
         try:
             with mx.stream(generation_stream):
-                for row, tokens, logprobs, token_lps, _ in self.batch.step():
-                    for j, t in enumerate(tokens):
-                        state = self.rows.get(row)
-                        if state is None or self._emit(row, state, j + 1, t, logprobs[j],
-                                                       float(token_lps[j])):
-                            break
+                for event in self.batch.step():
+                    state = self.rows.get(event.row)
+                    if state is not None:
+                        self._emit(event, state)
         except Exception as e:  # every row of the batch is lost: tell each request
             for state in self.rows.values():
                 self._fail(state.rqueue, e)
@@ -563,38 +563,34 @@ class _Lane:
             if self.gen._is_distributed:  # (sharded: this rank may be out of step)
                 raise
 
-    def _emit(self, row, state: _RowState, used: int, token: int, logprobs,
-              logprob: float) -> bool:
-        """Send one token (as mlx_lm.server's responses are built); finish the
-        row on EOS, a stop sequence, max_tokens or a client that left.
-        Returns True when the row finished."""
+    def _emit(self, event, state: _RowState):
+        """Send one token (as mlx_lm.server's responses are built). The batch
+        ends a row at EOS or max_tokens; a stop sequence or a client that left
+        ends it here."""
         tokenizer = self.gen.model_provider.tokenizer
-        state.n += 1
-        eos = token in tokenizer.eos_token_ids
-        if not eos:
+        token, finish = event.token, event.finish
+        if finish != "stop":  # EOS is not text
             state.detokenizer.add_token(token)
-        finish = ("stop" if eos else "length" if state.n == row.max_tokens else None)
         if state.matcher.advance(token):
             finish = "stop"
         if finish is not None:
             state.detokenizer.finalize()
         top = state.args.top_logprobs
         state.rqueue.put(Response(
-            state.detokenizer.last_segment, token, logprob, finish,
-            format_top_logprobs(logprobs, top, tokenizer) if top > 0 else ()))
+            state.detokenizer.last_segment, token, event.logprob, finish,
+            format_top_logprobs(event.logprobs, top, tokenizer) if top > 0 else ()))
         state.key_tokens.append(token)
         if finish is None and not state.left:
-            return False
-        row.used = used
-        del self.rows[row]
+            return
+        del self.rows[event.row]
         state.rqueue.put(None)
-        with mx.stream(generation_stream):  # the row's prompt cache written back as
-            self.batch.finish(row, feed_tail=False)  # it stands, no forward (mlx_lm.server's way)
+        if not event.row.done:
+            with mx.stream(generation_stream):
+                self.batch.finish(event.row)
         model = self.gen.model_provider.model
         held = trunk_length(state.cache, model)
         self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
                                            state.key_tokens[:held], state.cache)
-        return True
 
     @staticmethod
     def _fail(rqueue, e: Exception):

@@ -7,6 +7,9 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# every read cycle compares the host's counters with the device's (batch.Ledger);
+# child processes (servers, ranks) inherit it
+os.environ.setdefault("MLX_MTP_CHECK_COUNTS", "1")
 # A shell that starts the suite in the background (`cmd &` without job control)
 # hands it SIGINT ignored, and every process it starts inherits that: the
 # Ctrl-C tests would then test nothing. Take SIGINT back (children get the default).

@@ -25,16 +25,18 @@ import mlx_mtp
 from mlx_mtp.cache import head_caches
 from mlx_mtp.distributed import first_stage, sharded_load
 from mlx_mtp.testing.drafters import BigramDrafter
-from mlx_mtp.loop import Request, decode_rows, make_batch
+from mlx_mtp.batch import make_batch
+from mlx_mtp.loop import decode_rows
+
 
 
 def batch_tokens(model, prompts, n, depth, drafter):
     batch = make_batch(model, draft_tokens=depth, drafter=drafter)
     requests = [batch.prepare(p, None, n, None) for p in prompts]
     got, accepted = [[] for _ in prompts], 0
-    for i, t, _, _, from_draft in decode_rows(batch, requests, (), len(prompts)):
-        got[i].append(t)
-        accepted += bool(from_draft)
+    for i, ev in decode_rows(batch, requests, len(prompts)):
+        got[i].append(ev.token)
+        accepted += bool(ev.from_draft)
     return got, accepted
 
 

@@ -4,7 +4,7 @@ each runs a kernel on a backend and compares it with the ops reference."""
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.metal import launch, reference as R
+from mlx_mtp.metal import commit_ref, conv_verify_ref, draft_project_ref, gdn_verify_ref, launch
 
 def _np(a):
     return np.array(a.astype(mx.float32))
@@ -53,7 +53,7 @@ GDN_CASES = [
 def check_gdn(case, backend, fused=False):
     B, T, Hk, Hv, Dk, Dv, dt = case
     args = gdn_inputs(B, T, Hk, Hv, Dk, Dv, dt)
-    yr, sr = R.gdn_verify(*args)
+    yr, sr = gdn_verify_ref(*args)
     y, s = launch.gdn_verify(*args, backend=backend, fused=fused)
     assert y.dtype == yr.dtype and s.dtype == mx.float32
     close(y, yr, TOL[dt])
@@ -69,7 +69,7 @@ def check_conv(case, backend):
     cs = mx.random.normal((B, Kw - 1, C)).astype(dt)
     x = mx.random.normal((B, T, C)).astype(dt)
     w = mx.random.normal((C, Kw, 1)).astype(dt)
-    o_r, ci_r = R.conv_verify(cs, x, w)
+    o_r, ci_r = conv_verify_ref(cs, x, w)
     o, ci = launch.conv_verify(cs, x, w, backend=backend)
     assert o.dtype == o_r.dtype and ci.dtype == ci_r.dtype
     assert np.array_equal(_np(ci), _np(ci_r))
@@ -81,7 +81,7 @@ def check_commit(backend, L, B, T, Hv, D, C, Kw, consumed, dt=mx.bfloat16):
     states = [mx.random.normal((B, T, Hv, D, D)) for _ in range(L)]
     convs = [mx.random.normal((B, Kw - 1 + T, C)).astype(dt) for _ in range(L)]
     n = mx.array(consumed, dtype=mx.int32)
-    ref = R.commit(states, convs, n, Kw)
+    ref = commit_ref(states, convs, n, Kw)
     got = launch.commit(states, convs, n, Kw, backend=backend)
     assert len(got) == L
     for (w1, s1), (w2, s2) in zip(ref, got):
@@ -113,7 +113,7 @@ def check_draft(backend, N, H, V, dt, bits, n_ids, top_k, gs=64, seed=4):
     vals, got = launch.draft_project(h, *args, top_k=top_k, backend=backend, **kw)
     assert vals.shape == (N, top_k) and got.shape == (N, top_k) and got.dtype == mx.int32
     # full oracle logits over the scored rows, in full-vocabulary ids
-    rv, rid = R.draft_project(*oracle, top_k=min(V if ids is None else n_ids, 32), **kw)
+    rv, rid = draft_project_ref(*oracle, top_k=min(V if ids is None else n_ids, 32), **kw)
     rv, rid = _np(rv), np.array(rid)
     vals, got = _np(vals), np.array(got)
     assert np.isfinite(vals).all()

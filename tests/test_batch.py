@@ -9,15 +9,19 @@ every row its own partial acceptance; verify, per-row commit and rollback run
 for real.
 """
 
+import os
+
 import mlx.core as mx
+
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import BigramDrafter
-from mlx_mtp.loop import decode_rows, generate_tokens, make_batch
-from util import LONG, SHORT, reference
+from mlx_mtp.batch import make_batch
+from mlx_mtp.loop import decode_rows, generate_tokens
+from util import LONG, SHORT, reference, row_tokens
 
 PROMPTS = [SHORT, LONG, "hello world, this is", "a", "x = [1, 2, 3]\nprint(", LONG * 2,
            "The quick brown fox", "if __name__ == '__main__':\n    "]
@@ -30,11 +34,11 @@ def run_batch(model, ids, max_tokens, width, k, drafter=None, sampler=None, seed
     requests = []
     for i, p in enumerate(ids):
         seed = None if seeds is None else seeds[i]
-        requests.append(batch.prepare(p, None, max_tokens[i], seed))
+        requests.append(batch.prepare(p, None, max_tokens[i], seed, stop_tokens=stop))
     got, reasons = [[] for _ in ids], [None] * len(ids)
-    for i, t, _, reason, _ in decode_rows(batch, requests, stop, width):
-        got[i].append(t)
-        reasons[i] = reason or reasons[i]
+    for i, ev in decode_rows(batch, requests, width):
+        got[i].append(ev.token)
+        reasons[i] = ev.finish or reasons[i]
     assert not batch.rows and batch.state is None  # every row left
     return got, reasons, [r.stats for r in requests]
 
@@ -88,12 +92,12 @@ def test_rows_with_nothing_to_prefill_join_together(loaded):
         batch = make_batch(model, draft_tokens="auto", controller=ctl)
         r = batch.prepare(p, cache, 1)
         r.stops, r.snapshot = (len(p) - 1,), lambda n, c=cache: stored.append(copy.deepcopy(c))
-        list(decode_rows(batch, [r], (), 1))
+        list(decode_rows(batch, [r], 1))
     ctl.k = 2  # drafting now: the rows join together, their heads empty
     batch = make_batch(model, draft_tokens="auto", controller=ctl)
     requests = [batch.prepare(p[-1:], c, 8) for p, c in zip(ids, stored)]
     got = [[] for _ in ids]
-    for i, t, *_ in decode_rows(batch, requests, (), 2):
+    for i, t in row_tokens(decode_rows(batch, requests, 2)):
         got[i].append(t)
     assert got == want
 
@@ -187,7 +191,7 @@ def test_processors_inside_a_batch(loaded):
         requests = [batch.prepare(i, None, 14, None, logits_processors=p)
                     for i, p in zip(ids, procs)]
         got = [[] for _ in ids]
-        for i, t, _, _, _ in decode_rows(batch, requests, (), 4):
+        for i, t in row_tokens(decode_rows(batch, requests, 4)):
             got[i].append(t)
         assert got == want, f"depth {k}"
 
@@ -220,7 +224,7 @@ def test_penalties_in_graph_inside_a_batch(loaded):
         requests = [batch.prepare(i, None, 18, None, penalties=Penalties.of(**kw))
                     for i, kw in zip(ids, settings)]
         got = [[] for _ in ids]
-        for i, t, _, _, _ in decode_rows(batch, requests, (), 5):
+        for i, t in row_tokens(decode_rows(batch, requests, 5)):
             got[i].append(t)
             assert batch.lookahead == 1 and not batch.spec.processors
         assert got == want, f"depth {k}"
@@ -228,13 +232,13 @@ def test_penalties_in_graph_inside_a_batch(loaded):
             assert all(r.stats.accepted > 0 for r in requests), f"depth {k}"
     sampler, pen = mlx_mtp.make_sampler(temp=0.8), Penalties.of(**settings[1])
     batch = make_batch(model, draft_tokens=2)
-    alone = [t for _, t, _, _, _ in decode_rows(
-        batch, [batch.prepare(ids[0], None, 16, 5, sampler=sampler, penalties=pen)], (), 1)]
+    alone = [t for _, t in row_tokens(decode_rows(
+        batch, [batch.prepare(ids[0], None, 16, 5, sampler=sampler, penalties=pen)], 1))]
     batch = make_batch(model, draft_tokens=2)
     requests = [batch.prepare(ids[0], None, 16, 5, sampler=sampler, penalties=pen),
                 batch.prepare(ids[1], None, 16, None, penalties=Penalties.of(**settings[3]))]
     got = [[] for _ in requests]
-    for i, t, _, _, _ in decode_rows(batch, requests, (), 2):
+    for i, t in row_tokens(decode_rows(batch, requests, 2)):
         got[i].append(t)
     assert got[0] == alone
     assert got[1] == reference(ref_model, ids[1], 16,
@@ -261,7 +265,7 @@ def test_make_logits_processors_run_in_graph(loaded):
     request = batch.prepare(ids, None, 16)
     assert request.processors == () and request.sampling.penalties.presence == (3.0, 20)
     assert request.sampling.logit_bias == ((5, 2.0),)
-    assert [t for _, t, _, _, _ in decode_rows(batch, [request], (), 1)] == want
+    assert [t for _, t in row_tokens(decode_rows(batch, [request], 1))] == want
     got = [t for t, _ in mlx_mtp.generate_step(mx.array(ids), model, max_tokens=16,
                                                 draft_tokens=2, logits_processors=ours)]
     assert got == want
@@ -297,12 +301,12 @@ def test_mixed_samplers_in_one_batch(loaded):
         for i, s, b, seed in zip(ids, samplers, biases, seeds):
             batch = make_batch(model, draft_tokens=k)
             req = batch.prepare(i, None, 16, seed, sampler=s, logit_bias=b)
-            alone.append([t for _, t, _, _, _ in decode_rows(batch, [req], (), 1)])
+            alone.append([t for _, t in row_tokens(decode_rows(batch, [req], 1))])
         batch = make_batch(model, draft_tokens=k)
         requests = [batch.prepare(i, None, 16, seed, sampler=s, logit_bias=b)
                     for i, s, b, seed in zip(ids, samplers, biases, seeds)]
         got = [[] for _ in ids]
-        for i, t, _, _, _ in decode_rows(batch, requests, (), 7):
+        for i, t in row_tokens(decode_rows(batch, requests, 7)):
             got[i].append(t)
         assert got == alone, f"depth {k}"
         assert batch.spec.sampler is None and requests[6].sampling.xtc_probability == 0.5
@@ -315,7 +319,7 @@ def test_mixed_samplers_in_one_batch(loaded):
         batch = make_batch(model, draft_tokens=1)
         reqs = [batch.prepare(ids[0], None, 4, 1, sampler=mlx_mtp.make_sampler(1.0, top_k=5)),
                 batch.prepare(ids[1], None, 4, 2, sampler=mlx_mtp.make_sampler(1.0, top_k=9))]
-        list(decode_rows(batch, reqs, (), 2))
+        list(decode_rows(batch, reqs, 2))
 
 
 def test_depth_learned_per_batch_size(loaded):
@@ -379,7 +383,7 @@ def test_parked_steps_run_depth_zeros_graph(loaded, monkeypatch, drafted, compil
     limits = [60, 52, 44]
     requests = [batch.prepare(p, None, n) for p, n in zip(ids, limits)]
     got = [[] for _ in ids]
-    for i, t, *_ in decode_rows(batch, requests, (), 3):
+    for i, t in row_tokens(decode_rows(batch, requests, 3)):
         got[i].append(t)
     assert got == [w[:n] for w, n in zip(want, limits)]
     kinds = ["cold" if not use_head else "warm" if k == 0 else "drafted"
@@ -439,21 +443,21 @@ def test_cycles_count_for_the_batch_size_they_ran(loaded):
     """A cycle launched with two rows and read after one left is the two-row
     controller's sample: a cycle's cost and acceptance go to the controller of
     the rows it ran, never to the size the batch has when it is read."""
-    from mlx_mtp.loop import controller_for
+    from mlx_mtp.batch import controller_for
 
     model, _, tok = loaded("dense")
     model.runtime.controllers.clear()
     batch = make_batch(model, draft_tokens="auto")
     rows = batch.add([batch.prepare(tok.encode(p), None, 30, None) for p in PROMPTS[:2]])
     for _ in range(4):
-        batch.step()
+        list(batch.step())
     two, one = (controller_for(batch.spec, batch.max_depth, n) for n in (2, 1))
     assert [len(c.rows) for c in batch.inflight] == [2]  # queued before the row leaves
     batch.finish(rows[0])
     before = (two.cycles, one.cycles, dict(one.cost_n))
-    batch.step()  # reads the two-row cycle; launches a one-row one
+    list(batch.step())  # reads the two-row cycle; launches a one-row one
     assert (two.cycles, one.cycles, one.cost_n) == (before[0] + 1, before[1], before[2])
-    batch.step()
+    list(batch.step())
     assert one.cycles == before[1] + 1
     batch.finish(rows[1])
 
@@ -479,7 +483,7 @@ def test_cost_samples_cover_one_cycle(loaded):
     while batch.rows and row.landed < 6:
         before = len(costs)
         n = len(batch.inflight)
-        batch.step()
+        list(batch.step())
         launched.append(len(batch.inflight) - n + 1)  # launches in this step
         # a sample exactly when this step (not the first) launched one cycle
         assert len(costs) - before == int(launched[-1] == 1 and len(launched) > 1), launched
@@ -507,3 +511,24 @@ def test_memory_flat_across_batches(loaded):
     finally:
         gc.enable()
     assert readings[-1] - readings[1] < 1 << 20, readings
+
+
+def test_host_counters_are_checked_against_the_device(loaded, monkeypatch):
+    """Under MLX_MTP_CHECK_COUNTS (set for the tests) every read compares the
+    host's copy of each row's lengths and ring count with the device's: a
+    host mirror that drifts fails at the next read, not at a write past a
+    buffer's end later."""
+    from mlx_mtp import batch as batch_module
+
+    assert os.environ.get("MLX_MTP_CHECK_COUNTS") == "1"
+    model, ref_model, tok = loaded("dense")
+    ids = tok.encode(PROMPTS[0])
+    want = reference(ref_model, ids, 12)
+    got, _, _ = run_batch(model, [ids], [12], 1, "auto")
+    assert got == [want]  # the check passes on the real bookkeeping
+    Lengths = batch_module.Lengths
+    after = Lengths.after
+    monkeypatch.setattr(Lengths, "after", lambda self, k, accepted, ring=True: (
+        lambda n: Lengths(n.trunk, n.head + 1, n.ring))(after(self, k, accepted, ring)))
+    with pytest.raises(AssertionError, match="host counters differ"):
+        run_batch(model, [ids], [12], 1, 2)

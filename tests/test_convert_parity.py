@@ -38,7 +38,8 @@ def reference(path):
 def test_greedy_parity_with_mlx_lm(converted, name):
     import mlx_mtp
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.loop import MTPStats, generate_tokens
+    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.batch import MTPStats
 
     ref, _, _ = reference(converted[name])
     model, _ = mlx_mtp.load(converted[name], quiet=True)

@@ -1,5 +1,5 @@
 """Every Metal kernel (and its CUDA twin) executed on Linux by metal/emu and
-compared with the ops references in metal/reference.py.
+compared with the ops references (`*_ref` in metal/__init__.py).
 
 Emulated twins are selected with `-k twin`; tests on a real CUDA device live in
 test_kernels_cuda.py (`-k cuda`)."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mlx_mtp.metal as K
-from mlx_mtp.metal import emu, launch, reference as R
+from mlx_mtp.metal import emu, gdn_verify_ref, launch
 
 from kernel_checks import (CONV_CASES, DRAFT_CASES, GDN_CASES, _np, check_commit, check_conv,
                            check_draft, check_gdn, close, gdn_inputs)
@@ -244,7 +244,7 @@ def test_cpu_dispatches_to_reference(monkeypatch):
     assert K.backend() == METAL
     case = (1, 2, 1, 1, 32, 32, mx.float32)
     args = gdn_inputs(*case)
-    yr, sr = R.gdn_verify(*args)
+    yr, sr = gdn_verify_ref(*args)
     calls = []
     real = launch.gdn_verify
     monkeypatch.setattr(launch, "gdn_verify", lambda *a, **k: calls.append(k) or real(*a, **k))

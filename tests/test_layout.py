@@ -7,6 +7,7 @@ mlx_mtp.convert (pyproject's package-dir).
 """
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,3 +123,46 @@ def test_no_module_hides_a_lazy_export():
 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def cycle_files() -> list:
+    """The project files one greedy depth-2 cycle runs through: one
+    `Batch.step()` in steady state (a cycle launched, the one before it read,
+    its tokens handed out as events), eager so that the cycle's own Python
+    runs (a compiled cycle runs the same graph without it), on the demo
+    model's Qwen3.5 family, on this machine's kernel backend."""
+    import sys
+
+    import mlx_mtp
+    from mlx_mtp.batch import make_batch
+
+    model, tok = mlx_mtp.load()
+    batch = make_batch(model, draft_tokens=2, compiled=False)
+    batch.add([batch.prepare(tok.encode("def f(x):"), None, 40)])
+    for _ in range(3):
+        list(batch.step())
+    files = set()
+
+    def record(frame, event, arg):
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and ROOT in path.parents and "tests" not in path.parts:
+            files.add(path.relative_to(ROOT).as_posix())
+
+    sys.setprofile(record)
+    try:
+        events = list(batch.step())
+    finally:
+        sys.setprofile(None)
+    assert events and batch.inflight  # a cycle read, the next one launched
+    return sorted(files)
+
+
+def test_one_cycle_runs_through_at_most_six_files():
+    """A newcomer follows one decode cycle through at most six files, and
+    docs/design.md ("One cycle, file by file") names exactly those."""
+    files = cycle_files()
+    assert len(files) <= 6, files
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("### One cycle, file by file", 1)[1].split("\n#", 1)[0]
+    listed = sorted(set(re.findall(r"^\s*((?:mlx_mtp|metal)/[\w/]+\.py)", section, re.M)))
+    assert listed == files, (listed, files)

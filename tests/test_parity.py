@@ -15,7 +15,8 @@ import mlx_lm
 import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import OracleDrafter
-from mlx_mtp.loop import MTPStats, generate_tokens
+from mlx_mtp.loop import generate_tokens
+from mlx_mtp.batch import MTPStats
 from util import (LONG, SAME, SHORT, assert_head_follows, assert_trunk_equal, mtp,
                   plain_cache, reference)
 

@@ -19,8 +19,8 @@ import mlx_lm
 import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import OracleDrafter
-from mlx_mtp.loop import MTPStats
-from util import LONG, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference
+from mlx_mtp.batch import MTPStats
+from util import LONG, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference, row_tokens
 
 TURNS = [LONG, "    def ham(self):\n        return", "\nclass Eggs(Spam):\n"]
 MAX_TOKENS = [9, 5, 17]
@@ -245,10 +245,11 @@ def test_mlx_lm_cache_helpers(loaded):
     assert sum(c.nbytes for c in cache) > 0
 
 
-def test_open_generator_is_finished_by_the_next_call(loaded):
-    """A generator left open on a cache (the caller stopped reading but kept
-    it) is finished when the next call uses the cache: the cache then holds
-    what was read, and the next turn equals mlx_lm's."""
+def test_a_second_generation_on_an_open_cache_is_refused(loaded):
+    """Two generations on one cache would each write their own state into
+    it: while one is open (the caller stopped reading but kept it), a
+    second is refused with one line; once the first is closed the cache
+    holds what was read, and the next turn equals mlx_lm's."""
     model, ref_model, tok = loaded("dense")
     turns = [tok.encode(t) for t in TURNS[:2]]
     cache, ref_cache = model.make_cache(), make_prompt_cache(ref_model)
@@ -256,11 +257,14 @@ def test_open_generator_is_finished_by_the_next_call(loaded):
     gen = mlx_mtp.generate_step(mx.array(turns[0]), model, max_tokens=30, prompt_cache=cache,
                                 draft_tokens=3)
     assert [next(gen)[0] for _ in range(7)] == first
+    with pytest.raises(ValueError, match="in use by a generation that is still open"):
+        mtp(model, turns[1], 2, 9, prompt_cache=cache)
+    with pytest.raises(ValueError, match="still open"):
+        list(mlx_mtp.stream_generate(model, tok, turns[1], max_tokens=3, prompt_cache=cache))
+    gen.close()
     want = reference(ref_model, turns[1], 9, prompt_cache=ref_cache)
     assert mtp(model, turns[1], 2, 9, prompt_cache=cache) == want
     assert_trunk_equal(cache, ref_cache)
-    with pytest.raises(StopIteration):
-        next(gen)
 
 
 def test_open_generations_are_forgotten(loaded):
@@ -269,7 +273,7 @@ def test_open_generations_are_forgotten(loaded):
     its entry (no registry grows with requests)."""
     import gc
 
-    from mlx_mtp.loop import HeldCache
+    from mlx_mtp.rows import HeldCache
 
     model, _, tok = loaded("dense")
     ids = mx.array(tok.encode(TURNS[0]))
@@ -399,7 +403,8 @@ def test_head_follows_a_prompts_last_head_context_tokens(loaded, monkeypatch):
     (`mlx_mtp.head_context`) follows only a prompt's last that many tokens
     (its forwards over the prompt counted), and decoding stays exact: one
     row, then two rows prefilled together, drafting from that history."""
-    from mlx_mtp.loop import decode_rows, make_batch
+    from mlx_mtp.batch import make_batch
+    from mlx_mtp.loop import decode_rows
 
     model, ref_model, tok = loaded("dense")
     ids = [tok.encode(LONG), tok.encode(SHORT + LONG)]
@@ -427,7 +432,7 @@ def test_head_follows_a_prompts_last_head_context_tokens(loaded, monkeypatch):
                                                                     model.vocab_size))
     requests = [batch.prepare(i, None, 16) for i in ids]
     rows = [[] for _ in ids]
-    for i, t, _, _, _ in decode_rows(batch, requests, (), 2):
+    for i, t in row_tokens(decode_rows(batch, requests, 2)):
         rows[i].append(t)
     assert rows == want
     assert requests[1].stats.accepted > 0

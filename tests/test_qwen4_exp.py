@@ -20,7 +20,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, load_prompt_cac
 from qwen4_exp_reference import Reference, head_sizes, layer_multipliers
 from util import assert_pooled_block_keys
 
-from mlx_mtp.families import qwen4_exp
+from mlx_mtp.models import qwen4_exp
 from mlx_mtp.testing.synthetic import qwen4_exp_random_weights, write_qwen4_exp_checkpoint
 
 # 16 tokens: QSA chooses 2 of up to 8 two-token blocks; an EOS (258) cuts the n-grams

@@ -21,7 +21,7 @@ import mlx_mtp
 from mlx_mtp.convert import ConvertError, convert, graft
 from mlx_mtp.convert.__main__ import main as cli
 from mlx_mtp.testing.drafters import OracleDrafter
-from mlx_mtp.loop import MTPStats
+from mlx_mtp.batch import MTPStats
 from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 OVERRIDES = {"hidden_size": 64, "ple_embed_dim": 256}  # n-gram rows: 256 / 4 heads = 64
@@ -46,7 +46,7 @@ def _trunk_alone(path):
     """The converted trunk as a plain mlx_lm model (mtp.* dropped by its sanitize)."""
     from mlx_lm.utils import load_model
 
-    from mlx_mtp.families import qwen4_exp
+    from mlx_mtp.models import qwen4_exp
 
     model, _ = load_model(path, get_model_classes=lambda config: (qwen4_exp.Model, qwen4_exp.ModelArgs))
     return model
@@ -196,7 +196,7 @@ def test_convert_writes_the_groups_held(ckpts, tmp_path, monkeypatch, kind):
     joined; the folder loads as it is (same trunk and head logits as the
     shards' conversion, bit for bit), and also with the default grouping
     (cut back into the shards)."""
-    from mlx_mtp.families import qwen4_exp
+    from mlx_mtp.models import qwen4_exp
 
     monkeypatch.setattr(qwen4_exp, "NGRAM_GROUPS", 2)
     out = tmp_path / kind

@@ -15,13 +15,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 from qwen4_exp_reference import Reference
-from util import assert_pooled_block_keys, mtp, reference
+from util import assert_pooled_block_keys, mtp, reference, row_tokens
 
 import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.cache import PaddedCacheList
 from mlx_mtp.testing.drafters import BigramDrafter, OracleDrafter
-from mlx_mtp.loop import MTPStats, decode_rows, make_batch
+from mlx_mtp.batch import make_batch
+from mlx_mtp.loop import decode_rows
+from mlx_mtp.batch import MTPStats
 from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 # 16 tokens with an EOS (258): QSA picks 2 of up to 8 two-token blocks, n-grams are cut
@@ -88,7 +90,7 @@ def test_head_logits_match_numpy_reference(ckpt):
 @pytest.mark.parametrize("part", ["hidden_norm", "embedding_branch", "mixer"])
 def test_each_head_part_shows(ckpt, part):
     """The head comparison can fail: break one part and the logits move."""
-    from mlx_mtp.families.qwen4_exp import GroupedRMSNorm
+    from mlx_mtp.models.qwen4_exp import GroupedRMSNorm
 
     model, _ = mlx_mtp.load(ckpt["path"], quiet=True)  # a copy to break
     ref = Reference(ckpt["raw"], ckpt["tc"])
@@ -268,7 +270,7 @@ def _rows_equal_alone(model, prompts, limits, want, cases, depths):
             batch = make_batch(model, draft_tokens=k, drafter=drafter)
             reqs = [batch.prepare(p, None, limits[i], None) for i, p in enumerate(prompts[:n])]
             got = [[] for _ in range(n)]
-            for i, t, _, _, _ in decode_rows(batch, reqs, (), width):
+            for i, t in row_tokens(decode_rows(batch, reqs, width)):
                 got[i].append(t)
             for r in range(n):
                 assert got[r] == want[r][:limits[r]], f"B={n} width={width} depth {k} row {r}"

@@ -14,9 +14,11 @@ from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 from util import OPENBLAS, reference
 
 import mlx_mtp
-from mlx_mtp import cycle, loop
-from mlx_mtp.cycle import Spec, prefill
-from mlx_mtp.families import qwen4_exp
+from mlx_mtp import batch as batch_module
+from mlx_mtp import prefill as prefill_module
+from mlx_mtp.cycle import Spec
+from mlx_mtp.prefill import prefill
+from mlx_mtp.models import qwen4_exp
 from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 EOS = 258  # the tiny config's: QSA blocks of 2 tokens, a PLE conv window of 6 positions
@@ -153,7 +155,7 @@ BREAKS = {
     # no mask for the GDN (and PLE): padded positions enter the recurrence
     "gdn_mask": lambda mp: mp.setattr(qwen4_exp, "create_ssm_mask", lambda h, c=None: None),
     # a fresh row merged beside rows with history starts from mlx_lm's zeros
-    "fresh_row_start": lambda mp: mp.setattr(cycle, "fill_empty", lambda *a: None),
+    "fresh_row_start": lambda mp: mp.setattr(prefill_module, "fill_empty", lambda *a: None),
 }
 
 
@@ -188,12 +190,12 @@ def test_batch_generate_rows_equal_alone(loaded, monkeypatch):
         refs.append(ref)
     assert not any(EOS in w for w in want)  # every row runs to max_tokens
     joins = []
-    join = loop.Batch._join
+    join = batch_module.Batch._join
 
     def spy(self, requests, step):
         joins.append((len(requests), len(self.rows)))
         return join(self, requests, step)
-    monkeypatch.setattr(loop.Batch, "_join", spy)
+    monkeypatch.setattr(batch_module.Batch, "_join", spy)
     for k in (0, 2, "auto"):
         joins.clear()
         out = mlx_mtp.batch_generate(model, tokenizer, prompts, max_tokens=limits,

@@ -5,7 +5,7 @@ check end to end)."""
 import mlx.core as mx
 import pytest
 
-from mlx_mtp.metal import reference
+from mlx_mtp import metal
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
@@ -21,14 +21,14 @@ def test_compiled_reference_bitwise(dtype, T, B, Hk, Hv, D):
     A_log = mx.random.uniform(0, 2, (Hv,), key=ks[5])
     dt_bias = mx.random.normal((Hv,), key=ks[6])
     state = mx.random.normal((B, Hv, D, D), key=ks[7])
-    want = reference.gdn_verify(q, k, v, a, b, A_log, dt_bias, state)
-    got = reference.gdn_verify_compiled(q, k, v, a, b, A_log, dt_bias, state)
+    want = metal.gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, state)
+    got = metal.gdn_verify_ref_compiled(q, k, v, a, b, A_log, dt_bias, state)
     for x, y in zip(want, got):
         assert x.dtype == y.dtype and mx.array_equal(x, y)
     C = 2 * Hk * D + Hv * D
     conv_state = mx.random.normal((B, 3, C), key=ks[8]).astype(dtype)
     qkv = mx.random.normal((B, T, C), key=ks[0]).astype(dtype)
     w = mx.random.normal((C, 4, 1), key=ks[1]).astype(dtype)
-    for x, y in zip(reference.conv_verify(conv_state, qkv, w),
-                    reference.conv_verify_compiled(conv_state, qkv, w)):
+    for x, y in zip(metal.conv_verify_ref(conv_state, qkv, w),
+                    metal.conv_verify_ref_compiled(conv_state, qkv, w)):
         assert mx.array_equal(x, y)

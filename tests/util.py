@@ -112,3 +112,8 @@ def assert_pooled_block_keys(indexer, entry, where=""):
     assert mx.array_equal(got[:, r - 1 : nb * r : r], blocks), f"{where}: pooled block keys"
     ends = (mx.arange(n) % r) == r - 1
     assert not mx.any(mx.where(ends[:, None], 0, got)).item(), f"{where}: not zero between block ends"
+
+
+def row_tokens(rows):
+    """(request index, token) of each event `decode_rows` yields."""
+    return ((i, event.token) for i, event in rows if event is not None)

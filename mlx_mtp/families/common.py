@@ -1,6 +1,6 @@
-"""What the families share: MoE expert tensors in mlx_lm's `switch_mlp`
-layout, the head's tensors in MTPHead's, and the verify forward of a GDN
-layer (docs/design.md, "Families")."""
+"""What the families' checkpoints share: MoE expert tensors in mlx_lm's
+`switch_mlp` layout and the head's tensors in MTPHead's (docs/design.md,
+"Families"). Load time only: nothing here runs in a decode cycle."""
 
 from __future__ import annotations
 
@@ -8,32 +8,8 @@ import re
 
 import mlx.core as mx
 
-from .. import metal
-from ..cache import CaptureCache
-from ..head import HEAD_NORM_SUFFIXES
-from ..model import MTPWeightError
+from ..model import HEAD_NORM_SUFFIXES, MTPWeightError
 
-
-class LanguageModelTrunk:
-    """The trunk accessors of a family whose checkpoint nests the text model
-    as `language_model` (Qwen3.5/3.6 and qwen4_exp, as mlx_lm loads them)."""
-
-    @property
-    def text_model(self):
-        return self.language_model.model
-
-    @property
-    def text_args(self):
-        return self.language_model.args
-
-    @property
-    def untied_lm_head(self):
-        return self.language_model.lm_head
-
-    @property
-    def lm_head_group(self):
-        """The group `shard()` split the lm_head over (by vocabulary), else None."""
-        return getattr(self.language_model, "sharding_group", None)
 
 _PER_EXPERT = re.compile(
     r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
@@ -81,34 +57,3 @@ def sanitize_head(weights: dict, num_layers: int, shift_norms: bool) -> dict:
             if v.ndim == 1 and k.endswith(HEAD_NORM_SUFFIXES) and ".mlp." not in k:
                 weights[k] = v + 1.0
     return weights
-
-
-def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
-    """The verify forward of a GatedDeltaNet layer on `inputs` [B, S, H] after
-    its input projections (qkv [B, S, conv_dim], before the conv): the conv and mlx_lm's single-token
-    recurrence at every position, keeping every state and conv input in the
-    cache for the commit. Shared by the families' verifying layers."""
-    B, S, _ = inputs.shape
-    conv_state = cache[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), inputs.dtype)
-    state = cache[1]
-    if state is None:
-        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), mx.float32)
-    conv_out, conv_input = metal.conv_verify(conv_state, qkv, layer.conv1d.weight)
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
-            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
-            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
-        )
-    ]
-    y, states = metal.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
-    cache.captured_states = states
-    cache.captured_conv_input = conv_input
-    out = layer.out_proj(layer.norm(y, z).reshape(B, S, -1))
-    group = getattr(layer, "sharding_group", None)
-    if group is not None:  # tensor parallel: each rank holds some heads (as the parent)
-        out = mx.distributed.all_sum(out, group=group)
-    return out

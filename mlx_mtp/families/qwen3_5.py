@@ -1,5 +1,6 @@
 """Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`): where this family keeps its
-parts, its verifying GDN layer, and its checkpoints' head tensor names.
+parts, its verifying GDN layer (whose verify forward Qwen3-Next and
+qwen4_exp share: `verify_capturing`), and its checkpoints' head tensor names.
 
 Layout: `language_model.model` (embed_tokens, layers, norm) and
 `language_model.lm_head` (or the tied embedding); HF checkpoints name the
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 from mlx_lm.models import qwen3_5, qwen3_5_moe
 
+import mlx.core as mx
+
+from .. import metal
 from ..cache import CaptureCache
 from ..checkpoint import text_config
-from ..model import MTPModel
-from .common import LanguageModelTrunk, sanitize_head, stack_expert_tensors, verify_capturing
+from ..model import LanguageModelTrunk, MTPModel
+from .common import sanitize_head, stack_expert_tensors
 
 TRUNK_PREFIX = "model.language_model."
 
@@ -35,6 +39,37 @@ def is_unconverted(tensors: dict) -> bool:
     if all(shape is None for shape in tensors.values()):
         return not any(k.startswith("language_model.") for k in tensors)
     return any("conv1d.weight" in k and shape[-1] != 1 for k, shape in tensors.items())
+
+
+def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
+    """The verify forward of a GatedDeltaNet layer on `inputs` [B, S, H] after
+    its input projections (qkv [B, S, conv_dim], before the conv): the conv and mlx_lm's single-token
+    recurrence at every position, keeping every state and conv input in the
+    cache for the commit. Shared by the families' verifying layers."""
+    B, S, _ = inputs.shape
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), inputs.dtype)
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), mx.float32)
+    conv_out, conv_input = metal.conv_verify(conv_state, qkv, layer.conv1d.weight)
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
+    y, states = metal.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
+    cache.captured_states = states
+    cache.captured_conv_input = conv_input
+    out = layer.out_proj(layer.norm(y, z).reshape(B, S, -1))
+    group = getattr(layer, "sharding_group", None)
+    if group is not None:  # tensor parallel: each rank holds some heads (as the parent)
+        out = mx.distributed.all_sum(out, group=group)
+    return out
 
 
 class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):

@@ -25,7 +25,8 @@ from mlx_lm.models import qwen3_next
 
 from ..cache import CaptureCache
 from ..model import MTPModel
-from .common import sanitize_head, verify_capturing
+from .common import sanitize_head
+from .qwen3_5 import verify_capturing
 
 
 @dataclasses.dataclass

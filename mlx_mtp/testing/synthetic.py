@@ -445,7 +445,7 @@ def qwen4_exp_random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
     With `mtp`, the head as mlx-vlm's `qwen4_exp_mtp` drafter reads it
     (`mtp.pre_fc_norm_{embedding,hidden}`, `mtp.fc_{embedding,hidden}`,
     `mtp.layers.0.*` an indexed-attention layer, `mtp.hyper_connection_mixer`)."""
-    from ..families.qwen4_exp import TextModelArgs, ngram_head_sizes, ngram_multipliers
+    from ..models.qwen4_exp import TextModelArgs, ngram_head_sizes, ngram_multipliers
 
     rng = np.random.default_rng(seed)
     args = TextModelArgs.from_dict(tc)
