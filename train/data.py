@@ -18,6 +18,7 @@ import ast
 import hashlib
 import json
 import random
+import re
 import sysconfig
 import textwrap
 from pathlib import Path
@@ -166,18 +167,56 @@ def _class_opening(node, lines, max_chars):
     return head, textwrap.dedent("\n".join(lines[node.lineno - 1 : end]))
 
 
+def name_words(docs, min_count: int = 3) -> List[str]:
+    """Words of the docs' identifiers (snake_case parts, 3-10 letters, not
+    Python keywords or builtins), for renamed examples."""
+    import builtins
+    import keyword
+    from collections import Counter
+
+    skip = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls", "the", "and", "for", "not"}
+    counts = Counter(w for _, text in docs
+                     for ident in re.findall(r"\b[a-z_][a-z0-9_]{2,}\b", text)
+                     for w in ident.split("_") if 3 <= len(w) <= 10 and w.isalpha())
+    return sorted(w for w, n in counts.items() if n >= min_count and w not in skip)
+
+
+def renamed(examples, rng: random.Random, words: List[str], copies: int):
+    """Each example `copies` more times under a new name (the def's or class's
+    name replaced everywhere in it by 1-3 random words: snake_case for a
+    function, CamelCase for a class), so the model learns to write what the
+    prompt names, not the name it remembers for that body."""
+    out = []
+    for sig, src in examples:
+        m = re.match(r"(?:async\s+)?(def|class)\s+([A-Za-z_]\w*)", sig)
+        if m is None:
+            continue
+        kind, name = m.groups()
+        for _ in range(copies):
+            parts = rng.sample(words, rng.randint(1, 3))
+            new = ("".join(w.capitalize() for w in parts) if kind == "class"
+                   else "_".join(parts))
+            pattern = re.compile(r"\b" + re.escape(name) + r"\b")
+            out.append((pattern.sub(new, sig), pattern.sub(new, src)))
+    return out
+
+
 def chat_text(signature: str, source: str) -> str:
     return (f"<|im_start|>user\n{signature}<|im_end|>\n"
             f"<|im_start|>assistant\n{source}<|im_end|>\n")
 
 
-def build_documents(train_docs, seed: int, chat_fraction: float, **examples):
+def build_documents(train_docs, seed: int, chat_fraction: float, renames: int = 0,
+                    **examples):
     """Training documents: files plus chat examples (`function_examples`'
-    options in `examples`), shuffled with `seed`."""
+    options in `examples`; each also `renames` times renamed), shuffled with
+    `seed`."""
     rng = random.Random(seed)
     docs = [t for _, t in train_docs]
     n_chars = sum(map(len, docs))
     ex = function_examples(train_docs, **examples)
+    if renames:
+        ex += renamed(ex, rng, name_words(train_docs), renames)
     rng.shuffle(ex)
     chat, chars = [], 0
     budget = chat_fraction * n_chars / (1 - chat_fraction)

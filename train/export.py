@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_mtp.head import HEAD_NORM_SUFFIXES
+from mlx_mtp.model import HEAD_NORM_SUFFIXES
 
 # Suffixes that mlx_lm (trunk) and mlx_mtp (head) shift by +1 on load.
 TRUNK_NORMS = (
