@@ -271,6 +271,14 @@ class Matcher:
             self.finished = True
         return self
 
+    def rollback(self, n: int) -> "Matcher":
+        """Undo the last n consumed tokens (a stop token cannot be undone)."""
+        if n and self.finished:
+            raise ValueError("cannot roll back past a stop token")
+        if n and not self._matcher.rollback(n):
+            raise ValueError(f"cannot roll back {n} tokens: {self._matcher.get_error()}")
+        return self
+
     # -- masks ---------------------------------------------------------------
 
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
@@ -391,26 +399,43 @@ def apply_bitmask(logits: mx.array, words: mx.array) -> mx.array:
 
 class MaskingProcessor:
     """An mlx_lm logits processor, `(tokens, logits) -> logits`, that applies
-    the constraint: plain constrained decoding (one row). Each call advances
-    the matcher by the tokens the history gained since the last call (the
-    first call's history is the prompt) and masks the logits. The matcher
-    (`.matcher`) is made on the first call, as wide as the logits."""
+    the constraint to one row: -inf wherever the grammar refuses the token.
+
+    It follows the history it is given rather than assuming it only grows: the
+    first call's history is the prompt, and each call rolls the matcher back
+    to the longest prefix it shares with the generated part, then consumes the
+    rest. So it is plain constrained decoding under mlx_lm's generate_step,
+    and stays exact where a speculative decoder calls it at each draft and
+    verify position with a history that includes drafts later rejected.
+    Generated tokens past one the grammar refuses, or past a stop token, are
+    never emitted: their logits get the mask of the last state reached.
+    The matcher (`.matcher`) is made on the first call, as wide as the logits.
+    """
 
     def __init__(self, constraint: Constraint, tokenizer):
         self.constraint = constraint
         self.tokenizer = tokenizer
         self.matcher: Optional[Matcher] = None
-        self._seen = 0
+        self._prompt = 0
+        self._consumed: List[int] = []  # generated tokens the matcher holds
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.matcher is None:
             self.matcher = Matcher(self.constraint, self.tokenizer, logits.shape[-1])
-        else:
-            new = tokens[self._seen:].tolist()
-            # mlx_lm builds the step after a stop token before its caller stops
-            if not self.matcher.finished:
-                self.matcher.advance(new)
-        self._seen = tokens.size
-        if self.matcher.finished:
-            return logits
+            self._prompt = tokens.size
+        self._follow(tokens[self._prompt:].tolist())
         return apply_bitmask(logits, mx.array(self.matcher.mask()[None]))
+
+    def _follow(self, generated: List[int]):
+        shared = 0
+        for a, b in zip(self._consumed, generated):
+            if a != b:
+                break
+            shared += 1
+        self.matcher.rollback(len(self._consumed) - shared)
+        del self._consumed[shared:]
+        new = generated[shared:]
+        # stop tokens stay out (rolling one back is unreliable in llguidance 1.9)
+        n = self.matcher.allowed_drafts(new)
+        self.matcher.advance(new[:n])
+        self._consumed += new[:n]

@@ -403,3 +403,52 @@ def test_reference_masks_padded_logits(demo):
     masked = processor(mx.array(tok.encode("hi")), logits)
     assert processor.matcher.vocab_size == 4160
     assert mx.argmax(masked, axis=-1).item() == tok.encode("{")[0]
+
+
+def test_processor_follows_a_speculative_history(tok, constraints):
+    """Called with drafts that are later rejected (a history that shrinks and
+    changes), the processor's masks are those of a fresh matcher on the same
+    history; a refused token or a stop token leaves the mask where it was."""
+    from mlx_mtp.constraint import MaskingProcessor
+
+    c = constraints["schema"]
+    prompt = tok.encode("hi")
+    processor = MaskingProcessor(c, tok)
+    logits = mx.zeros((1, 4096))
+
+    def allowed(generated):
+        return set(np.flatnonzero(np.array(processor(mx.array(prompt + generated), logits)[0])
+                                  > -np.inf).tolist())
+
+    doc = tok.encode('{"name": "Al", "age": 7}')
+    for generated in [[], doc[:5], doc[:3], doc[:3] + tok.encode("Z"), doc[:8], doc[:2],
+                      doc, doc + [0], doc[:6] + [4095, 17]]:
+        fresh = c.matcher(tok)
+        n = fresh.allowed_drafts(generated)
+        fresh.advance(generated[:n])
+        assert allowed(generated) == bits(fresh.mask()), generated
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_mtp_through_the_processor_path_is_the_reference(demo, depth):
+    """Today's engine runs host logits processors at every draft and verify
+    position: with MaskingProcessor it drafts from masked head logits and
+    verifies masked, and greedy output is token for token the reference's."""
+    import mlx_mtp
+    from mlx_mtp.constraint import MaskingProcessor
+    from mlx_mtp.loop import MTPStats
+    from mlx_mtp.testing.constrained import constrained_plain_generate
+
+    model, tok = demo
+    c = constrain(SCHEMAS[2])
+    prompt = tok.encode(_prompt(tok, "Answer in JSON."))
+    reference = constrained_plain_generate(model, tok, prompt, c, max_tokens=48)
+    tokens, stats = [], MTPStats()
+    for token, _ in mlx_mtp.generate_step(mx.array(prompt), model, max_tokens=48,
+                                          draft_tokens=depth, stats=stats,
+                                          logits_processors=[MaskingProcessor(c, tok)]):
+        if token in tok.eos_token_ids:
+            break
+        tokens.append(token)
+    assert tokens == reference.tokens
+    assert 0 < stats.accepted < stats.drafted  # drafts were kept and rejected: rollbacks ran
