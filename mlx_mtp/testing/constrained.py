@@ -10,7 +10,7 @@ token for token when greedy, this distribution when sampled
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
