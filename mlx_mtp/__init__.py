@@ -30,7 +30,7 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "metal")) and os.pa
 _EXPORTS = {"load": "loader", "generate": "api", "generate_step": "api",
             "stream_generate": "api", "batch_generate": "api",
             "make_sampler": "sampling", "make_logits_processors": "sampling",
-            "sharded_load": "distributed"}
+            "sharded_load": "distributed", "constrain": "constraint"}
 __all__ = [*_EXPORTS, "__version__"]
 
 

@@ -1,0 +1,441 @@
+"""Structured output: grammar constraints and the per-row matcher that masks
+logits with them (docs/design.md, "Structured output").
+
+`constrain(...)` compiles a JSON schema, any-JSON, a regex or a Lark grammar
+with llguidance and refuses what it cannot enforce. `Matcher` follows one
+row's tokens and gives what speculative decoding needs: the allowed-token
+bitmasks of the k+1 verify positions after k drafts (computed by consuming
+the drafts and rolling them back), the advance after the trunk accepted
+tokens, the tokens the grammar forces, and whether the row must stop.
+
+Masks are packed: bit t of word t // 32 of a row is set when token t is
+allowed (llguidance's layout). `unpack_bitmask` expands them on the device.
+
+llguidance is imported on first use, so a program that never constrains
+never loads it; pydantic is only looked at when the caller already imported
+it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["Constraint", "constrain", "Matcher", "batch_masks", "unpack_bitmask",
+           "apply_bitmask", "MaskingProcessor"]
+
+# JSON is written with json.dumps' separators and no other whitespace: a free
+# run of whitespace is a way for a model to never finish, and fixed separators
+# make more structure tokens forced. A schema's "x-guidance" may override.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Applied after the schema's own options: an unimplemented keyword is always
+# an error, never silently ignored (llguidance's "lenient" mode ignores them).
+JSON_OVERRIDES = {"lenient": False}
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+_LABEL = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regex",
+          "grammar": "Lark grammar"}
+
+
+def _llguidance():
+    import llguidance  # lazy: only a program that constrains loads it
+
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A compiled grammar, independent of any tokenizer (made by `constrain`).
+
+    kind: "json_schema", "json_object", "regex" or "grammar";
+    source: what was given (a schema as JSON text, the regex, the Lark text);
+    grammar: llguidance's grammar definition.
+    """
+
+    kind: str
+    source: str
+    grammar: str
+
+    def matcher(self, tokenizer, vocab_size: Optional[int] = None) -> "Matcher":
+        """A fresh matcher for one row (see `Matcher`)."""
+        return Matcher(self, tokenizer, vocab_size)
+
+
+def constrain(json_schema: Any = None, *, json_object: bool = False, regex: Optional[str] = None,
+              grammar: Optional[str] = None) -> Constraint:
+    """A constraint for structured output; give exactly one of:
+
+    json_schema: a JSON schema as a dict, as JSON text, or a pydantic model
+        class; json_object=True: any JSON object (OpenAI's `json_object`);
+    regex: the whole output matches it (Rust regex syntax);
+    grammar: a Lark grammar (llguidance's dialect; `start` is the root).
+
+    Raises ValueError, one line naming the problem, for an invalid input or a
+    JSON-schema feature llguidance cannot enforce (e.g. `uniqueItems`,
+    `oneOf`, an unknown `format`): those are refused, not ignored.
+    """
+    given = [name for name, value in (("json_schema", json_schema is not None),
+                                      ("json_object", bool(json_object)),
+                                      ("regex", regex is not None),
+                                      ("grammar", grammar is not None)) if value]
+    if len(given) != 1:
+        raise ValueError("constrain() takes exactly one of json_schema, json_object=True, regex, "
+                         f"grammar; got {', '.join(given) or 'none'}")
+    kind = given[0]
+    LLMatcher = _llguidance().LLMatcher
+    if kind in ("json_schema", "json_object"):
+        schema = _schema_dict(json_schema) if kind == "json_schema" else {"type": "object"}
+        source = json.dumps(schema)
+        definition = LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS,
+                                                        overrides=JSON_OVERRIDES)
+    elif kind == "regex":
+        if not isinstance(regex, str):
+            raise ValueError(f"regex must be a string, not {type(regex).__name__}")
+        source, definition = regex, LLMatcher.grammar_from_regex(regex)
+    else:
+        if not isinstance(grammar, str):
+            raise ValueError(f"grammar must be Lark text, not {type(grammar).__name__}")
+        source, definition = grammar, LLMatcher.grammar_from_lark(grammar)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(definition)
+    if is_error:
+        raise ValueError(f"cannot use this {_LABEL[kind]}: {_one_line(messages[0], kind)}")
+    return Constraint(kind, source, definition)
+
+
+def _schema_dict(json_schema) -> dict:
+    """A JSON schema as a dict, from a dict, JSON text or a pydantic model class,
+    checked against its metaschema (jsonschema) for a standard message."""
+    pydantic = sys.modules.get("pydantic")  # a pydantic class means pydantic is imported
+    if pydantic is not None and isinstance(json_schema, type) and issubclass(
+            json_schema, pydantic.BaseModel):
+        schema = json_schema.model_json_schema()
+    elif isinstance(json_schema, (str, bytes)):
+        try:
+            schema = json.loads(json_schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    else:
+        schema = json_schema
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema must be a JSON object (a dict, its JSON text or a pydantic "
+                         f"model class), not {type(schema).__name__}")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise ValueError(f"invalid JSON schema{' at ' + where if where else ''}: "
+                         f"{e.message}") from None
+    return schema
+
+
+def _one_line(message: str, kind: str) -> str:
+    """llguidance's message on one line: source excerpts and caret lines dropped
+    (regex errors echo the pattern under a caret; Lark errors quote the line)."""
+    kept, skipping_echo = [], False
+    for line in message.splitlines():
+        text = line.strip()
+        if skipping_echo and not text.startswith("error:"):
+            continue
+        skipping_echo = False
+        if not text or set(text) <= {"^", " "} or re.match(r"\d+ \|", text):
+            continue
+        if text.startswith("error:") and kept and kept[-1].endswith("parse error:"):
+            text = text[len("error:"):].strip()
+        kept.append(text)
+        skipping_echo = text.endswith("regex parse error:")
+    line = " ".join(kept)
+    if kind == "regex":  # the regex was wrapped in `start: /.../`: its positions mean nothing
+        line = re.sub(r"^at \d+\(\d+\): ", "", line).replace(" (in regex)", "")
+    return line
+
+
+# One llguidance tokenizer per (tokenizer, logits width): building one walks
+# the whole vocabulary (~0.1 s at 4K tokens, seconds at 248K).
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer under mlx_lm's TokenizerWrapper (or itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def tokenizer_vocab_size(tokenizer) -> int:
+    """Tokens the tokenizer knows, its added tokens included."""
+    return len(_hf_tokenizer(tokenizer))
+
+
+def stop_token_ids(tokenizer) -> List[int]:
+    """What ends a row: mlx_lm's `eos_token_ids` (a set), else the HF eos id."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        ids = [_hf_tokenizer(tokenizer).eos_token_id]
+    return sorted(int(i) for i in ids if i is not None)
+
+
+def llg_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's tokenizer for `tokenizer` with masks `vocab_size` wide,
+    its stop tokens mlx_lm's (cached per tokenizer object)."""
+    per_width = _TOKENIZERS.setdefault(tokenizer, {})
+    if vocab_size not in per_width:
+        from llguidance.hf import from_tokenizer
+
+        hf = _hf_tokenizer(tokenizer)
+        known = tokenizer_vocab_size(tokenizer)
+        if vocab_size < known:
+            raise ValueError(f"the model's vocabulary ({vocab_size}) is smaller than its "
+                             f"tokenizer's ({known} tokens)")
+        try:
+            per_width[vocab_size] = from_tokenizer(hf, n_vocab=vocab_size,
+                                                   eos_token=stop_token_ids(tokenizer))
+        except ValueError as e:
+            raise ValueError(f"structured output needs a fast (tokenizers) tokenizer: {e}") from None
+    return per_width[vocab_size]
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    """llguidance's thread pool: computes the rows of a batch in parallel."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = _llguidance().LLExecutor()
+    return _EXECUTOR
+
+
+class Matcher:
+    """One row's place in its grammar.
+
+    vocab_size is the logits' width (the model's vocabulary, which may be
+    padded beyond the tokenizer's: padded ids are never allowed); by default
+    the tokenizer's size. Stop tokens are the tokenizer's `eos_token_ids`:
+    they are allowed exactly where the grammar is complete (`accepting`),
+    and are the only ones allowed once nothing can extend it (`must_stop`).
+    The state only moves in `advance`; every query consumes and rolls back.
+    """
+
+    def __init__(self, constraint: Constraint, tokenizer, vocab_size: Optional[int] = None):
+        llguidance = _llguidance()
+        self.constraint = constraint
+        self.vocab_size = int(vocab_size or tokenizer_vocab_size(tokenizer))
+        self.words = (self.vocab_size + 31) // 32  # uint32 words per mask row
+        tok = llg_tokenizer(tokenizer, self.vocab_size)
+        self.stop_tokens = frozenset(tok.eos_tokens)
+        self._llg_tokenizer = tok
+        self._matcher = llguidance.LLMatcher(tok, constraint.grammar, log_level=0)
+        self.finished = False  # a stop token was accepted: the row has ended
+        self._raise_on_error()
+
+    def _raise_on_error(self):
+        if self._matcher.is_error():
+            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is complete under the grammar: a stop token is allowed."""
+        return self._matcher.is_accepting()
+
+    @property
+    def must_stop(self) -> bool:
+        """Nothing can extend the output: only stop tokens are allowed next."""
+        return not self.finished and self._matcher.is_stopped()
+
+    def advance(self, tokens: Sequence[int]) -> "Matcher":
+        """Consume tokens the decoder emitted (accepted drafts, then the trunk's
+        token). A stop token ends the row (`finished`). A token the grammar does
+        not allow is a bug in the caller (masked sampling never draws one):
+        ValueError, and the matcher is left in an error state."""
+        tokens = [int(t) for t in tokens]
+        if tokens and self.finished:
+            raise ValueError("the row already ended with a stop token")
+        if any(t in self.stop_tokens for t in tokens[:-1]):
+            raise ValueError("tokens follow a stop token")
+        stop = tokens[-1:] if tokens and tokens[-1] in self.stop_tokens else []
+        body = tokens[:len(tokens) - len(stop)]
+        # A stop token goes in alone: llguidance 1.9's consume_tokens refuses
+        # one once the grammar is complete, where consume_token takes it.
+        if (body and not self._matcher.consume_tokens(body)) or (
+                stop and not self._matcher.consume_token(stop[0])):
+            raise ValueError(f"token not allowed by the grammar: {self._matcher.get_error()}")
+        if stop:
+            self.finished = True
+        return self
+
+    def rollback(self, n: int) -> "Matcher":
+        """Undo the last n consumed tokens (a stop token cannot be undone)."""
+        if n and self.finished:
+            raise ValueError("cannot roll back past a stop token")
+        if n and not self._matcher.rollback(n):
+            raise ValueError(f"cannot roll back {n} tokens: {self._matcher.get_error()}")
+        return self
+
+    # -- masks ---------------------------------------------------------------
+
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar allows here, up to and excluding
+        the first stop token (what follows a stop token is never decoded)."""
+        drafts = [int(t) for t in drafts]
+        for i, t in enumerate(drafts):
+            if t in self.stop_tokens:
+                drafts = drafts[:i]
+                break
+        return self._matcher.validate_tokens(drafts) if drafts else 0
+
+    def masks(self, drafts: Sequence[int] = ()) -> Tuple[np.ndarray, int]:
+        """Bitmasks of the k+1 verify positions after k drafts: row i is what
+        the grammar allows after drafts[:i]. Returns (words [k+1, W] uint32,
+        valid): rows past `valid` follow a draft the grammar refuses (or a stop
+        token) and repeat the last valid row; decoding never reaches them."""
+        words, valid = batch_masks([(self, drafts)], len(drafts) + 1)
+        return words[0], valid[0]
+
+    def mask(self, drafts: Sequence[int] = ()) -> np.ndarray:
+        """The bitmask [W] after `drafts` (a masked head's next draft position).
+        ValueError if the grammar does not allow the drafts."""
+        words, valid = self.masks(drafts)
+        if valid != len(drafts) + 1:
+            raise ValueError(f"draft {valid - 1} is not allowed by the grammar")
+        return words[-1]
+
+    def forced(self, limit: int = 64) -> List[int]:
+        """The tokens decoding must take from here: each the only token its
+        mask allows, up to `limit`. Plain masked decoding draws exactly these
+        (a one-token mask leaves no choice), so a decoder may emit them
+        without a forward. A lone stop token ends the run (and the row).
+
+        Not llguidance's fast-forward tokens: those tokenize the forced text
+        one way, where the mask still allows others (see fast_forward_tokens).
+        """
+        run = []
+        try:
+            while len(run) < limit:
+                words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)
+                if int(np.bitwise_count(words).sum()) != 1:
+                    break
+                word = int(np.flatnonzero(words)[0])
+                token = word * 32 + int(words[word]).bit_length() - 1
+                run.append(token)
+                if token in self.stop_tokens:
+                    break  # not consumed: llguidance's rollback past a stop token is unreliable
+                if not self._matcher.consume_token(token):
+                    self._raise_on_error()
+        finally:
+            consumed = len(run) - (1 if run and run[-1] in self.stop_tokens else 0)
+            if consumed:
+                self._matcher.rollback(consumed)
+        return run
+
+    def fast_forward_tokens(self) -> List[int]:
+        """llguidance's tokenization of the text the grammar forces from here.
+        Good drafts (the verify decides); not exact to emit unverified, since
+        the mask may also allow other tokenizations of that text."""
+        return self._matcher.compute_ff_tokens()
+
+
+def batch_masks(rows: Sequence[Tuple[Matcher, Sequence[int]]],
+                positions: int) -> Tuple[np.ndarray, List[int]]:
+    """Verify masks for a batch, computed in parallel (llguidance's executor):
+    for each (matcher, drafts), the bitmasks after drafts[:i] for i < positions.
+    Returns (words [len(rows), positions, W] uint32, valid per row); see
+    `Matcher.masks`. Every matcher ends where it started."""
+    words_per_row = {m.words for m, _ in rows}
+    if len(words_per_row) > 1:
+        raise ValueError("rows of one batch must share the vocabulary width")
+    width = words_per_row.pop() if rows else 0
+    out = np.zeros((len(rows), positions, width), dtype=np.int32)  # llguidance fills int32
+    with_drafts, without, valid = [], [], []
+    for r, (matcher, drafts) in enumerate(rows):
+        n = min(matcher.allowed_drafts(drafts), positions - 1)
+        valid.append(n + 1)
+        # Only allowed, non-stop drafts go in: the executor consumes and rolls
+        # back each row's drafts, and its rows after a refused one are unwritten.
+        if n:
+            with_drafts.append((matcher._matcher, r * positions, [int(t) for t in drafts[:n]]))
+        else:  # the draft variant refuses an empty draft list
+            without.append((matcher._matcher, r * positions))
+    total = len(rows) * positions
+    if with_drafts:
+        _executor().unsafe_compute_mask_ptr_with_draft_token(
+            with_drafts, out.ctypes.data, width * 4, total)
+    if without:
+        _executor().unsafe_compute_mask_ptr(without, out.ctypes.data, width * 4, total)
+    for r, n in enumerate(valid):
+        out[r, n:] = out[r, n - 1]
+    for matcher, _ in rows:
+        matcher._raise_on_error()
+    return out.view(np.uint32), valid
+
+
+# -- device side ---------------------------------------------------------------
+
+_BIT = None
+
+
+def unpack_bitmask(words: mx.array, vocab_size: int) -> mx.array:
+    """Packed masks [..., W] (uint32 or int32) -> bool [..., vocab_size], on
+    the device: a 32x smaller upload than a bool mask (31 KB a row at 248K)."""
+    global _BIT
+    if _BIT is None:
+        _BIT = mx.arange(32, dtype=mx.uint32)
+    bits = mx.right_shift(words.astype(mx.uint32)[..., None], _BIT) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(mx.bool_)
+
+
+def apply_bitmask(logits: mx.array, words: mx.array) -> mx.array:
+    """Logits with -inf wherever the packed mask disallows the token."""
+    allowed = unpack_bitmask(words, logits.shape[-1])
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+class MaskingProcessor:
+    """An mlx_lm logits processor, `(tokens, logits) -> logits`, that applies
+    the constraint to one row: -inf wherever the grammar refuses the token.
+
+    It follows the history it is given rather than assuming it only grows: the
+    first call's history is the prompt, and each call rolls the matcher back
+    to the longest prefix it shares with the generated part, then consumes the
+    rest. So it is plain constrained decoding under mlx_lm's generate_step,
+    and stays exact where a speculative decoder calls it at each draft and
+    verify position with a history that includes drafts later rejected.
+    Generated tokens past one the grammar refuses, or past a stop token, are
+    never emitted: their logits get the mask of the last state reached.
+    The matcher (`.matcher`) is made on the first call, as wide as the logits.
+    """
+
+    def __init__(self, constraint: Constraint, tokenizer):
+        self.constraint = constraint
+        self.tokenizer = tokenizer
+        self.matcher: Optional[Matcher] = None
+        self._prompt = 0
+        self._consumed: List[int] = []  # generated tokens the matcher holds
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.matcher is None:
+            self.matcher = Matcher(self.constraint, self.tokenizer, logits.shape[-1])
+            self._prompt = tokens.size
+        self._follow(tokens[self._prompt:].tolist())
+        return apply_bitmask(logits, mx.array(self.matcher.mask()[None]))
+
+    def _follow(self, generated: List[int]):
+        shared = 0
+        for a, b in zip(self._consumed, generated):
+            if a != b:
+                break
+            shared += 1
+        self.matcher.rollback(len(self._consumed) - shared)
+        del self._consumed[shared:]
+        new = generated[shared:]
+        # stop tokens stay out (rolling one back is unreliable in llguidance 1.9)
+        n = self.matcher.allowed_drafts(new)
+        self.matcher.advance(new[:n])
+        self._consumed += new[:n]
