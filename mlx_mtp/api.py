@@ -40,6 +40,10 @@ class MTPGenerationResponse(GenerationResponse):
     draft_tokens: Union[int, str] = 0
 
 
+def _wrapped(tokenizer) -> TokenizerWrapper:
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+
+
 def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     if isinstance(prompt, mx.array):
         return prompt
@@ -74,6 +78,24 @@ def _lookahead(lookahead: bool, pipeline: Optional[bool]) -> bool:
     return pipeline
 
 
+def _constrained(processors, constraint, tokenizer) -> Optional[list]:
+    """A row's logits processors with its constraint's mask last, as mlx_lm
+    applies processors before the sampler (docs/design.md, "Structured
+    output"). Nothing is imported without a constraint."""
+    if constraint is None:
+        return processors
+    from .constraint import Constraint, MaskingProcessor
+
+    if not isinstance(constraint, Constraint):
+        raise TypeError("constraint must be made by mlx_mtp.constrain(...), not "
+                        f"{type(constraint).__name__}")
+    if tokenizer is None:
+        raise ValueError("a constraint needs the tokenizer: pass tokenizer=")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    return [*(processors or ()), MaskingProcessor(constraint, tokenizer)]
+
+
 def generate_step(
     prompt: mx.array,
     model,
@@ -96,6 +118,8 @@ def generate_step(
     kv_bits: Optional[int] = None,
     input_embeddings: Optional[mx.array] = None,
     pipeline: Optional[bool] = None,
+    constraint=None,
+    tokenizer=None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """mlx_lm's `generate_step` with MTP: yields (token, logprobs), at most
     `max_tokens` of them (-1: no limit), exactly the tokens mlx_lm would give.
@@ -120,10 +144,16 @@ def generate_step(
     compiled: one compiled graph per depth, kept across calls.
     draft_vocab: draft over these token ids only (see mlx_mtp.draft_vocab).
     stats: an MTPStats to fill (drafted, accepted, acceptance per position).
+    constraint: `mlx_mtp.constrain(...)`: every token is one the grammar
+        allows (needs `tokenizer`); the generation then ends after the
+        tokenizer's EOS, as the grammar's end.
     """
     kwargs = _check_options(dict(max_kv_size=max_kv_size, kv_bits=kv_bits,
                                  input_embeddings=input_embeddings,
                                  draft_tokens=draft_tokens, num_draft_tokens=num_draft_tokens))
+    if constraint is not None:
+        logits_processors = _constrained(logits_processors, constraint, tokenizer)
+        kwargs["stop_tokens"] = _wrapped(tokenizer).eos_token_ids
     for token, logprobs, _ in generate_tokens(
             prompt, model, max_tokens=max_tokens, sampler=sampler,
             logits_processors=logits_processors, prompt_cache=prompt_cache,
@@ -145,15 +175,17 @@ def stream_generate(
     """Like mlx_lm.stream_generate, decoding with the model's MTP head.
 
     kwargs: `generate_step`'s options (sampler, logits_processors,
-    prompt_cache, prefill_step_size, prompt_progress_callback, seed, ...).
+    prompt_cache, prefill_step_size, prompt_progress_callback, seed,
+    constraint, ...).
     """
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
     kwargs = _check_options(dict(kwargs, draft_tokens=draft_tokens))
     draft_tokens = checks.depth(kwargs["draft_tokens"])
     kwargs.pop("stream", None)
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    tokenizer = _wrapped(tokenizer)
+    kwargs["logits_processors"] = _constrained(kwargs.get("logits_processors"),
+                                               kwargs.pop("constraint", None), tokenizer)
     prompt = _encode(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     stats = kwargs.pop("stats", None) or MTPStats()
@@ -238,6 +270,7 @@ def batch_generate(
     completion_batch_size: int = 32,
     prefill_step_size: int = 2048,
     stats: Optional[List[MTPStats]] = None,
+    constraint=None,
 ) -> BatchResponse:
     """Like mlx_lm.batch_generate, decoding with the MTP head: the prompts
     decode together (one trunk forward per cycle; each row accepts its own
@@ -249,20 +282,23 @@ def batch_generate(
     `mlx_mtp.make_sampler` samplers with different settings decode in one
     batch; an opaque sampler must be shared); logits_processors: one list for
     every prompt or a list of lists; seeds: one per prompt for sampling
-    (None: drawn from mx.random). stats: a list that gets one MTPStats per prompt."""
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    (None: drawn from mx.random). stats: a list that gets one MTPStats per
+    prompt. constraint: `mlx_mtp.constrain(...)` for every prompt, or a list
+    (None for an unconstrained row)."""
+    tokenizer = _wrapped(tokenizer)
     n = len(prompts)
     max_tokens = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     seeds = [None] * n if seeds is None else list(seeds)
     samplers = list(sampler) if isinstance(sampler, (list, tuple)) else [sampler] * n
     processors = (list(logits_processors) if logits_processors and isinstance(
         logits_processors[0], (list, tuple)) else [logits_processors] * n)
+    constraints = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * n
     for name, values in (("prompt_caches", prompt_caches), ("max_tokens", max_tokens),
                          ("seeds", seeds), ("sampler", samplers),
-                         ("logits_processors", processors)):
+                         ("logits_processors", processors), ("constraint", constraints)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+    processors = [_constrained(p, c, tokenizer) for p, c in zip(processors, constraints)]
     checks.check("completion_batch_size", completion_batch_size)
     opaque = [s for s in samplers if s is not None and RowSampling.of(s) is None]
     if opaque and any(s is not opaque[0] for s in samplers):

@@ -1,0 +1,157 @@
+"""Structured output under MTP is exactly constrained plain decoding
+(docs/design.md, "Structured output"): greedy token for token at depths 1-3
+and auto, alone and per row in a batch, dense, MoE, fp32 and 4-bit, over two
+turns on one prompt cache; sampled, the constrained plain distribution (χ²);
+and whatever is generated parses and validates, or is reported cut."""
+
+import json
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+from test_sampling import ALPHA, chi2_pvalue
+from util import assert_trunk_equal, reference
+
+import mlx_mtp
+from mlx_mtp.batch import MTPStats
+from mlx_mtp.constraint import MaskingProcessor
+from mlx_mtp.testing.constrained import constrained_plain_generate
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"},
+                                           "b": {"type": "string", "maxLength": 6},
+                                           "c": {"enum": ["x", "y"]}},
+          "required": ["a", "c"], "additionalProperties": False}
+OTHER = {"type": "array", "items": {"type": "boolean"}, "maxItems": 4}
+
+
+def mtp_tokens(model, tok, prompt, constraint, n, k, **kw):
+    return [t for t, _ in mlx_mtp.generate_step(mx.array(prompt), model, max_tokens=n,
+                                                draft_tokens=k, constraint=constraint,
+                                                tokenizer=tok, **kw)]
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "q4"])
+@pytest.mark.parametrize("k", [1, 2, 3, "auto"])
+def test_greedy_is_constrained_plain_decoding(loaded, name, k):
+    model, ref_model, tok = loaded(name)
+    prompt = tok.encode("hello world")
+    for constraint in (mlx_mtp.constrain(SCHEMA), mlx_mtp.constrain(regex=r"(ab|cd)+e")):
+        want = constrained_plain_generate(ref_model, tok, prompt, constraint, max_tokens=40)
+        got = mtp_tokens(model, tok, prompt, constraint, 40, k)
+        assert got[:len(want.tokens)] == want.tokens
+        assert len(got) == len(want.tokens) + (want.finish_reason == "stop")
+
+
+def test_rows_of_a_batch_each_get_their_own_constraint(loaded):
+    """Rows with different constraints and rows without decode in one batch;
+    each gets what it gets alone (mlx_lm's plain output for the free row)."""
+    model, ref_model, tok = loaded("dense")
+    prompts = [tok.encode(p) for p in ("hello world", "def f(x):", "import os", "a b c")]
+    constraints = [mlx_mtp.constrain(SCHEMA), None, mlx_mtp.constrain(OTHER),
+                   mlx_mtp.constrain(regex="[a-z]{3,9}")]
+    for k in (2, "auto"):
+        out = mlx_mtp.batch_generate(model, tok, prompts, max_tokens=24, draft_tokens=k,
+                                     constraint=constraints, return_token_ids=True)
+        for prompt, constraint, got in zip(prompts, constraints, out.token_ids):
+            if constraint is None:
+                want = reference(ref_model, prompt, 24)
+                stop = next((i for i, t in enumerate(want) if t in tok.eos_token_ids), None)
+                want = want[:stop]
+            else:
+                want = constrained_plain_generate(ref_model, tok, prompt, constraint,
+                                                  max_tokens=24).tokens
+            assert got == want, (k, constraint)
+
+
+def test_two_constrained_turns_on_one_prompt_cache(loaded):
+    """The prompt cache keeps working across constrained turns: the second
+    turn prefills only its new tokens and equals mlx_lm's on its own cache."""
+    from mlx_lm.generate import generate_step
+
+    model, ref_model, tok = loaded("dense")
+    cache, ref_cache = model.make_cache(), make_prompt_cache(ref_model)
+    for turn, constraint in (("hello world", mlx_mtp.constrain(SCHEMA)),
+                             (" and then", mlx_mtp.constrain(OTHER))):
+        prompt = tok.encode(turn)
+        got = mtp_tokens(model, tok, prompt, constraint, 30, 2, prompt_cache=cache)
+        processor = MaskingProcessor(constraint, tok)
+        want = []
+        for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=30,
+                                  logits_processors=[processor], prompt_cache=ref_cache):
+            want.append(t)
+            if t in tok.eos_token_ids:
+                break
+        assert got == want
+        assert_trunk_equal(cache, ref_cache)
+
+
+def test_sampled_output_has_the_constrained_distribution(loaded):
+    """χ² of the first three tokens under `[ab]{3}c` at temperature 1 with
+    drafts (depth 2) against the exact constrained plain distribution:
+    the trunk's softmax masked to {a, b} at each position, renormalized."""
+    model, ref_model, tok = loaded("dense")
+    prompt = tok.encode("hello world")
+    constraint = mlx_mtp.constrain(regex="[ab]{3}c")
+    a, b = tok.encode("a")[-1], tok.encode("b")[-1]
+    joint = {}
+    for seq in ((x, y, z) for x in (a, b) for y in (a, b) for z in (a, b)):
+        p, ctx = 1.0, list(prompt)
+        for t in seq:
+            logits = ref_model(mx.array([ctx]))[0, -1].astype(mx.float32)
+            two = np.array(mx.softmax(logits[mx.array([a, b])]))
+            p *= float(two[0] if t == a else two[1])
+            ctx.append(t)
+        joint[seq] = p
+    n = 600
+    sampler = mlx_mtp.make_sampler(temp=1.0)
+    samples = []
+    stats = MTPStats()
+    for seed in range(n):
+        got = mtp_tokens(model, tok, prompt, constraint, 5, 2, sampler=sampler, seed=seed,
+                         stats=stats)
+        samples.append(tuple(got[:3]))
+    assert stats.drafted > 0
+    assert chi2_pvalue(samples, joint) > ALPHA
+
+
+def _schemas():
+    leaf = st.sampled_from([{"type": "integer"}, {"type": "boolean"},
+                            {"type": "string", "maxLength": 5}, {"enum": ["p", "q", 3]},
+                            {"type": "number"}, {"type": "null"}])
+
+    def objects(children):
+        return st.dictionaries(st.sampled_from(["a", "b", "cd", "e_f"]), children,
+                               min_size=1, max_size=3).map(
+            lambda props: {"type": "object", "properties": props, "required": sorted(props),
+                           "additionalProperties": False})
+
+    def arrays(children):
+        return children.map(lambda item: {"type": "array", "items": item, "maxItems": 3})
+
+    return st.recursive(leaf, lambda c: st.one_of(objects(c), arrays(c)), max_leaves=5)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=_schemas(), seed=st.integers(0, 2**16), k=st.sampled_from([0, 1, 2, 3]),
+       sampled=st.booleans())
+def test_generated_output_validates_or_is_cut(loaded, schema, seed, k, sampled):
+    """50 generated schemas, random seeds, depths 0-3, greedy or sampled:
+    an output that ends with the stop token parses and validates; one that
+    max_tokens cut is reported as finish_reason "length"."""
+    model, _, tok = loaded("dense")
+    last = None
+    text = ""
+    for last in mlx_mtp.stream_generate(
+            model, tok, "hello", max_tokens=48, draft_tokens=k, seed=seed,
+            constraint=mlx_mtp.constrain(schema),
+            sampler=mlx_mtp.make_sampler(temp=0.8) if sampled else None):
+        text += last.text
+    assert last.finish_reason in ("stop", "length")
+    if last.finish_reason == "stop":
+        jsonschema.validate(json.loads(text), schema)
+    else:
+        assert last.generation_tokens == 48
