@@ -12,8 +12,8 @@ Made from it, never written out by hand elsewhere:
 
 - `check(name, value)`: the API's checks (checks.sampling, checks.depth,
   checks.max_tokens, ...);
-- `schema(surface)`: the JSON schemas of those request fields (server.py's
-  `_COMMON`, anthropic.py's `REQUEST_SCHEMA`), validated with `Validator`
+- `schema(surface)`: the JSON schemas of those request fields (server/schemas.py's
+  `_COMMON`, server/anthropic.py's `REQUEST_SCHEMA`), validated with `Validator`
   (jsonschema, integers being JSON integers: 5.0 is not one);
 - `flag(name)`: the argparse `type=` of the flags of both CLIs.
 

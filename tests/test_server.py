@@ -296,7 +296,7 @@ def test_anthropic_messages(mtp):
 
 
 def test_anthropic_conversion_of_tools_and_system():
-    from mlx_mtp import anthropic as am
+    from mlx_mtp.server import anthropic as am
 
     body = {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "be brief"}],
             "messages": [

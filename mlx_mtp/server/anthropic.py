@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import params
+from .. import params
 
 # Request fields we act on, and those a client may send that do not change
 # the output (accepted, ignored); anything else is refused. The numeric ones
