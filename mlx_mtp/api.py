@@ -40,6 +40,7 @@ class MTPGenerationResponse(GenerationResponse):
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    checks.prompt(prompt)
     if isinstance(prompt, mx.array):
         return prompt
     if isinstance(prompt, str):
@@ -56,9 +57,10 @@ def _check_options(kwargs: dict) -> dict:
             raise ValueError(f"mlx_mtp does not support {name} ({what})")
     for name in ("kv_group_size", "quantized_kv_start"):  # only meaningful with kv_bits
         kwargs.pop(name, None)
-    if kwargs.get("num_draft_tokens") is not None:
-        kwargs["draft_tokens"] = kwargs.pop("num_draft_tokens")
-    kwargs.pop("num_draft_tokens", None)
+    kwargs["draft_tokens"] = checks.one_depth(kwargs.get("draft_tokens", "auto"),
+                                              kwargs.pop("num_draft_tokens", None))
+    if "logits_processors" in kwargs:
+        checks.logits_processors(kwargs["logits_processors"])
     return kwargs
 
 
@@ -120,6 +122,8 @@ def generate_step(
     draft_vocab: draft over these token ids only (see mlx_mtp.draft_vocab).
     stats: an MTPStats to fill (drafted, accepted, acceptance per position).
     """
+    checks.prompt(prompt, text=False)
+    checks.logits_processors(logits_processors)
     kwargs = _check_options(dict(max_kv_size=max_kv_size, kv_bits=kv_bits,
                                  input_embeddings=input_embeddings,
                                  draft_tokens=draft_tokens, num_draft_tokens=num_draft_tokens))
@@ -146,8 +150,8 @@ def stream_generate(
     kwargs: `generate_step`'s options (sampler, logits_processors,
     prompt_cache, prefill_step_size, prompt_progress_callback, seed, ...).
     """
-    if max_tokens == 0:
-        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    checks.tokenizer(tokenizer)
+    checks.check("max_tokens", max_tokens)  # (0, the prefill only, is generate_step's)
     kwargs = _check_options(dict(kwargs, draft_tokens=draft_tokens))
     draft_tokens = checks.depth(kwargs["draft_tokens"])
     kwargs.pop("stream", None)
@@ -250,6 +254,11 @@ def batch_generate(
     batch; an opaque sampler must be shared); logits_processors: one list for
     every prompt or a list of lists; seeds: one per prompt for sampling
     (None: drawn from mx.random). stats: a list that gets one MTPStats per prompt."""
+    checks.tokenizer(tokenizer)
+    for i, prompt in enumerate(prompts):
+        checks.prompt(prompt, f"prompts[{i}]", text=False)
+    if callable(logits_processors):
+        checks.logits_processors(logits_processors)  # (one processor, not a list: refused)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     n = len(prompts)
@@ -280,8 +289,8 @@ def batch_generate(
         request = batch.prepare(prompt, cache, max_tokens[i], seeds[i], prefill_step_size,
                                 sampler=None if opaque else samplers[i],
                                 logits_processors=processors[i])
-        if request.max_tokens == 0:
-            raise ValueError("max_tokens must be at least 1 for each prompt")
+        if request.max_tokens == 0:  # (prepare takes 0: the prefill only)
+            checks.check("max_tokens", 0, f"max_tokens[{i}]")
         requests.append(request)
     results: List[List[int]] = [[] for _ in range(n)]
     counters = BatchStats(prompt_tokens=sum(len(r.prompt) for r in requests))

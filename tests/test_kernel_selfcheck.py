@@ -3,9 +3,12 @@ process, before it runs for a user (metal/selfcheck.py). Here the kernels run
 in the emulator (MLX_MTP_KERNELS=emu-metal) and faults are injected into
 their sources: one that does not compile and one that computes wrong values
 each give one warning line naming the kernel, and the reference runs from
-then on, with the right result."""
+then on, with the right result. --verbose says which path each kernel took."""
 
 import logging
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -107,3 +110,20 @@ def test_a_kernel_that_computes_wrong_values_warns_once_and_the_reference_runs(
     lines = _warnings(caplog)
     assert len(lines) == 1 and kernel in lines[0] and "off by" in lines[0], lines
     assert selfcheck.paths()[kernel].startswith("reference")
+
+
+@pytest.mark.parametrize("backend", ["ref", "emu-metal"])
+def test_verbose_cli_says_which_path_each_kernel_took(backend):
+    env = dict(os.environ, MLX_MTP_KERNELS=backend)
+    r = subprocess.run([sys.executable, "-m", "mlx_mtp.generate", "--verbose", "--max-tokens",
+                        "4"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("Kernels"))
+    paths = dict(part.split(": ", 1) for part in line.split(": ", 1)[1].split("; "))
+    assert set(paths) == set(selfcheck.KERNELS), line
+    if backend == "ref":
+        assert set(paths.values()) == {"reference (the CPU runs the ops references)"}
+    else:  # the default (exact) policy: conv_verify runs plain decoding's ops
+        assert paths["conv_verify"].startswith("reference (exact mode")
+        for kernel in ("gdn_verify", "commit", "draft_project"):
+            assert paths[kernel] == "emu-metal kernel (self-checked)", line
