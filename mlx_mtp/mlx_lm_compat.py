@@ -74,9 +74,6 @@ from mlx_lm.utils import load_model, load_tokenizer  # noqa: F401
 # _parse_size("8GB") -> 8 * 10**9: mlx_lm.server's --prompt-cache-bytes type
 from mlx_lm.utils import _parse_size as parse_size
 
-# `_format_top_logprobs(logprobs [V], top_n, tokenizer)`: a tuple of top_n
-# {"id", "token", "logprob"} dicts, the `top_logprobs` of one token
-format_top_logprobs = _server._format_top_logprobs
 # `_make_logits_processors(args)`: mlx_lm.server's processors for a
 # GenerationArguments (logit bias, repetition/presence/frequency penalties)
 logits_processors_for = _server._make_logits_processors
@@ -190,7 +187,6 @@ class Need(NamedTuple):
 
 RELIED_ON: List[Need] = [
     # re-exported above
-    Need("mlx_lm.server:_format_top_logprobs", ("logprobs", "top_n", "tokenizer")),
     Need("mlx_lm.server:_make_logits_processors", ("args",)),
     Need("mlx_lm.server:_run_http_server",
          ("host", "port", "response_generator", "server_class", "handler_class")),
@@ -259,7 +255,8 @@ RELIED_ON: List[Need] = [
          why="queues (response queue, request, args); the queue answers the context, "
              "(done, total) progress, Responses, then None, or an exception"),
     Need("mlx_lm.server:ResponseGenerator.generation_available", ("self",)),
-    Need("mlx_lm.server:ResponseGenerator.stop_and_join", ("self",)),
+    Need("mlx_lm.server:ResponseGenerator.stop_and_join", ("self",),
+         why="overridden (the shutdown's grace); sets _stop, joins _generation_thread"),
     Need("mlx_lm.server:ResponseGenerator.join", ("self",)),
     # mlx_lm.server.ModelProvider: MTPModelProvider
     Need("mlx_lm.server:ModelProvider._load",
@@ -276,7 +273,11 @@ RELIED_ON: List[Need] = [
          why="checks num_draft_tokens as an int (`validate_depth`)"),
     Need("mlx_lm.server:APIHandler.handle_completion", ("self", "request", "stop_words")),
     Need("mlx_lm.server:APIHandler.handle_models_request", ("self",)),
-    Need("mlx_lm.server:APIHandler.generate_response", ("self", "text", "finish_reason")),
+    Need("mlx_lm.server:APIHandler.generate_response",
+         ("self", "text", "finish_reason", "prompt_token_count", "completion_token_count",
+          "prompt_cache_count", "token_logprobs", "top_tokens"),
+         why="overridden: token_logprobs and top_tokens passed as None by name (our logprobs "
+             "replace its); reads the handler's stream, logprobs, top_logprobs, object_type"),
     Need("mlx_lm.server:APIHandler.completion_usage_response",
          ("self", "prompt_token_count", "completion_token_count", "prompt_cache_count")),
     Need("mlx_lm.server:APIHandler._set_completion_headers", ("self", "status_code")),

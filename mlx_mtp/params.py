@@ -208,6 +208,10 @@ TABLE: Tuple[Param, ...] = (
     Param("prompt_concurrency", int, lo=1, server=("--prompt-concurrency",)),
     Param("max_queued_requests", int, lo=0, server=("--max-queued-requests",)),
     Param("prompt_cache_size", int, lo=0, server=("--prompt-cache-size",)),
+    Param("shutdown_grace", float, lo=0, hi=3600, server=("--shutdown-grace",),
+          why="seconds; an hour is longer than any supervisor waits"),
+    Param("read_timeout", float, lo=0.1, hi=3600, server=("--read-timeout",),
+          why="seconds; 0 would time out every read at once"),
 )
 PARAMS: Dict[str, Param] = {p.name: p for p in TABLE}
 # request field -> its row, per HTTP surface

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=flag("prefill_step_size"), default=2048)
     p.add_argument("--prompt-cache-size", type=flag("prompt_cache_size"), default=10,
                    help="prompt cache entries kept (least recently used dropped first)")
-    p.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
+    p.add_argument("--prompt-cache-bytes", type=size("--prompt-cache-bytes"), default=None,
                    help="prompt cache size limit, e.g. 8GB")
     p.add_argument("--prompt-snapshots", choices=["segments", "end"], default="segments",
                    help="cache snapshots at message boundaries too (default), or only after "
@@ -86,10 +86,47 @@ def build_parser() -> argparse.ArgumentParser:
     # mlx_lm.server flags mlx_mtp refuses
     p.add_argument("--adapter-path", type=str, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-bits", type=int, default=None, help=argparse.SUPPRESS)
+    # mlx_mtp's own: what a server left running for agents needs
+    p.add_argument("--strict-model", action="store_true",
+                   help="answer 404 to a request naming another model than this one (default: "
+                        "serve any name a client sends, e.g. Claude Code's or the OpenAI SDK's "
+                        "own ids, answering with this model's id)")
+    p.add_argument("--shutdown-grace", type=flag("shutdown_grace"), default=5.0,
+                   metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long requests in flight may still run; those "
+                        "left then end with an error event in their protocol (default: 5)")
+    p.add_argument("--read-timeout", type=flag("read_timeout"), default=30.0, metavar="SECONDS",
+                   help="a request (line, headers, body) that sends nothing for this long gets "
+                        "408 and its connection closed (default: 30)")
+    p.add_argument("--max-body-bytes", type=size("--max-body-bytes", auto=True), default=None,
+                   metavar="SIZE",
+                   help="the largest request body taken, e.g. 16MB (default 'auto': 128 bytes "
+                        "per token of the model's context plus 1 MiB, at most 64 MiB)")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers over the ranks (pipeline "
                         "parallel) instead of sharding each layer (tensor parallel)")
     return p
+
+
+def size(name: str, auto: bool = False):
+    """argparse `type=` of a size flag: mlx_lm.server's sizes ("8GB", "500M",
+    a number of bytes), or 'auto' (None) where `auto`; a bad one is one
+    `error:` line (mlx_lm's parser raises a KeyError on "12XB")."""
+    def convert(text: str):
+        if auto and text == "auto":
+            return None
+        try:
+            value = parse_size(text)
+            if value <= 0:
+                raise ValueError
+        except Exception:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a size such as 8GB, 500MB or 1000000 (units M, MB, G, GB; "
+                f"none: bytes){' or auto' if auto else ''}, not {text!r}") from None
+        return value
+
+    convert.__name__ = name
+    return convert
 
 
 def _interrupt(signum, frame):

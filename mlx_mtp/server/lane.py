@@ -14,9 +14,10 @@ import mlx.core as mx
 
 from ..distributed import trunk_length
 from ..loop import MTPStats
-from ..mlx_lm_compat import (GenerationContext, Response, format_top_logprobs,
-                             generation_stream, logits_processors_for, xtc_special_tokens)
+from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
+                             logits_processors_for, xtc_special_tokens)
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
+from .logprobs import top_logprobs
 from .schemas import ApiError
 
 
@@ -200,7 +201,7 @@ class _Lane:
         top = state.args.top_logprobs
         state.rqueue.put(Response(
             state.detokenizer.last_segment, token, logprob, finish,
-            format_top_logprobs(logprobs, top, tokenizer) if top > 0 else ()))
+            top_logprobs(logprobs, top) if top > 0 else ()))  # (handler.py formats them)
         state.key_tokens.append(token)
         if finish is None and not state.left:
             return False

@@ -1,11 +1,19 @@
 """Request schemas and validation: the fields mlx_lm.server reads, and the
 OpenAI fields a client may send that do not change the output here; anything
 else is refused. The numeric ones (ranges, 'auto', null) are made from the
-table in params.py. `ApiError` is how every refusal travels to the handler."""
+table in params.py. `ApiError` is how every refusal travels to the handler.
+
+Also here, the checks that need no model: the body as JSON (`parse_json`:
+nesting, NaN, lone surrogates), what mlx_lm.server would silently ignore
+(`check_openai_options`: `response_format`, a forced `tool_choice`), and the
+characters a prompt holds verbatim (`prompt_chars`), which bound its tokens
+from below before anything is tokenized."""
 
 from __future__ import annotations
 
-from typing import Optional
+import json
+import re
+from typing import Iterable, Optional, Tuple
 
 import jsonschema
 
@@ -65,8 +73,10 @@ class ApiError(Exception):
                           "code": self.code}}
 
     def anthropic(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "request_too_large", 503: "overloaded_error"}.get(self.status, "api_error")
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                503: "overloaded_error"}.get(self.status)
+        if kind is None:
+            kind = "invalid_request_error" if self.status < 500 else "api_error"
         return anthropic.error_body(kind, str(self))
 
 
@@ -95,3 +105,155 @@ def validate(body: dict, schema: dict, surface: str):
     raise _schema_error(error)
 
 
+
+
+def shutdown_error(grace: float) -> ApiError:
+    """What a request still running when the server stops is answered with."""
+    return ApiError(503, f"the server shut down before this request finished (it waited "
+                         f"{grace:g} s for it: --shutdown-grace)", kind="server_error",
+                    code="server_shutdown")
+
+
+# -- the body --------------------------------------------------------------------------------
+def _not_json(name: str):
+    """json.loads' parse_constant: NaN and Infinity are not JSON (RFC 8259)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def utf8(raw: bytes) -> str:
+    """A request body's text: JSON is UTF-8 (RFC 8259)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start})") from None
+
+
+def parse_json(text: str) -> dict:
+    """A request body as a JSON object: no NaN or Infinity, nested no deeper
+    than json's recursion limit, every string valid Unicode (no lone
+    surrogate, which JSON's \\u escapes can spell and no tokenizer takes).
+    Anything else is a 400 saying which."""
+    try:
+        body = json.loads(text, parse_constant=_not_json)
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON arrays or objects too deeply") from None
+    except ValueError as e:  # (JSONDecodeError is a ValueError)
+        raise ApiError(400, f"invalid JSON in the request body: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    bad = lone_surrogate(body)
+    if bad is not None:
+        where, at, char = bad
+        raise ApiError(400, f"{where or 'a key'}: a lone surrogate ({char!a}) at character {at}: "
+                            "not Unicode text", param=where)
+    return body
+
+
+def lone_surrogate(value) -> Optional[Tuple[str, int, str]]:
+    """The first string (key or value) in a parsed JSON value that is not
+    valid Unicode: (its path, e.g. "messages.0.content", the index, the
+    character); None if there is none."""
+    stack = [(value, "")]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                path = f"{where}.{k}" if where else str(k)
+                bad = _bad_char(k)
+                if bad is not None:
+                    return (where, *bad)
+                stack.append((item, path))
+        elif isinstance(v, list):
+            stack.extend((item, f"{where}.{i}" if where else str(i)) for i, item in enumerate(v))
+        elif isinstance(v, str):
+            bad = _bad_char(v)
+            if bad is not None:
+                return (where, *bad)
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # (only a lone one survives json.loads)
+
+
+def _bad_char(s: str) -> Optional[Tuple[int, str]]:
+    found = _SURROGATE.search(s)  # (no copy of the string, unlike encoding it)
+    return None if found is None else (found.start(), found.group())
+
+
+# -- what mlx_lm.server would silently ignore --------------------------------------------------
+FORCED_OPENAI = "required"
+
+
+def check_openai_options(body: dict, tool_calling: bool):
+    """`response_format` other than text (structured output is not built
+    yet) and a `tool_choice` that forces a call the model cannot make are
+    refused: mlx_lm.server ignores both and answers with plain text."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"response_format {kind!r} is not supported: structured output is not "
+                            "implemented yet; only {'type': 'text'} (or none) is served",
+                       param="response_format")
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+        choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if choice != FORCED_OPENAI and not named:
+        raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': "
+                            f"'function', 'function': {{'name': ...}}}}, not {choice!r}",
+                       param="tool_choice")
+    forced(choice if choice == FORCED_OPENAI else choice["function"]["name"],
+           bool(body.get("tools")), tool_calling, "tool_choice")
+
+
+def forced(what: str, has_tools: bool, tool_calling: bool, param: str):
+    """A tool_choice that forces a tool call (OpenAI's 'required' or a named
+    function, Anthropic's 'any' or 'tool'): refused when the request has no
+    tools or the model's chat template cannot call them. On a model that
+    can, it is served and not enforced (README, "Errors and limits")."""
+    if not has_tools:
+        raise ApiError(400, f"{param} forces a tool call ({what!r}) but the request has no tools",
+                       param=param)
+    if not tool_calling:
+        raise ApiError(400, f"{param} forces a tool call ({what!r}), but this model's chat "
+                            "template has no tool calling", param=param)
+
+
+# -- the prompt's size, before tokenizing --------------------------------------------------------
+# Roles whose text chat templates render verbatim (an assistant turn's text
+# may be rewritten: Qwen's templates drop the reasoning of earlier turns).
+VERBATIM_ROLES = ("system", "developer", "user", "tool")
+# Unicode normalization (NFC) can fold up to 4 code points into one (a Greek
+# letter with three combining marks): a token's text covers at most this many
+# times its own length of the input.
+NORMALIZATION_FOLD = 4
+
+
+def prompt_chars(prompt: Optional[str], messages: Iterable[dict]) -> int:
+    """Characters of text the rendered prompt holds verbatim: a completion's
+    prompt, or the chat messages of the roles above (their text parts), each
+    stripped of surrounding whitespace (templates may trim it)."""
+    if prompt:
+        return _stripped_len(prompt)
+    n = 0
+    for m in messages:
+        if m.get("role") not in VERBATIM_ROLES:
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            n += _stripped_len(content)
+        elif isinstance(content, list):
+            n += sum(_stripped_len(p["text"]) for p in content
+                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
+def _stripped_len(s: str) -> int:
+    """len(s.strip()), copying the string only when it has whitespace to strip."""
+    return len(s.strip()) if s[:1].isspace() or s[-1:].isspace() else len(s)
+
+
+def most_chars(tokens: int, max_token_chars: int) -> int:
+    """The most characters of input `tokens` tokens can hold."""
+    return tokens * max_token_chars * NORMALIZATION_FOLD
