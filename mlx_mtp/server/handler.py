@@ -126,8 +126,7 @@ class MTPAPIHandler(APIHandler):
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line, an unknown
-        method, a header too long, a request line that timed out) as JSON,
-        not its HTML page."""
+        method, a header too long) as JSON, not its HTML page."""
         self.close_connection = True
         try:
             phrase = HTTPStatus(code).phrase
