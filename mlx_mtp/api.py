@@ -13,21 +13,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchResponse, BatchStats, GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import checks
+from . import checks, params
+from .params import DecodeOptions
 from .batch import MTPStats, make_batch
 from .loop import decode_rows, generate_events, generate_tokens
 from .mlx_lm_compat import generation_stream, wired_limit
 from .sampling import RowSampling
-
-# mlx_lm options that would change what is computed, refused with one line
-UNSUPPORTED = {
-    "max_kv_size": "a rotating KV cache",
-    "kv_bits": "a quantized KV cache",
-    "draft_model": "a separate draft model: the MTP head drafts; to draft with a head stored "
-                   "in its own folder, load it with mlx_mtp.load(path, draft=FOLDER)",
-    "input_embeddings": "input embeddings",
-}
-
 
 @dataclass
 class MTPGenerationResponse(GenerationResponse):
@@ -45,6 +36,7 @@ def _wrapped(tokenizer) -> TokenizerWrapper:
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    checks.prompt(prompt)
     if isinstance(prompt, mx.array):
         return prompt
     if isinstance(prompt, str):
@@ -56,14 +48,15 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
 def _check_options(kwargs: dict) -> dict:
     """mlx_lm's generate_step options: refuse what mlx_mtp cannot do, map
     num_draft_tokens (mlx_lm's name) to draft_tokens, drop no-op defaults."""
-    for name, what in UNSUPPORTED.items():
+    for name, what in params.UNSUPPORTED.items():
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"mlx_mtp does not support {name} ({what})")
     for name in ("kv_group_size", "quantized_kv_start"):  # only meaningful with kv_bits
         kwargs.pop(name, None)
-    if kwargs.get("num_draft_tokens") is not None:
-        kwargs["draft_tokens"] = kwargs.pop("num_draft_tokens")
-    kwargs.pop("num_draft_tokens", None)
+    kwargs["draft_tokens"] = checks.one_depth(kwargs.get("draft_tokens", "auto"),
+                                              kwargs.pop("num_draft_tokens", None))
+    if "logits_processors" in kwargs:
+        checks.logits_processors(kwargs["logits_processors"])
     return kwargs
 
 
@@ -148,19 +141,22 @@ def generate_step(
         allows (needs `tokenizer`); the generation then ends after the
         tokenizer's EOS, as the grammar's end.
     """
+    checks.prompt(prompt, text=False)
+    checks.logits_processors(logits_processors)
     kwargs = _check_options(dict(max_kv_size=max_kv_size, kv_bits=kv_bits,
                                  input_embeddings=input_embeddings,
                                  draft_tokens=draft_tokens, num_draft_tokens=num_draft_tokens))
+    options = DecodeOptions(draft_tokens=kwargs.pop("draft_tokens"),
+                            max_draft_tokens=max_draft_tokens, prefill_step_size=prefill_step_size,
+                            lookahead=_lookahead(lookahead, pipeline), compiled=compiled,
+                            draft_vocab=draft_vocab)
     if constraint is not None:
         logits_processors = _constrained(logits_processors, constraint, tokenizer)
         kwargs["stop_tokens"] = _wrapped(tokenizer).eos_token_ids
     for token, logprobs, _ in generate_tokens(
-            prompt, model, max_tokens=max_tokens, sampler=sampler,
+            prompt, model, options, max_tokens=max_tokens, sampler=sampler,
             logits_processors=logits_processors, prompt_cache=prompt_cache,
-            prefill_step_size=prefill_step_size,
-            prompt_progress_callback=prompt_progress_callback, max_draft_tokens=max_draft_tokens,
-            seed=seed, lookahead=_lookahead(lookahead, pipeline), compiled=compiled, draft_vocab=draft_vocab,
-            stats=stats, **kwargs):
+            prompt_progress_callback=prompt_progress_callback, seed=seed, stats=stats, **kwargs):
         yield token, logprobs
 
 
@@ -178,8 +174,8 @@ def stream_generate(
     prompt_cache, prefill_step_size, prompt_progress_callback, seed,
     constraint, ...).
     """
-    if max_tokens == 0:
-        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    checks.tokenizer(tokenizer)
+    checks.check("max_tokens", max_tokens)  # (0, the prefill only, is generate_step's)
     kwargs = _check_options(dict(kwargs, draft_tokens=draft_tokens))
     draft_tokens = checks.depth(kwargs["draft_tokens"])
     kwargs.pop("stream", None)
@@ -189,7 +185,10 @@ def stream_generate(
     prompt = _encode(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     stats = kwargs.pop("stats", None) or MTPStats()
-    gen = generate_events(prompt, model, max_tokens=max_tokens, stats=stats,
+    if "pipeline" in kwargs:
+        kwargs["lookahead"] = _lookahead(kwargs.pop("lookahead", True), kwargs.pop("pipeline"))
+    options, kwargs = DecodeOptions.split(kwargs)
+    gen = generate_events(prompt, model, options, max_tokens=max_tokens, stats=stats,
                           stop_tokens=tokenizer.eos_token_ids, **kwargs)
 
     def response(text, event, n):
@@ -285,6 +284,11 @@ def batch_generate(
     (None: drawn from mx.random). stats: a list that gets one MTPStats per
     prompt. constraint: `mlx_mtp.constrain(...)` for every prompt, or a list
     (None for an unconstrained row)."""
+    checks.tokenizer(tokenizer)
+    for i, prompt in enumerate(prompts):
+        checks.prompt(prompt, f"prompts[{i}]", text=False)
+    if callable(logits_processors):
+        checks.logits_processors(logits_processors)  # (one processor, not a list: refused)
     tokenizer = _wrapped(tokenizer)
     n = len(prompts)
     max_tokens = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
@@ -304,7 +308,9 @@ def batch_generate(
     if opaque and any(s is not opaque[0] for s in samplers):
         raise ValueError("a sampler other than greedy or mlx_mtp.make_sampler's is shared by "
                          "the whole batch: pass one sampler for every prompt")
-    batch = make_batch(model, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens,
+    batch = make_batch(model, DecodeOptions(draft_tokens=draft_tokens,
+                                            max_draft_tokens=max_draft_tokens,
+                                            prefill_step_size=prefill_step_size),
                        sampler=opaque[0] if opaque else None)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -313,19 +319,19 @@ def batch_generate(
             cache = copy.deepcopy(prompt_caches[i])
         elif return_prompt_caches:
             cache = model.make_cache()
-        request = batch.prepare(prompt, cache, max_tokens[i], seeds[i], prefill_step_size,
+        request = batch.prepare(prompt, cache, max_tokens[i], seeds[i],
                                 sampler=None if opaque else samplers[i],
                                 logits_processors=processors[i],
                                 stop_tokens=tokenizer.eos_token_ids)
-        if request.max_tokens == 0:
-            raise ValueError("max_tokens must be at least 1 for each prompt")
+        if request.max_tokens == 0:  # (prepare takes 0: the prefill only)
+            checks.check("max_tokens", 0, f"max_tokens[{i}]")
         requests.append(request)
     results: List[List[int]] = [[] for _ in range(n)]
     counters = BatchStats(prompt_tokens=sum(len(r.prompt) for r in requests))
     tic = time.perf_counter()
     done = 0
     with wired_limit(model, [generation_stream]):
-        for i, event in decode_rows(batch, requests, completion_batch_size, prefill_step_size):
+        for i, event in decode_rows(batch, requests, completion_batch_size):
             if event.finish != "stop":  # the stop token is left out, as in mlx_lm
                 results[i].append(event.token)
             if event.finish is not None:

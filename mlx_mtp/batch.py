@@ -24,7 +24,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +36,7 @@ from .cycle import RING, DecodeState, Graphs, Spec, init_ring, is_host_side, unp
 from .depth import DepthController
 from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
+from .params import DecodeOptions
 from .prefill import feed, prefill
 from .rows import Finish, HeldCache, Request, Row, row_key
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
@@ -199,21 +200,19 @@ def _compare(lens: Lengths, counts: dict, index: int):
         raise AssertionError(f"host counters differ from the device's (host, device): {wrong}")
 
 
-def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_tokens: int = 4,
+def make_batch(model, options: Optional[DecodeOptions] = None, *,
                sampler: Optional[Callable] = None, logits_processors: Optional[list] = None,
-               lookahead: bool = True, compiled: bool = True,
-               draft_vocab: Optional[mx.array] = None, drafter=None,
-               controller: Optional[DepthController] = None,
-               timeline: Optional[list] = None) -> "Batch":
-    """An empty batch with these decoding settings; the arguments are checked
-    here, once. `sampler`: an opaque sampler (any callable that is not greedy
-    or an MTPSampler) is shared by every row; otherwise each row brings its
-    own sampler (`Batch.prepare`), this one being the default; likewise
-    `logits_processors` (mlx_lm's, run on the host with the row's history)."""
+               **fields) -> "Batch":
+    """An empty batch decoding with `options` (DecodeOptions, any of its
+    fields also as keywords). `sampler`: an opaque sampler (any callable
+    that is not greedy or an MTPSampler) is shared by every row; otherwise
+    each row brings its own sampler (`Batch.prepare`), this one being the
+    default; likewise `logits_processors` (mlx_lm's, run on the host with
+    the row's history)."""
     if not hasattr(model, "make_cache") or not hasattr(model, "has_mtp"):
         raise TypeError("model must come from mlx_mtp.load")
-    depth = checks.depth(draft_tokens)
-    checks.integer("max_draft_tokens", max_draft_tokens, 1, checks.MAX_DEPTH)
+    options = DecodeOptions.of(options, **fields)
+    depth, controller, drafter = options.draft_tokens, options.controller, options.drafter
     if mtp_disabled_by_env():
         depth = 0
     auto = depth == "auto"
@@ -229,6 +228,7 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
         warnings.warn("mlx_mtp: this sampler cannot be introspected, so drafts are verified by "
                       "exact match (still exact, fewer accepted); build it with "
                       "mlx_mtp.make_sampler for Leviathan-Chen acceptance", stacklevel=4)
+    draft_vocab = options.draft_vocab
     if draft_vocab is not None and model.lm_head_group is not None:
         raise ValueError("a draft vocabulary needs the whole lm_head on each rank; this "
                          "model's is sharded over the vocabulary (tensor parallel)")
@@ -239,9 +239,8 @@ def make_batch(model, *, draft_tokens: Union[int, str] = "auto", max_draft_token
                 draft_vocab=draft_vocab if use_head else None,
                 drafter=drafter if use_head else None, group=model.distributed_group,
                 first_stage=first_stage(model))
-    return Batch(spec, Graphs(spec, compiled), lookahead, depth, max_draft_tokens, controller,
-                 timeline=timeline, default_sampler=sampler,
-                 default_processors=logits_processors or ())
+    return Batch(spec, Graphs(spec, options.compiled), options, depth, controller,
+                 default_sampler=sampler, default_processors=logits_processors or ())
 
 
 # prompts of at most this many new tokens join in one batched prefill
@@ -257,12 +256,12 @@ class Batch:
     lookahead 1 the next cycle is queued before one is read (see the module
     docstring)."""
 
-    def __init__(self, spec: Spec, graphs: Graphs, lookahead: bool, depth, max_draft_tokens=4,
-                 controller=None, timeline: Optional[list] = None, default_sampler=None,
-                 default_processors=()):
-        self.spec, self.graphs, self.may_look_ahead = spec, graphs, lookahead
-        self.depth, self.max_depth, self.controller = depth, max_draft_tokens, controller
-        self.timeline, self.default_sampler = timeline, default_sampler
+    def __init__(self, spec: Spec, graphs: Graphs, options: DecodeOptions, depth,
+                 controller=None, default_sampler=None, default_processors=()):
+        self.spec, self.graphs, self.options = spec, graphs, options
+        self.may_look_ahead, self.max_depth = options.lookahead, options.max_draft_tokens
+        self.depth, self.controller = depth, controller
+        self.timeline, self.default_sampler = options.timeline, default_sampler
         self.default_processors = default_processors
         self.limit_prefill(PREFILL_BATCH)
         self.state: Optional[DecodeState] = None
@@ -287,7 +286,7 @@ class Batch:
         return sampling.greedy or not shared or shared == {sampling.shared}
 
     def prepare(self, prompt, prompt_cache: Optional[list], max_tokens: int,
-                seed: Optional[int] = None, prefill_step_size: int = 2048, *,
+                seed: Optional[int] = None, *,
                 sampler=None, logit_bias: Optional[Dict[int, float]] = None,
                 penalties: Optional[Penalties] = None,
                 logits_processors=None, stats: Optional[MTPStats] = None,
@@ -306,7 +305,6 @@ class Batch:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         max_tokens = checks.max_tokens(max_tokens)
-        checks.integer("prefill_step_size", prefill_step_size, lo=1)
         if seed is not None:
             checks.integer("seed", seed)
         sampler = self.default_sampler if sampler is None else sampler
@@ -349,7 +347,7 @@ class Batch:
                            processors or (sampling is not None and sampling.penalties)) else (),
                        stop_tokens=frozenset(int(t) for t in stop_tokens), feed_tail=feed_tail)
 
-    def add(self, requests: List[Request], prefill_step_size: int = 2048) -> List[Optional[Row]]:
+    def add(self, requests: List[Request]) -> List[Optional[Row]]:
         """Prefill new rows (short prompts together, long ones alone) and merge
         them into the batch; their first tokens come out of the next cycle.
         A row with max_tokens 0 only caches its prompt (None in its place)."""
@@ -363,17 +361,18 @@ class Batch:
         drafter = self.spec.drafter
         if is_host_side(drafter) and (self.rows or len(requests) > 1):
             raise ValueError("a host-side drafter decodes one row at a time")
-        short = [r for r in requests if len(r.prompt) - 1 <= prefill_step_size]
+        step = self.options.prefill_step_size
+        short = [r for r in requests if len(r.prompt) - 1 <= step]
         groups = [short[i:i + self.prefill_batch]
                   for i in range(0, len(short), self.prefill_batch)]
         groups += [[r] for r in requests if r not in short]
         made = {}
         for group in groups:
-            for r, row in zip(group, self._join(group, prefill_step_size)):
+            for r, row in zip(group, self._join(group)):
                 made[id(r)] = row
         return [made[id(r)] for r in requests]
 
-    def _join(self, requests: List[Request], prefill_step_size: int) -> List[Optional[Row]]:
+    def _join(self, requests: List[Request]) -> List[Optional[Row]]:
         spec, model = self.spec, self.spec.model
         n_trunk = len(model.is_linear)
         use_head = spec.use_head
@@ -396,7 +395,8 @@ class Batch:
         with mx.stream(generation_stream):
             prefilled = prefill(spec if follows else dataclasses.replace(spec, use_head=False),
                                 [r.prompt_cache for r in requests],
-                                [r.prompt for r in requests], prefill_step_size, progress,
+                                [r.prompt for r in requests], self.options.prefill_step_size,
+                                progress,
                                 [r.stops for r in requests], snapshot,
                                 model.head_context)  # (docs/design.md, "Head context")
         rows, states = [], []

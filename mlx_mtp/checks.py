@@ -12,9 +12,9 @@ would read arbitrary memory.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
 
-from .params import MAX_DEPTH, _is_int, check, integer, number  # noqa: F401 (re-exported)
+from .params import MAX_DEPTH, _is_int, check, depth, integer, number  # noqa: F401 (re-exported)
 
 
 def max_tokens(v: Any) -> int:
@@ -23,14 +23,6 @@ def max_tokens(v: Any) -> int:
     if _is_int(v) and v == 0:
         return v
     return check("max_tokens", v)
-
-
-def depth(v: Any, name: str = "draft_tokens") -> Union[int, str]:
-    """The draft depth: an int in 0..MAX_DEPTH, or 'auto' (a string of digits
-    is read as its int)."""
-    if isinstance(v, str) and v.isdigit():
-        v = int(v)
-    return check("draft_tokens", v, name)
 
 
 def top_k(v: int, vocab_size: int, name: str = "top_k") -> int:
@@ -99,3 +91,62 @@ def prompt_length(n: int, context: Optional[int], model_id: int):
         warnings.warn(f"the prompt has {n} tokens, more than the model's context of {context}: "
                       "quality past that length is not what the model was trained for",
                       stacklevel=4)
+
+
+# -- the API's other arguments (their types: one line naming the argument) ------------------
+def prompt(v: Any, name: str = "prompt", text: bool = True):
+    """A prompt: token ids (a list or tuple of ints, an mx.array, anything
+    with `tolist`), or text where a tokenizer encodes it (`text`). Not None,
+    a number or bytes (MLX would read bytes as token ids)."""
+    ids = "a list of token ids or an mx.array"
+    what = f"a string, {ids}" if text else ids
+    if isinstance(v, (bytes, bytearray)):
+        raise TypeError(f"{name} must be {what}, not bytes (decode them to a string first)")
+    if isinstance(v, str):
+        if not text:
+            raise TypeError(f"{name} must be {what}, not a string (encode it with the "
+                            "tokenizer first)")
+        return v
+    if not isinstance(v, (list, tuple)) and not hasattr(v, "tolist") or \
+            getattr(v, "ndim", 1) == 0:
+        raise TypeError(f"{name} must be {what}, not {v!r}")
+    return v
+
+
+def tokenizer(v: Any):
+    """A tokenizer: mlx_lm's TokenizerWrapper (what mlx_mtp.load returns) or
+    a Hugging Face tokenizer."""
+    if not (callable(getattr(v, "encode", None)) and callable(getattr(v, "decode", None))):
+        raise TypeError("tokenizer must be a tokenizer (the second value mlx_mtp.load returns), "
+                        f"not {v!r}")
+    return v
+
+
+def logits_processors(v: Any, name: str = "logits_processors") -> Optional[list]:
+    """A list of logits processors (each `processor(tokens, logits) -> logits`)."""
+    if v is None:
+        return None
+    if callable(v):
+        raise TypeError(f"{name} must be a list of processors, not one processor (pass [it])")
+    try:
+        items = list(v)
+    except TypeError:
+        raise TypeError(f"{name} must be a list of processors, not {v!r}") from None
+    for p in items:
+        if not callable(p):
+            raise TypeError(f"{name} must hold processors (callables (tokens, logits) -> "
+                            f"logits), not {p!r}")
+    return items
+
+
+def one_depth(draft_tokens: Any, num_draft_tokens: Any, default: Any = "auto"):
+    """draft_tokens, or num_draft_tokens (mlx_lm's name for it): one of
+    them, not both (draft_tokens at its default counts as not given)."""
+    if num_draft_tokens is None:
+        return draft_tokens
+    if draft_tokens is not None and not (draft_tokens == default
+                                         and type(draft_tokens) is type(default)):
+        raise ValueError(f"give draft_tokens or num_draft_tokens (mlx_lm's name for it), not "
+                         f"both (draft_tokens={draft_tokens!r}, "
+                         f"num_draft_tokens={num_draft_tokens!r})")
+    return num_draft_tokens

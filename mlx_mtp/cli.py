@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
 import mlx.core as mx
 
@@ -98,7 +100,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "the prompt continues after the cached one")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    nargs="?", const=True, default=False,
-                   help="Print tokens as they come and timing / MTP statistics")
+                   help="Also print timing, MTP statistics and the path each kernel took "
+                        "(the text is printed as it is generated either way)")
     return p
 
 
@@ -136,7 +139,33 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
     return ids
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (timeout, systemd, a CI runner stopping the job), handled as
+    Ctrl-C is: the text so far stays printed, exit 128 + 15."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _exit_code(e: KeyboardInterrupt) -> int:
+    return 128 + int(getattr(e, "signum", signal.SIGINT))
+
+
 def main(argv=None):
+    """The CLI; SIGTERM is handled as SIGINT while it runs (in the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv=None):
     from .distributed import sharded_load, world
     from .loader import CheckpointError, load
     from .mlx_lm_compat import xtc_special_tokens
@@ -154,13 +183,16 @@ def main(argv=None):
             from mlx_lm.models.cache import load_prompt_cache
 
             try:
+                if not os.path.isfile(args.prompt_cache_file):
+                    raise FileNotFoundError("no such file")
                 prompt_cache, metadata = load_prompt_cache(args.prompt_cache_file,
                                                            return_metadata=True)
-            except (OSError, ValueError, KeyError) as e:
-                print(f"error: cannot read the prompt cache {args.prompt_cache_file}: {e}",
+                tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
+            except (OSError, ValueError, KeyError, RuntimeError) as e:  # (MLX: RuntimeError)
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"error: cannot read the prompt cache {args.prompt_cache_file}: {why}",
                       file=sys.stderr)
                 return 1
-            tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
             cached_model = metadata.get("model")
             if model_path is None:
                 model_path = cached_model
@@ -205,34 +237,33 @@ def main(argv=None):
         except (TypeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        text, last = "", None
+        last = None
         try:
             if args.verbose:
                 print("=" * 10, file=out)
-            for last in stream_generate(
+            for last in stream_generate(  # the text as it comes (as mlx_lm.generate)
                     model, tokenizer, prompt, max_tokens=args.max_tokens,
                     draft_tokens=args.draft_tokens, sampler=sampler,
                     logits_processors=processors, prefill_step_size=args.prefill_step_size,
                     draft_vocab=vocab, max_draft_tokens=args.max_draft_tokens,
                     lookahead=not args.no_lookahead, prompt_cache=prompt_cache):
-                text += last.text
-                if args.verbose:
-                    print(last.text, end="", flush=True, file=out)
-        except KeyboardInterrupt:  # keep what was generated
-            print("" if args.verbose else text, flush=True, file=out)
+                print(last.text, end="", flush=True, file=out)
+        except KeyboardInterrupt as e:  # what was generated is printed already
+            print(flush=True, file=out)
             n = last.generation_tokens if last is not None else 0
             print(f"interrupted after {n} generated tokens", file=sys.stderr)
-            return 130
+            return _exit_code(e)
+        print(file=out)
         if args.verbose:
-            print(file=out)
             print("=" * 10, file=out)
             print_stats(last, model, file=out)
-        else:
-            print(text, file=out)
+            from . import metal
+
+            print(metal.describe(), file=out)
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted", file=sys.stderr)
-        return 130
+        return _exit_code(e)
     except RuntimeError as e:  # under mlx.launch: another rank stopped (its line says why)
         group = mx.distributed.init()
         if group.size() == 1:

@@ -11,72 +11,61 @@ last one included, and nothing drafted or rejected (rows.py).
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .batch import Batch, Event, MTPStats, make_batch
-from .depth import DepthController
 from .mlx_lm_compat import generation_stream
+from .params import DecodeOptions
 from .rows import HeldCache, Request
 
 
 def generate_events(
     prompt: mx.array,
     model,
+    options: Optional[DecodeOptions] = None,
     *,
     max_tokens: int = 256,
-    draft_tokens: Union[int, str] = "auto",
-    max_draft_tokens: int = 4,
     sampler: Optional[Callable] = None,
     logits_processors: Optional[list] = None,
     prompt_cache: Optional[list] = None,
-    prefill_step_size: int = 2048,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     seed: Optional[int] = None,
-    lookahead: bool = True,
-    compiled: bool = True,
-    draft_vocab: Optional[mx.array] = None,
     stats: Optional[MTPStats] = None,
-    drafter=None,
-    controller: Optional[DepthController] = None,
-    timeline: Optional[list] = None,
     stop_tokens: Sequence[int] = (),
+    **fields,
 ) -> Generator[Event, None, None]:
     """One row's events (batch.Event), ending with the first of `stop_tokens`
-    or the max_tokens-th token. See `mlx_mtp.generate_step` for the
-    arguments; drafter, controller and timeline are for tests and benchmarks
-    (timeline: a list that gets, per cycle read, the perf_counter stamps of
-    the loop's host work)."""
-    batch = make_batch(model, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens,
-                       sampler=sampler, logits_processors=logits_processors,
-                       lookahead=lookahead, compiled=compiled,
-                       draft_vocab=draft_vocab, drafter=drafter, controller=controller,
-                       timeline=timeline)
-    request = batch.prepare(prompt, prompt_cache, max_tokens, seed, prefill_step_size,
+    or the max_tokens-th token, decoded with `options` (DecodeOptions; any
+    of its fields also as keywords). See `mlx_mtp.generate_step` for the
+    rest."""
+    batch = make_batch(model, DecodeOptions.of(options, **fields), sampler=sampler,
+                       logits_processors=logits_processors)
+    request = batch.prepare(prompt, prompt_cache, max_tokens, seed,
                             stats=stats if stats is not None else MTPStats(),
                             progress=prompt_progress_callback, stop_tokens=stop_tokens)
     owner = object()
-    gen = _generate(batch, request, prefill_step_size, owner)
+    gen = _generate(batch, request, owner)
     if request.keep_cache:
         HeldCache.hold(request.prompt_cache, owner, gen)
     return gen
 
 
-def generate_tokens(prompt: mx.array, model, **options
+def generate_tokens(prompt: mx.array, model, options: Optional[DecodeOptions] = None, **kwargs
                     ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like mlx_lm's
-    speculative_generate_step (`generate_events`' options)."""
-    for event in generate_events(prompt, model, **options):
+    speculative_generate_step (`generate_events`' arguments)."""
+    for event in generate_events(prompt, model, options, **kwargs):
         yield event.token, event.logprobs, event.from_draft
 
 
-def _generate(batch: Batch, request: Request, prefill_step_size, owner):
+def _generate(batch: Batch, request: Request, owner):
     """One row: yield its events as its cycles are read;
     when the caller stops (max_tokens, a stop token, close) the row's prompt
     cache is written back (by `decode_rows`)."""
     try:
-        for _, event in decode_rows(batch, [request], 1, prefill_step_size):
+        for _, event in decode_rows(batch, [request], 1):
             if event is None:  # max_tokens 0
                 return
             yield event
@@ -85,8 +74,7 @@ def _generate(batch: Batch, request: Request, prefill_step_size, owner):
             HeldCache.release(request.prompt_cache, owner)
 
 
-def decode_rows(batch: Batch, requests: List[Request], width: int = 32,
-                prefill_step_size: int = 2048):
+def decode_rows(batch: Batch, requests: List[Request], width: int = 32):
     """Continuous batching: up to `width` requests decode together, the next
     joining as one finishes (those waiting join together, their prompts
     prefilled in one batch). Yields (request index, event); a request with
@@ -101,7 +89,7 @@ def decode_rows(batch: Batch, requests: List[Request], width: int = 32,
                 while pending and len(active) + len(joining) < width:
                     joining.append(pending.popleft())
                 if joining:
-                    rows = batch.add([r for _, r in joining], prefill_step_size)
+                    rows = batch.add([r for _, r in joining])
                     for (i, _), row in zip(joining, rows):
                         if row is None:
                             yield i, None

@@ -3,7 +3,7 @@
 mlx_lm documents its command lines, `load` / `generate` / `stream_generate`,
 the sampler and prompt-cache helpers, and the server's HTTP API. mlx_mtp also
 builds on mlx_lm's Python internals: the server's classes (subclassed by
-server.py), helpers whose names start with `_`, and attributes of its cache
+server/), helpers whose names start with `_`, and attributes of its cache
 objects. They are imported here and nowhere else, each with what we rely on;
 methods we override or call on mlx_lm's objects, which cannot be re-exported,
 are listed in `RELIED_ON`. `problems()` checks all of it against the installed
@@ -11,10 +11,10 @@ mlx_lm and tests/test_mlx_lm_compat.py fails, naming the symbol, when a
 release changes one (pyproject pins `mlx-lm>=0.32.2,<0.33`). docs/design.md,
 "mlx_lm's internals", says why and how to move to a new release.
 
-Where mlx_lm offers no clean override, server.py works around it, and says so
+Where mlx_lm offers no clean override, server/ works around it, and says so
 below (`hand_body_to`, `validate_depth`, `text_segments`). Not reused, for the
 same reason: mlx_lm.server's `_make_sampler` (it calls mlx_lm's make_sampler;
-server.py's `_sampler` makes the same call with mlx_mtp's, which also tells
+server/lane.py's `_sampler` makes the same call with mlx_mtp's, which also tells
 the decoder its settings).
 """
 
@@ -74,9 +74,6 @@ from mlx_lm.utils import load_model, load_tokenizer  # noqa: F401
 # _parse_size("8GB") -> 8 * 10**9: mlx_lm.server's --prompt-cache-bytes type
 from mlx_lm.utils import _parse_size as parse_size
 
-# `_format_top_logprobs(logprobs [V], top_n, tokenizer)`: a tuple of top_n
-# {"id", "token", "logprob"} dicts, the `top_logprobs` of one token
-format_top_logprobs = _server._format_top_logprobs
 # `_make_logits_processors(args)`: mlx_lm.server's processors for a
 # GenerationArguments (logit bias, repetition/presence/frequency penalties)
 logits_processors_for = _server._make_logits_processors
@@ -97,7 +94,7 @@ def hand_body_to(handler, body: dict):
 
     No clean override: do_POST reads `self.rfile` by `Content-Length` and
     parses it in one piece with the request's attribute extraction, with no
-    method taking a parsed body. server.py has read the body already (to
+    method taking a parsed body. server/handler.py has read the body already (to
     check it first), so it hands it back this way, re-encoded (the checks
     coerce some fields)."""
     data = json.dumps(body).encode()
@@ -129,7 +126,7 @@ def text_segments(state, text: str, finish_reason: Optional[str]) -> Tuple[tuple
     `APIHandler.handle_completion` does it: (new state, [(kind, text)]) with
     kind "reasoning", "tool" or "normal". A copy: mlx_lm keeps this step
     inline in handle_completion, with no function to call; the Anthropic
-    route (server.py) needs the same segments."""
+    route (server/handler.py) needs the same segments."""
     if finish_reason == "stop":
         state, current = TextStateMachine.discard(state)
         return state, [(current, "")]
@@ -190,7 +187,6 @@ class Need(NamedTuple):
 
 RELIED_ON: List[Need] = [
     # re-exported above
-    Need("mlx_lm.server:_format_top_logprobs", ("logprobs", "top_n", "tokenizer")),
     Need("mlx_lm.server:_make_logits_processors", ("args",)),
     Need("mlx_lm.server:_run_http_server",
          ("host", "port", "response_generator", "server_class", "handler_class")),
@@ -230,7 +226,7 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.utils:load_model",
          ("model_path", "lazy", "strict", "model_config", "get_model_classes")),
     Need("mlx_lm.utils:load_tokenizer", ("model_path", "tokenizer_config_extra")),
-    # mlx_lm.server's dataclasses, built or read by server.py
+    # mlx_lm.server's dataclasses, built or read by server/
     Need("mlx_lm.server:CompletionRequest",
          fields=("request_type", "prompt", "messages", "tools", "role_mapping"),
          why="built positionally in this order", positional=True),
@@ -272,7 +268,8 @@ RELIED_ON: List[Need] = [
          why="queues (response queue, request, args); the queue answers the context, "
              "(done, total) progress, Responses, then None, or an exception"),
     Need("mlx_lm.server:ResponseGenerator.generation_available", ("self",)),
-    Need("mlx_lm.server:ResponseGenerator.stop_and_join", ("self",)),
+    Need("mlx_lm.server:ResponseGenerator.stop_and_join", ("self",),
+         why="overridden (the shutdown's grace); sets _stop, joins _generation_thread"),
     Need("mlx_lm.server:ResponseGenerator.join", ("self",)),
     # mlx_lm.server.ModelProvider: MTPModelProvider
     Need("mlx_lm.server:ModelProvider._load",
@@ -289,7 +286,11 @@ RELIED_ON: List[Need] = [
          why="checks num_draft_tokens as an int (`validate_depth`)"),
     Need("mlx_lm.server:APIHandler.handle_completion", ("self", "request", "stop_words")),
     Need("mlx_lm.server:APIHandler.handle_models_request", ("self",)),
-    Need("mlx_lm.server:APIHandler.generate_response", ("self", "text", "finish_reason")),
+    Need("mlx_lm.server:APIHandler.generate_response",
+         ("self", "text", "finish_reason", "prompt_token_count", "completion_token_count",
+          "prompt_cache_count", "token_logprobs", "top_tokens"),
+         why="overridden: token_logprobs and top_tokens passed as None by name (our logprobs "
+             "replace its); reads the handler's stream, logprobs, top_logprobs, object_type"),
     Need("mlx_lm.server:APIHandler.completion_usage_response",
          ("self", "prompt_token_count", "completion_token_count", "prompt_cache_count")),
     Need("mlx_lm.server:APIHandler._set_completion_headers", ("self", "status_code")),

@@ -12,8 +12,8 @@ Made from it, never written out by hand elsewhere:
 
 - `check(name, value)`: the API's checks (checks.sampling, checks.depth,
   checks.max_tokens, ...);
-- `schema(surface)`: the JSON schemas of those request fields (server.py's
-  `_COMMON`, anthropic.py's `REQUEST_SCHEMA`), validated with `Validator`
+- `schema(surface)`: the JSON schemas of those request fields (server/schemas.py's
+  `_COMMON`, server/anthropic.py's `REQUEST_SCHEMA`), validated with `Validator`
   (jsonschema, integers being JSON integers: 5.0 is not one);
 - `flag(name)`: the argparse `type=` of the flags of both CLIs.
 
@@ -30,6 +30,7 @@ table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -208,6 +209,10 @@ TABLE: Tuple[Param, ...] = (
     Param("prompt_concurrency", int, lo=1, server=("--prompt-concurrency",)),
     Param("max_queued_requests", int, lo=0, server=("--max-queued-requests",)),
     Param("prompt_cache_size", int, lo=0, server=("--prompt-cache-size",)),
+    Param("shutdown_grace", float, lo=0, hi=3600, server=("--shutdown-grace",),
+          why="seconds; an hour is longer than any supervisor waits"),
+    Param("read_timeout", float, lo=0.1, hi=3600, server=("--read-timeout",),
+          why="seconds; 0 would time out every read at once"),
 )
 PARAMS: Dict[str, Param] = {p.name: p for p in TABLE}
 # request field -> its row, per HTTP surface
@@ -305,3 +310,66 @@ def markdown() -> str:
 
 if __name__ == "__main__":
     print(markdown())
+
+
+def depth(v: Any, name: str = "draft_tokens"):
+    """The draft depth: an int in 0..MAX_DEPTH, or 'auto' (a string of digits
+    is read as its int)."""
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    return check("draft_tokens", v, name)
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How a generation decodes, besides what each request brings (its
+    prompt, cache, sampler, max_tokens, seed). Declared once here and passed
+    down as one value: the API builds it (`generate_step`'s named arguments,
+    `stream_generate`'s keywords), the loop and `make_batch` take it, the
+    batch keeps it. Each value is checked against the table when made."""
+
+    draft_tokens: Any = "auto"  # k, or "auto": chosen per cycle, 0 included
+    max_draft_tokens: int = 4  # the deepest "auto" tries
+    prefill_step_size: int = 2048  # prompt tokens per forward, as mlx_lm's
+    lookahead: bool = True  # queue cycle n+1 before reading cycle n
+    compiled: bool = True  # one compiled graph per depth, kept on the model
+    draft_vocab: Any = None  # [N] int32: draft among these token ids only
+    # tests and benchmarks: a drafter in place of the head's proposals, an
+    # `auto` controller, a list that gets each read cycle's host timestamps
+    drafter: Any = None
+    controller: Any = None
+    timeline: Optional[list] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "draft_tokens", depth(self.draft_tokens))
+        check("max_draft_tokens", self.max_draft_tokens)
+        check("prefill_step_size", self.prefill_step_size)
+
+    @classmethod
+    def of(cls, options: Optional["DecodeOptions"] = None, **fields) -> "DecodeOptions":
+        """`options` (or the defaults) with these fields replaced; a name that
+        is not a field is a TypeError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise TypeError(f"unknown decoding option(s): {', '.join(unknown)}")
+        return dataclasses.replace(options or cls(), **fields)
+
+    @classmethod
+    def split(cls, kwargs: dict) -> tuple:
+        """(DecodeOptions of kwargs' option fields, the other kwargs)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return (cls(**{k: v for k, v in kwargs.items() if k in names}),
+                {k: v for k, v in kwargs.items() if k not in names})
+
+
+# mlx_lm options that would change what is computed: refused with one line,
+# by the API (as arguments) and the server (as flags)
+UNSUPPORTED = {
+    "max_kv_size": "a rotating KV cache",
+    "kv_bits": "a quantized KV cache",
+    "draft_model": "a separate draft model: the MTP head drafts; to draft with a head stored "
+                   "in its own folder, load it with mlx_mtp.load(path, draft=FOLDER)",
+    "input_embeddings": "input embeddings",
+    "adapter_path": "adapters",
+}

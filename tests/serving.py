@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import requests
@@ -110,3 +111,46 @@ def greedy_ids(server, req, path="/v1/chat/completions"):
     choice = body["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
     return [t["id"] for t in choice["logprobs"]["content"]], text, body["usage"]
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A field of /proc/PID/status in bytes (VmRSS, VmHWM) or as a count (Threads)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                value = line.split()[1]
+                return int(value) * (1024 if line.rstrip().endswith("kB") else 1)
+    raise KeyError(field)
+
+
+class PeakRSS:
+    """The peak resident memory of a process while the block runs, less its
+    resident memory before: the kernel's high-water mark (VmHWM, reset at the
+    start through /proc/PID/clear_refs), and resident memory sampled every
+    5 ms where that reset is not allowed. `growth`: bytes."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def __enter__(self):
+        self.before = proc_status(self.pid, "VmRSS")
+        try:
+            with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm = True
+        except OSError:
+            self.hwm = False
+        self.sampled, self.done = self.before, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.005):
+            self.sampled = max(self.sampled, proc_status(self.pid, "VmRSS"))
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        peak = max(self.sampled, proc_status(self.pid, "VmHWM") if self.hwm else 0)
+        self.growth = peak - self.before

@@ -1,10 +1,11 @@
 """Bad input at every boundary ends in one clear error, never a crash.
 
 The CLI runs as a real process over a table of mistakes (no death by signal,
-no traceback, exit code 2 for arguments and 1 for unusable model folders,
-the message's key words); the API is probed with random ids, shapes and
-numbers (hypothesis); memory stays flat over 20 generations with the garbage
-collector off; Ctrl-C keeps the text generated so far.
+no traceback, exit code 2 for arguments and 1 for unusable model folders
+and prompt caches, the message's key words); the API is probed with random
+ids, shapes and numbers (hypothesis) and a table of wrong types; memory stays
+flat over 20 generations with the garbage collector off; Ctrl-C and SIGTERM
+keep the text generated so far, which is printed as it is generated.
 """
 
 import gc
@@ -55,6 +56,8 @@ CLI_CASES = [  # (arguments, stdin, exit code, words the message must contain)
     (["--ignore-chat-template", "--prompt", ""], None, 2, ["prompt is empty"]),
     (["--prompt", "-"], b"\xff\xfe\xfd", 2, ["not valid UTF-8"]),
     (["--model", "/no/such/folder"], None, 1, ["does not exist"]),
+    (["--prompt-cache-file", "/no/such/cache.safetensors"], None, 1,
+     ["cannot read the prompt cache", "/no/such/cache.safetensors", "no such file"]),
 ]
 
 
@@ -128,6 +131,101 @@ def test_ctrl_c_keeps_the_text():
     err = err.decode()
     assert "Traceback" not in err and "interrupted after" in err.strip().splitlines()[-1]
     assert (seen + out).decode(errors="replace").rstrip().count("\n") >= 1
+
+
+def test_cli_corrupt_prompt_cache(tmp_path):
+    bad = tmp_path / "cache.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    rc, out, err = run_cli(["--max-tokens", "3", "--prompt-cache-file", str(bad)])
+    assert rc == 1 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert "cannot read the prompt cache" in line and str(bad) in line
+
+
+def test_sigterm_keeps_the_streamed_text():
+    """Without --verbose the text is printed as it is generated (a `timeout`
+    or a CI job stopping it keeps what was made); SIGTERM is handled as
+    Ctrl-C: a newline, one line on stderr, exit 143."""
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_mtp.generate", "--max-tokens", "-1",
+                             "--prompt", "def f(x):"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        seen, deadline = b"", time.time() + 120
+        while len(seen) < 40:  # streamed: text arrives while it still generates
+            seen += proc.stdout.read() or b""
+            assert proc.poll() is None, "it stopped by itself"
+            assert time.time() < deadline, "no text while generating"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143
+    err = err.decode()
+    assert "Traceback" not in err and "interrupted after" in err.strip().splitlines()[-1]
+    text = (seen + out).decode(errors="replace")
+    assert text.startswith(seen.decode(errors="replace")) and text.endswith("\n")
+
+
+# -- the API's arguments: a wrong type or combination is one line ---------------------------
+def _api_cases(model, tok):
+    ids = tok.encode("def f(x):")
+    fn = lambda tokens, logits: logits  # noqa: E731
+    gen, stream, step, batch = (mlx_mtp.generate, mlx_mtp.stream_generate,
+                                mlx_mtp.generate_step, mlx_mtp.batch_generate)
+    first = lambda g: next(iter(g))  # noqa: E731 (generators check when first run)
+    return [  # (call, exception, words its message must hold)
+        (lambda: gen(model, tok, None), TypeError, ["prompt", "None"]),
+        (lambda: gen(model, tok, 5), TypeError, ["prompt", "5"]),
+        (lambda: gen(model, tok, b"def f(x):"), TypeError, ["prompt", "bytes"]),
+        (lambda: first(step(None, model)), TypeError, ["prompt", "None"]),
+        (lambda: first(step("def f(x):", model)), TypeError, ["prompt", "string"]),
+        (lambda: batch(model, tok, [ids, None]), TypeError, ["prompts[1]"]),
+        (lambda: gen(model, tok, ids, logits_processors=fn), TypeError,
+         ["logits_processors", "list"]),
+        (lambda: first(step(mx.array(ids), model, logits_processors=fn)), TypeError,
+         ["logits_processors", "list"]),
+        (lambda: batch(model, tok, [ids], logits_processors=fn), TypeError,
+         ["logits_processors", "list"]),
+        (lambda: first(stream(model, tok, ids, logits_processors=[5])), TypeError,
+         ["logits_processors", "5"]),
+        (lambda: gen(model, None, ids), TypeError, ["tokenizer", "None"]),
+        (lambda: batch(model, None, [ids]), TypeError, ["tokenizer", "None"]),
+        (lambda: first(step(mx.array(ids), model, draft_tokens=2, num_draft_tokens=3)),
+         ValueError, ["draft_tokens", "num_draft_tokens", "not both"]),
+        (lambda: gen(model, tok, ids, draft_tokens=2, num_draft_tokens=2), ValueError,
+         ["draft_tokens", "num_draft_tokens", "not both"]),
+    ]
+
+
+def test_api_argument_mistakes_are_one_line(loaded):
+    model, _, tok = loaded("dense")
+    for i, (call, kind, words) in enumerate(_api_cases(model, tok)):
+        with pytest.raises(kind) as e:
+            call()
+        message = str(e.value)
+        assert "\n" not in message and all(w in message for w in words), (i, message)
+    # mlx_lm's name alone still works
+    assert mlx_mtp.generate(model, tok, tok.encode("x = "), max_tokens=3,
+                            num_draft_tokens=1) == mlx_mtp.generate(
+        model, tok, tok.encode("x = "), max_tokens=3, draft_tokens=1)
+
+
+def test_max_tokens_mistakes_are_worded_alike(loaded):
+    model, _, tok = loaded("dense")
+    ids = tok.encode("def f(x):")
+    messages = {}
+    for value in (0, -2):
+        with pytest.raises(ValueError) as e:
+            mlx_mtp.generate(model, tok, ids, max_tokens=value)
+        messages[value] = str(e.value).replace(str(value), "N")
+    assert messages[0] == messages[-2] and "max_tokens" in messages[0], messages
+    with pytest.raises(ValueError) as e:
+        mlx_mtp.batch_generate(model, tok, [ids], max_tokens=0)
+    assert str(e.value).replace("0", "N").replace("[N]", "") == messages[0]
 
 
 # -- the API, probed at random ---------------------------------------------------------

@@ -38,10 +38,11 @@ def test_installed_mlx_lm_has_all_we_rely_on():
 
 
 def test_checker_names_a_missing_symbol(monkeypatch):
-    monkeypatch.delattr(mlx_lm.server, "_format_top_logprobs")
+    monkeypatch.delattr(mlx_lm.server, "_make_logits_processors")
     monkeypatch.delattr(mlx_lm.server.ResponseGenerator, "_tokenize")
     found = problems()
-    assert any(p.startswith("mlx_lm.server._format_top_logprobs: not found") for p in found), found
+    assert any(p.startswith("mlx_lm.server._make_logits_processors: not found")
+               for p in found), found
     assert any(p.startswith("mlx_lm.server.ResponseGenerator._tokenize: not found")
                for p in found), found
     assert len(found) == 2, found
@@ -123,15 +124,6 @@ def test_share_object_in_one_process_and_on_rank_0_is_the_object_itself():
         assert compat.ResponseGenerator._share_object(owner, news) is news, \
             "mlx_lm.server.ResponseGenerator._share_object no longer hands rank 0 its own object"
         assert compat.ResponseGenerator._share_object(owner, None) is None
-
-
-def test_format_top_logprobs():
-    out = compat.format_top_logprobs(mx.array([-3.0, -0.5, -1.0, -9.0]), 2, FakeTokenizer())
-    assert isinstance(out, tuple) and len(out) == 2, \
-        f"mlx_lm.server._format_top_logprobs returns {out!r}"
-    assert {d["id"] for d in out} == {1, 2}
-    assert all(set(d) == {"id", "token", "logprob"} for d in out), \
-        f"mlx_lm.server._format_top_logprobs' dicts changed: {out!r}"
 
 
 def test_generation_context_stop_sets_should_stop():

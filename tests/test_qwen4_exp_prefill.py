@@ -192,9 +192,9 @@ def test_batch_generate_rows_equal_alone(loaded, monkeypatch):
     joins = []
     join = batch_module.Batch._join
 
-    def spy(self, requests, step):
+    def spy(self, requests):
         joins.append((len(requests), len(self.rows)))
-        return join(self, requests, step)
+        return join(self, requests)
     monkeypatch.setattr(batch_module.Batch, "_join", spy)
     for k in (0, 2, "auto"):
         joins.clear()

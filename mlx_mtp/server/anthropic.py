@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import params
+from .. import params
 
 # Request fields we act on, and those a client may send that do not change
 # the output (accepted, ignored); anything else is refused. The numeric ones
@@ -46,40 +46,94 @@ REQUEST_SCHEMA["properties"].update({k: {} for k in FIELDS - set(REQUEST_SCHEMA[
 
 
 class RequestError(ValueError):
-    pass
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
-def _text(content) -> str:
+# Content blocks by where they may appear. Read: text (its text), tool_use
+# (an assistant's call), tool_result (a user's answer to one), thinking (an
+# assistant's reasoning). Dropped, as they carry nothing a local model reads:
+# redacted_thinking (encrypted by Anthropic). Refused: image and document
+# (the models read text), and any other type (the request would lose it).
+BLOCKS = {"user": ("text", "tool_result"),
+          "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+          "system": ("text",), "tool_result": ("text",)}
+UNSUPPORTED = ("image", "document")
+
+
+def _check_blocks(content, where: str, allowed) -> None:
+    """Every block of a content list is an object of a type allowed here."""
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str):
+            raise RequestError(f"{at}: a content block must be an object with a 'type'", at)
+        if kind in UNSUPPORTED:
+            raise RequestError(f"{at}: {kind} content is not supported (the model reads text)",
+                               at)
+        if kind not in allowed:
+            raise RequestError(f"{at}: unknown or misplaced content block type {kind!r} "
+                               f"(here: {', '.join(allowed)})", at)
+        if kind == "text" and not isinstance(block.get("text"), str):
+            raise RequestError(f"{at}: a text block needs 'text', a string", at)
+
+
+def _text(content, where: str = "", allowed=("text",)) -> str:
     """The text of a string or of a list of blocks (text blocks only)."""
     if isinstance(content, str):
         return content
-    parts = []
-    for block in content:
-        kind = block.get("type")
-        if kind == "text":
-            parts.append(block.get("text", ""))
-        elif kind in ("image", "document"):
-            raise RequestError(f"{kind} content is not supported")
-    return "".join(parts)
+    if not isinstance(content, list):
+        raise RequestError(f"{where}: content must be a string or a list of blocks", where)
+    _check_blocks(content, where, allowed)
+    return "".join(block["text"] for block in content if block["type"] == "text")
+
+
+def check_tool_choice(body: dict, tool_calling: bool):
+    """tool_choice: 'auto' and 'none' are served (not enforced); 'any' or a
+    named 'tool' force a call: refused without tools or tool calling."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "none", "any", "tool") or (
+            kind == "tool" and not isinstance(choice.get("name"), str)):
+        raise RequestError("tool_choice must be {'type': 'auto'}, {'type': 'any'}, {'type': "
+                           f"'tool', 'name': ...}} or {{'type': 'none'}}, not {choice!r}",
+                           "tool_choice")
+    if kind in ("any", "tool"):
+        what = kind if kind == "any" else f"tool {choice['name']!r}"
+        if not body.get("tools"):
+            raise RequestError(f"tool_choice forces a tool call ({what}) but the request has "
+                               "no tools", "tool_choice")
+        if not tool_calling:
+            raise RequestError(f"tool_choice forces a tool call ({what}), but this model's chat "
+                               "template has no tool calling", "tool_choice")
 
 
 def to_chat(body: dict) -> Tuple[List[dict], Optional[List[dict]], List[str], Dict[str, Any]]:
     """(chat messages, tools, stop words, chat template arguments) of a
-    validated Messages request."""
+    validated Messages request; RequestError for a content block it would
+    otherwise lose."""
     messages: List[dict] = []
     if body.get("system"):
-        messages.append({"role": "system", "content": _text(body["system"])})
-    for m in body["messages"]:
+        messages.append({"role": "system",
+                         "content": _text(body["system"], "system", BLOCKS["system"])})
+    for i, m in enumerate(body["messages"]):
         content = m["content"]
         if isinstance(content, str):
             messages.append({"role": m["role"], "content": content})
             continue
+        where = f"messages.{i}.content"
+        _check_blocks(content, where, BLOCKS[m["role"]])
         if m["role"] == "user":
-            for block in content:  # tool results answer the assistant's calls first
-                if block.get("type") == "tool_result":
+            for j, block in enumerate(content):  # tool results answer the assistant's calls first
+                if block["type"] == "tool_result":
                     messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                     "content": _text(block.get("content") or "")})
-            rest = [b for b in content if b.get("type") != "tool_result"]
+                                     "content": _text(block.get("content") or "",
+                                                      f"{where}.{j}.content",
+                                                      BLOCKS["tool_result"])})
+            rest = [b for b in content if b["type"] != "tool_result"]
             if rest:
                 messages.append({"role": "user", "content": _text(rest)})
             continue

@@ -1,0 +1,378 @@
+"""The model provider and the generation thread: mlx_lm.server's
+`ModelProvider` and `ResponseGenerator`, subclassed. The batch the requests
+decode in is `lane.py`'s."""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import gc
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from queue import Empty as QueueEmpty, Queue
+from types import SimpleNamespace
+from typing import Optional
+
+import mlx.core as mx
+
+from ..checks import depth as parse_depth
+from ..distributed import sharded_load
+from ..loader import load
+from ..mlx_lm_compat import ModelProvider, ResponseGenerator, generation_stream
+from .lane import _Lane, _Settings
+from .logprobs import TokenText
+from .schemas import ApiError, most_chars, prompt_chars, shutdown_error
+
+# sharded, rank 0's news (requests, clients gone) reaches the other ranks every
+# this many cycles: each `_tick` is a round of collectives and a host sync
+SHARDED_TICK_CYCLES = 4
+MAX_BODY = 64 << 20  # bytes: the most --max-body-bytes 'auto' allows
+BODY_SLACK = 1 << 20  # bytes of a body besides its prompt (fields, tools' schemas)
+# bytes of JSON per token of context the body may take: real text takes 4 to
+# 12 (escaped CJK, emoji); 128 leaves room for long whitespace tokens and more
+JSON_BYTES_PER_TOKEN = 128
+HANDLERS_GRACE_S = 5  # after the generation thread stops: handlers write their last events
+
+
+class Refused(BaseException):
+    """A request the generation thread answered with an error before it
+    started (its settings, a shutdown). A BaseException so that it passes
+    mlx_lm's `handle_completion`, which would answer any Exception from
+    `generate` as a 404 with a bare string; our handler answers `error`."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(str(error))
+        self.error = error
+
+
+# -- model -----------------------------------------------------------------------------------
+class MTPModelProvider(ModelProvider):
+    """Loads with mlx_mtp.load (the MTP head attached) and serves that model only."""
+
+    def __init__(self, cli_args, served_id: str):
+        super().__init__(cli_args)
+        self.served_id = served_id
+
+    def serves(self, name: Optional[str]) -> bool:
+        """Whether a request naming this model is served: any name (a client's
+        own model id, e.g. Claude Code's "claude-sonnet-4-5"), or with
+        --strict-model only this model's names."""
+        if not getattr(self.cli_args, "strict_model", False):
+            return True
+        return name in (None, "default_model", self.served_id, self.cli_args.model,
+                        Path(self.cli_args.model).name)
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        if not self.serves(model_path):
+            raise ApiError(404, f"the model {model_path!r} is not served here (serving "
+                                f"{self.served_id!r})", code="model_not_found")
+        return super().load("default_model", None, None)
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        self.reset()
+        mx.clear_cache()
+        if self.is_distributed:  # under mlx.launch: this rank's share (mlx_lm's groups)
+            if self.cli_args.draft_model is not None:
+                raise ValueError("--draft-model is not supported on a sharded model")
+            model, tokenizer = sharded_load(model_path, self.pipeline_group, self.tensor_group,
+                                            tokenizer_config=self._tokenizer_config)
+        else:
+            model, tokenizer = load(model_path, tokenizer_config=self._tokenizer_config,
+                                    draft=self.cli_args.draft_model)
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        self.model_key = (model_path, None, None)
+        self.model, self.tokenizer = model, tokenizer
+        self.processor, self.draft_model, self.is_batchable = None, None, False
+        # the longest token's text (special tokens included: a prompt's text
+        # may spell them), bounding a prompt's tokens from below by its length
+        self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab())))
+        self.token_text = TokenText(tokenizer)  # logprobs' token texts and bytes
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.text_args, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def body_limit(self) -> int:
+        """The largest request body taken (--max-body-bytes; 'auto': 128
+        bytes of JSON per token of the model's context plus 1 MiB, at most
+        64 MiB). A larger one is refused from its Content-Length, before a
+        byte of it is kept: reading and parsing a body costs about twice its
+        size."""
+        given = getattr(self.cli_args, "max_body_bytes", None)
+        if given is not None:
+            return given
+        return min(MAX_BODY, BODY_SLACK + JSON_BYTES_PER_TOKEN * self.context_length)
+
+
+# -- generation ---------------------------------------------------------------------------------
+class MTPResponseGenerator(ResponseGenerator):
+    """mlx_lm's generation thread, decoding requests in MTP batches (`_Lane`)."""
+
+    def __init__(self, model_provider, prompt_cache):
+        a = model_provider.cli_args
+        self._slots = threading.Semaphore(max(1, a.decode_concurrency) + a.max_queued_requests)
+        self._row_ids = itertools.count()  # the same ids on every rank (rows join in lockstep)
+        self._halted = False  # the generation loop ends: rank 0's word (see `_tick`)
+        self.grace = getattr(a, "shutdown_grace", 0.0)
+        self._deadline = None  # set by stop_and_join: in-flight requests may run until then
+        self._inflight = 0  # requests being answered (`serving`)
+        self._inflight_changed = threading.Condition()
+        self.draining = False  # SIGTERM/SIGINT: no new requests; those in flight finish
+        super().__init__(model_provider, prompt_cache)  # starts the generation thread
+
+    @contextlib.contextmanager
+    def serving(self):
+        """A request being answered, counted so that a shutdown waits for it;
+        503 once the shutdown began."""
+        with self._inflight_changed:
+            if self.draining:
+                raise ApiError(503, "the server is shutting down", kind="server_error",
+                               code="server_shutdown")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._inflight_changed:
+                self._inflight -= 1
+                self._inflight_changed.notify_all()
+
+    def stop_and_join(self):
+        """The shutdown (mlx_lm's server loop calls it on SIGINT/SIGTERM, once
+        HTTP stopped accepting): requests in flight get --shutdown-grace
+        seconds to finish; then each one still running is ended with an error
+        its client's protocol reads (`_end`), and the handlers get a moment to
+        write it."""
+        with self._inflight_changed:
+            self.draining = True
+            n = self._inflight
+        if n:
+            logging.info("shutting down: %d requests in flight get up to %g s to finish", n,
+                         self.grace)
+        self._deadline = time.monotonic() + self.grace
+        self._stop = True
+        self._generation_thread.join()
+        with self._inflight_changed:
+            self._inflight_changed.wait_for(lambda: self._inflight == 0, HANDLERS_GRACE_S)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """mlx_lm's `generate`: (context, responses). An error before the
+        generation starts is `Refused`; the responses are also appended to
+        `request.mtp_seen` when the handler asks (it formats their logprobs)."""
+        try:
+            ctx, responses = super().generate(request, generation_args, progress_callback)
+        except ApiError as e:
+            raise Refused(e) from None
+        except (TypeError, ValueError) as e:  # a setting the sampler or the batch refused
+            raise Refused(ApiError(400, str(e))) from None
+        except Exception as e:  # (the generation thread stopped)
+            status = 500 if self.generation_available() else 503
+            raise Refused(ApiError(status, f"the generation failed: {type(e).__name__}: {e}",
+                                   kind="server_error")) from None
+        seen = getattr(request, "mtp_seen", None)
+        if seen is None:
+            return ctx, responses
+
+        def recorded():
+            for response in responses:
+                seen.append(response)
+                yield response
+
+        return ctx, recorded()
+
+    @contextlib.contextmanager
+    def slot(self):
+        """One of the requests being answered or waiting; 503 past the bound."""
+        if not self._slots.acquire(blocking=False):
+            raise ApiError(503, "the server is busy: too many requests are waiting; retry "
+                                "later", kind="server_error", code="overloaded")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def preflight(self, request, chat_template_kwargs, max_tokens: int) -> list:
+        """Checks made in the request's own thread before it is queued: the
+        server can take it, the prompt renders and fits the context."""
+        if not self.generation_available():
+            raise ApiError(503, "the generation thread stopped; restart the server",
+                           kind="server_error")
+        mp = self.model_provider
+        self.check_prompt_size(request.prompt if request.request_type == "text" else None,
+                               request.messages or (), max_tokens)
+        try:
+            # kept on the request: the generation thread then does not render it again
+            request.mtp_tokenized = self._tokenize(mp.tokenizer, request, SimpleNamespace(
+                chat_template_kwargs=chat_template_kwargs))
+            request.mtp_kwargs = chat_template_kwargs
+            prompt = request.mtp_tokenized[0]
+        except ApiError:
+            raise
+        except Exception as e:  # the chat template refused the messages
+            raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
+        if not prompt:
+            raise ApiError(400, "the prompt is empty")
+        if len(prompt) + max_tokens > mp.context_length:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens and max_tokens is "
+                                f"{max_tokens}: more than the model's context of "
+                                f"{mp.context_length} tokens", code="context_length_exceeded")
+        return prompt
+
+    def check_prompt_size(self, text: Optional[str], messages, max_tokens: int):
+        """The text a prompt holds verbatim bounds its tokens from below (a
+        token holds at most the longest token's characters): a prompt that
+        cannot fit the context is refused before anything is tokenized (a
+        50 MB message would take minutes and gigabytes to tokenize first)."""
+        mp = self.model_provider
+        room = mp.context_length - max_tokens
+        chars = prompt_chars(text, messages)
+        if chars > most_chars(room, mp.max_token_chars):
+            raise ApiError(400, f"the prompt has {chars} characters: more than the "
+                                f"{max(room, 0)} tokens left by max_tokens ({max_tokens}) in the "
+                                f"model's context of {mp.context_length} tokens can hold (a "
+                                f"token holds at most {mp.max_token_chars} characters)",
+                           param="prompt" if text else "messages",
+                           code="context_length_exceeded")
+
+    def _depth(self, args):
+        return self.cli_args.draft_tokens if args.num_draft_tokens is None else \
+            parse_depth(args.num_draft_tokens)
+
+    # -- the generation thread ------------------------------------------------------------
+    def _generate(self):
+        """mlx_lm's generation thread, batching with MTP: every request joins one
+        `Batch` (rows sample each with its own settings; those with logits
+        processors run them on the host); requests arriving together are
+        prefilled together. Only a request that cannot share the batch (another
+        draft depth, sampled rows' top_k) waits until it drains."""
+        self.model_provider.load_default()
+        if self._is_distributed:  # rows without a seed draw the same keys on every rank
+            mx.random.seed(mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item())
+        lane: Optional[_Lane] = None
+        waiting: deque = deque()  # (request, row settings), in arrival order
+        width = max(1, self.cli_args.decode_concurrency)
+        prompts = max(1, self.cli_args.prompt_concurrency)
+        while not self._halted:
+            busy = lane is not None and bool(lane.rows)
+            if not (busy and self._is_distributed and lane.cycles % SHARDED_TICK_CYCLES):
+                while True:  # take every request that is waiting before the next cycle
+                    request = self._tick(None if busy or waiting else 0.1, lane, waiting)
+                    if request is None:
+                        break
+                    try:
+                        waiting.append((request, _Settings.of(self, request[2])))
+                    except Exception as e:
+                        _Lane._fail(request[0], e)
+                    if self._is_distributed:  # one request per tick on every rank
+                        break
+            joining = []
+            while waiting and len(joining) < prompts:
+                request, settings = waiting[0]
+                if not busy and not joining and (lane is None or not lane.accepts(
+                        settings, len(joining), width)):
+                    try:
+                        lane = _Lane(self, settings)
+                    except Exception as e:  # e.g. settings the sampler refuses
+                        waiting.popleft()
+                        _Lane._fail(request[0], e)
+                        continue
+                if lane is None or not lane.accepts(settings, len(joining), width):
+                    break  # in order: it waits for the batch to drain (or for room)
+                joining.append(waiting.popleft())
+            if joining:
+                lane.join(joining)
+                continue
+            if busy:
+                lane.step()
+                if lane.batch is None:
+                    lane = None
+        self._end(lane, waiting)
+        self.model_provider.reset()
+        del self.prompt_cache
+        gc.collect()
+
+    def _tick(self, timeout, lane: Optional[_Lane], waiting=()):
+        """mlx_lm's `_next_request`, with what only rank 0 knows riding along:
+        the rows whose client left (they finish) and the end of the loop (a
+        shutdown, once nothing runs or waits or --shutdown-grace is over).
+        Sharded, every rank acts on rank 0's word at the same point of the
+        loop, so rows leave every rank's batch in the same cycle
+        (docs/distributed.md)."""
+        rows = list(lane.rows.values()) if lane is not None else []
+        request, news = None, None
+        if self._rank == 0:
+            try:
+                request = (self.requests.get_nowait() if timeout is None
+                           else self.requests.get(timeout=timeout))
+            except QueueEmpty:
+                pass
+            left = [row.rid for row in rows if row.ctx._should_stop]
+            halt = self._stop and (
+                (request is None and not rows and not waiting)
+                or self._deadline is None or time.monotonic() >= self._deadline)
+            if request is not None or left or halt:
+                news = (None if request is None else request[1:], left, halt)
+        news = self._share_object(news)  # (one process: as it is)
+        if news is None:
+            return None
+        shared, left, self._halted = news
+        for row in rows:
+            row.left = row.left or row.rid in left
+        if shared is None:
+            return None
+        if self._halted:  # not started: it would hold up the shutdown by a prefill
+            if request is not None:
+                _Lane._fail(request[0], shutdown_error(self.grace))
+            return None
+        return (request[0] if request is not None else Queue(), *shared)
+
+    def _end(self, lane: Optional[_Lane], waiting):
+        """The loop ended (a shutdown): every request still decoding or
+        waiting gets an error it tells its client in the client's protocol
+        (handler.py), never a silently cut answer."""
+        queues = [state.rqueue for state in lane.rows.values()] if lane is not None else []
+        queues += [request[0] for request, _ in waiting]
+        while self._rank == 0:
+            try:
+                queues.append(self.requests.get_nowait()[0])
+            except QueueEmpty:
+                break
+        if queues and self._rank == 0:
+            logging.warning("%d requests did not finish within --shutdown-grace (%g s): each "
+                            "ends with an error", len(queues), self.grace)
+        for rqueue in queues:
+            _Lane._fail(rqueue, shutdown_error(self.grace))
+
+    def _fetch(self, key, tokens: list):
+        """The longest stored prefix of `tokens`: a copy of its cache (or
+        None) and its length. Sharded, each rank keeps its own store (each
+        bounded on its own share), so the ranks settle on a prefix all of
+        them hold, shortening until they agree (0 at worst)."""
+        n = len(tokens)
+        while True:
+            cache, rest = (self.prompt_cache.fetch_nearest_cache(key, tokens[:n]) if n
+                           else (None, []))
+            got = n - len(rest)
+            if not self._is_distributed:
+                return cache, got
+            high, low = mx.distributed.all_max(mx.array([got, -got])).tolist()
+            if high == -low:
+                return cache, got
+            n = -low
+
+    def _run_generate(self):
+        if not self._is_distributed:
+            return super()._run_generate()
+        try:
+            with mx.stream(generation_stream):  # collectives on one stream: one order on all ranks
+                self._generate()
+        except Exception as e:  # a peer left (its own line says why), or this rank failed
+            self._generation_failed = True
+            logging.error("generation stopped: %s: %s", type(e).__name__, e)
+            if self._rank == 0 and not self._stop:  # a sharded model cannot serve
+                _thread.interrupt_main()  # without all its ranks

@@ -1,0 +1,502 @@
+"""HTTP: mlx_lm.server's request handler, with requests checked before it
+sees them, and the Anthropic Messages route.
+
+Every refusal is one `ApiError`, answered with OpenAI's error object (or
+Anthropic's on /v1/messages): unknown paths 404, a known path with another
+method 405 with `Allow`, the body's size bounded before it is read
+(--max-body-bytes) and its upload by --read-timeout, then its JSON, schema,
+model, limits and the prompt's size, all before anything is tokenized or
+queued. A request that fails once its answer has begun ends in its own
+protocol: an SSE `error` chunk (OpenAI) or `event: error` (Anthropic)."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import select
+import socket
+import sys
+import threading
+from http import HTTPStatus
+from http.server import ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import urlsplit
+
+from .. import checks
+from ..batch import MTPStats
+from ..mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, generation_arguments,
+                             hand_body_to, text_segments, validate_depth)
+from . import anthropic
+from .generation import Refused
+from .logprobs import entries
+from .schemas import (CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, check_openai_options,
+                      parse_json, utf8, validate)
+
+# routes and their methods (OPTIONS, CORS's preflight, is answered on any path)
+OPENAI_ROUTES = {"/v1/completions": COMPLETION_SCHEMA, "/v1/chat/completions": CHAT_SCHEMA,
+                 "/chat/completions": CHAT_SCHEMA}
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+GET_ROUTES = ("/health", "/v1/models")
+DRAIN_LIMIT = 64 << 20  # bytes of a refused body read and dropped, so its client sees the 413
+DRAIN_CHUNK = 1 << 16
+
+
+def allowed_methods(path: str) -> Optional[str]:
+    """The methods a path answers (its `Allow` header), None if it is unknown."""
+    if path in OPENAI_ROUTES or path in ANTHROPIC_ROUTES:
+        return "POST, OPTIONS"
+    if path in GET_ROUTES or path.startswith("/v1/models/"):
+        return "GET, OPTIONS"
+    return None
+
+
+class _ClientWatch(threading.Thread):
+    """Stops a non-streamed generation whose client closed its connection
+    (an agent that timed out, say): otherwise it would decode to max_tokens
+    for nobody, beside the rows still wanted. Polls the socket for the end
+    of the stream; the row leaves as a streamed one does when a write fails."""
+
+    POLL = 0.25  # seconds
+
+    def __init__(self, sock, request):
+        super().__init__(daemon=True, name="mlx_mtp-client-watch")
+        self.sock, self.request, self.done = sock, request, threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(self.POLL):
+            try:
+                if not select.select([self.sock], [], [], 0)[0]:
+                    continue
+                if self.sock.recv(1, socket.MSG_PEEK):
+                    return  # the client sent more (a pipelined request): it is there
+            except (OSError, ValueError):
+                pass  # reset: gone too
+            break
+        while not self.done.is_set():  # gone: stop its generation once it has one
+            ctx = getattr(self.request, "mtp_ctx", None)
+            if ctx is not None:
+                logging.info("the client of a non-streamed request left: its row finishes")
+                ctx.stop()
+                return
+            self.done.wait(self.POLL)
+
+    def close(self):
+        self.done.set()
+
+
+class MTPAPIHandler(APIHandler):
+    """mlx_lm's request handler, with requests checked before it sees them."""
+
+    stats: Optional[MTPStats] = None  # the request's, filled by the generation thread
+    seen: Optional[list] = None  # the request's Responses so far (their logprobs)
+    logprobs_sent = 0  # of `seen`, those whose logprobs went out in a streamed chunk
+
+    def __init__(self, response_generator, *args, **kwargs):
+        # socketserver applies it to the connection: an upload (or a request
+        # line) that stalls this long ends with 408 and frees its thread
+        self.timeout = getattr(response_generator.cli_args, "read_timeout", None)
+        super().__init__(response_generator, *args, **kwargs)
+
+    def log_message(self, format, *args):
+        logging.info("%s - %s", self.address_string(), format % args)
+
+    # -- answers ------------------------------------------------------------------------------
+    def _send_json(self, status: int, body: dict, headers=()):
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        for h in headers:
+            self.send_header(*h)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        self.wfile.flush()
+
+    def send_api_error(self, e: ApiError, style: str = "openai"):
+        logging.info("%s %s: %d %s", self.command, self.path, e.status, e)
+        headers = [("WWW-Authenticate", "Bearer")] if e.status == 401 else []
+        if e.status == 405:
+            headers.append(("Allow", allowed_methods(urlsplit(self.path).path)))
+        self._send_json(e.status, e.openai() if style == "openai" else e.anthropic(), headers)
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (a malformed request line, an unknown
+        method, a header too long) as JSON, not its HTML page."""
+        self.close_connection = True
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "error"
+        if code == 501 and getattr(self, "command", None):
+            message = f"the method {self.command} is not supported"
+        error = ApiError(code, message or explain or phrase,
+                         kind="server_error" if code >= 500 else "invalid_request_error")
+        logging.info("%s: %d %s", getattr(self, "requestline", ""), code, error)
+        body = json.dumps(error.openai()).encode()
+        self.send_response(code, phrase)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Connection", "close")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if getattr(self, "command", None) != "HEAD" and code >= 200 and code not in (204, 304):
+            self.wfile.write(body)
+
+    def _end_in_protocol(self, e: BaseException, style: str = "openai"):
+        """A request failed after its answer began (a shutdown past
+        --shutdown-grace, the generation failing): a streamed one ends with
+        its protocol's error event, a non-streamed one is answered with the
+        error instead of its 200. Never a silently cut answer."""
+        error = e if isinstance(e, ApiError) else ApiError(
+            500, f"the generation failed: {type(e).__name__}: {e}", kind="server_error")
+        logging.info("%s %s: ended with %d %s", self.command, self.path, error.status, error)
+        self.close_connection = True
+        if style == "anthropic":
+            return self._write_event("error", error.anthropic())
+        # OpenAI's SDK raises APIError on a data chunk holding "error"; [DONE]
+        # then closes the stream for clients that wait for it
+        self.wfile.write(f"data: {json.dumps(error.openai())}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+
+    # -- checks -------------------------------------------------------------------------------
+    def _authorize(self):
+        key = self.response_generator.cli_args.api_key
+        if key is None:
+            return
+        # RFC 7235: the scheme is case-insensitive ("bearer KEY" too)
+        scheme, _, token = self.headers.get("Authorization", "").strip().partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else self.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+
+    def _read_json(self) -> dict:
+        """The body, bounded before it is read: a body larger than the server
+        takes is dropped as it arrives (its client then sees the 413), one
+        that stalls for --read-timeout gets 408; then `parse_json`."""
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self.close_connection = True
+            raise ApiError(411, "Content-Length header is required")
+        try:
+            length = int(length)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise ApiError(400, "invalid Content-Length header") from None
+        limit = self.response_generator.model_provider.body_limit
+        if length > limit:
+            self.close_connection = True
+            self._drop(length)
+            raise ApiError(413, f"the request body has {length} bytes, more than this server "
+                                f"takes ({limit} bytes, --max-body-bytes)",
+                           code="request_too_large")
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            raise ApiError(408, f"the request body did not arrive: nothing came for "
+                                f"{self.timeout:g} s (--read-timeout)",
+                           code="request_timeout") from None
+        if len(raw) < length:
+            self.close_connection = True
+            raise ApiError(400, f"the request body ended after {len(raw)} of the {length} bytes "
+                                "its Content-Length announced")
+        text = utf8(raw)
+        del raw  # (at most two copies of the body at once)
+        return parse_json(text)
+
+    def _drop(self, length: int):
+        """Read and drop up to DRAIN_LIMIT bytes of a refused body, a chunk
+        at a time (closing with unread data would reset the connection before
+        the client reads the answer)."""
+        left = min(length, DRAIN_LIMIT)
+        with contextlib.suppress(OSError):
+            while left > 0:
+                chunk = self.rfile.read(min(left, DRAIN_CHUNK))
+                if not chunk:
+                    break
+                left -= len(chunk)
+
+    def _check(self, body: dict, schema: dict):
+        validate(body, schema, "openai")
+        mp = self.response_generator.model_provider
+        self._check_model(body.get("model"))
+        body["model"] = mp.served_id  # the answer names the model that answered
+        self._check_limits(body, ("max_tokens", "max_completion_tokens"))
+        try:
+            checks.logit_bias(body.get("logit_bias"), mp.model.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), param="logit_bias") from None
+        check_openai_options(body, mp.tokenizer.has_tool_calling)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
+            self.response_generator.cli_args.max_tokens
+        # (before mlx_lm's handler parses the body again: see preflight)
+        self.response_generator.check_prompt_size(body.get("prompt"), body.get("messages", ()),
+                                                  max_tokens)
+        for i, m in enumerate(body.get("messages", ())):
+            if m["role"] == "developer":  # OpenAI's newer name for the system role
+                m["role"] = "system"
+            # text only, refused here: mlx_lm.server would first fetch an image's URL
+            content = m.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    where = f"messages.{i}.content.{j}"
+                    raise ApiError(400, f"{where}: only text parts ({{'type': 'text', 'text': "
+                                        f"...}}) are supported, not {kind!r}", param=where)
+
+    def _check_model(self, name):
+        mp = self.response_generator.model_provider
+        if not mp.serves(name):
+            raise ApiError(404, f"the model {name!r} is not served here (serving "
+                                f"{mp.served_id!r}; --strict-model)", code="model_not_found")
+
+    def _check_limits(self, body: dict, token_fields):
+        """What the table cannot know: max_tokens against --max-tokens-limit,
+        top_k against the model's vocabulary."""
+        rg = self.response_generator
+        limit = rg.cli_args.max_tokens_limit
+        for name in token_fields:
+            if body.get(name, 0) > limit:
+                raise ApiError(400, f"{name} must be in 1..{limit} (--max-tokens-limit), not "
+                                    f"{body[name]}", param=name)
+        if body.get("top_k") is not None:
+            try:
+                checks.top_k(body["top_k"], rg.model_provider.model.vocab_size)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="top_k") from None
+
+    # -- routes -------------------------------------------------------------------------------
+    def _route(self, method: str) -> str:
+        """The request's path without its query (Claude Code posts to
+        /v1/messages?beta=true); 404 for an unknown path, 405 for a known
+        one asked with another method."""
+        path = urlsplit(self.path).path
+        allowed = allowed_methods(path)
+        if allowed is None:
+            raise ApiError(404, f"no endpoint {path}", code="not_found")
+        if method not in allowed.split(", "):
+            raise ApiError(405, f"{path} takes {allowed.split(',')[0]}, not {method}",
+                           code="method_not_allowed")
+        return path
+
+    def do_POST(self):
+        style = "anthropic" if self.path.startswith("/v1/messages") else "openai"
+        rg = self.response_generator
+        try:
+            path = self._route("POST")
+            self._authorize()
+            with rg.serving():  # (503 once a shutdown began)
+                body = self._read_json()
+                if path in ANTHROPIC_ROUTES:
+                    with rg.slot():
+                        return self.handle_messages(body, count_only=path.endswith("count_tokens"))
+                self._check(body, OPENAI_ROUTES[path])
+                hand_body_to(self, body)  # mlx_lm's handler parses it again from here on
+                del body
+                self.path = path
+                super().do_POST()
+        except ApiError as e:
+            self.send_api_error(e, style)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            logging.info("%s %s: the client disconnected", self.command, self.path)
+
+    def do_GET(self):
+        try:
+            path = self._route("GET")
+            if path != "/health":  # open, for supervisors and load balancers
+                self._authorize()
+        except ApiError as e:
+            return self.send_api_error(e)
+        self.path = path
+        super().do_GET()  # /health, /v1/models (handle_models_request)
+
+    def _other_method(self):
+        """PUT, DELETE, PATCH, HEAD: 405 on a known path, 404 elsewhere."""
+        try:
+            self._route(self.command)
+        except ApiError as e:
+            self.send_api_error(e, "anthropic" if self.path.startswith("/v1/messages")
+                                else "openai")
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = _other_method
+
+    def validate_model_parameters(self):
+        # mlx_lm's check wants an int; "auto" and None (the server's default) are ours
+        validate_depth(self, super().validate_model_parameters)
+
+    def handle_completion(self, request, stop_words):
+        rg = self.response_generator
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(rg.slot())
+                rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
+            except ApiError as e:
+                return self.send_api_error(e)
+            # the generation thread counts into these (`_prepare`); `usage` reports them
+            self.stats = request.mtp_stats = MTPStats()
+            self.seen = request.mtp_seen = []  # (rg.generate appends each Response)
+            if not self.stream:  # (a streamed one finds out when a write fails)
+                held.callback(_ClientWatch(self.connection, request).close)
+            try:
+                super().handle_completion(request, stop_words)
+            except Refused as r:  # before the answer began
+                self.send_api_error(r.error)
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                raise
+            except Exception as e:  # after: the 200 (headers) is out, or buffered
+                if not self.stream:
+                    self._headers_buffer = []  # http.server's: the unsent 200 is dropped
+                    return self.send_api_error(e if isinstance(e, ApiError) else ApiError(
+                        500, f"the generation failed: {type(e).__name__}: {e}",
+                        kind="server_error"))
+                self._end_in_protocol(e)
+
+    def handle_models_request(self):
+        mp = self.response_generator.model_provider
+        self._send_json(200, {"object": "list", "data": [
+            {"id": mp.served_id, "object": "model", "created": self.created,
+             "owned_by": "mlx_mtp"}]})
+
+    # -- responses: usage with MTP statistics, logprobs in OpenAI's shape ---------------------
+    def _mtp_usage(self, response: dict) -> dict:
+        stats = self.stats
+        if stats is not None and "usage" in response:
+            response["usage"]["mtp"] = {
+                "drafted": stats.drafted, "accepted": stats.accepted,
+                "acceptance": [round(a, 4) for a in stats.acceptance],
+                "tokens_per_cycle": round(stats.tokens_per_cycle, 4), "cycles": stats.cycles}
+        return response
+
+    def generate_response(self, *args, **kwargs):
+        # mlx_lm's logprobs (see logprobs.py) are not built: ours instead
+        kwargs.update(token_logprobs=None, top_tokens=None)
+        response = super().generate_response(*args, **kwargs)
+        choice = response["choices"][0]
+        if self.logprobs or self.top_logprobs > 0:
+            seen = self.seen or []
+            new = seen[self.logprobs_sent:] if self.stream else seen
+            self.logprobs_sent = len(seen)
+            choice["logprobs"] = {"content": entries(
+                self.response_generator.model_provider.token_text, new)}
+        return self._mtp_usage(response)
+
+    def completion_usage_response(self, *args, **kwargs):
+        response = super().completion_usage_response(*args, **kwargs)
+        response["object"] = self.object_type  # a chunk of the stream (mlx_lm: chat.completion)
+        return self._mtp_usage(response)
+
+    # -- Anthropic Messages -------------------------------------------------------------------
+    def _write_event(self, kind: str, data: dict):
+        self.wfile.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+        self.wfile.flush()
+
+    def handle_messages(self, body: dict, count_only: bool = False):
+        rg = self.response_generator
+        mp = rg.model_provider
+        cli = rg.cli_args
+        schema = anthropic.REQUEST_SCHEMA
+        if count_only:  # count_tokens: no max_tokens
+            schema = dict(schema, required=["model", "messages"])
+        validate(body, schema, "anthropic")
+        self._check_model(body["model"])
+        self._check_limits(body, ("max_tokens",))
+        try:
+            messages, tools, stop_words, template_args = anthropic.to_chat(body)
+            anthropic.check_tool_choice(body, mp.tokenizer.has_tool_calling)
+        except anthropic.RequestError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        request = CompletionRequest("chat", "", messages, tools, None)
+        max_tokens = body.get("max_tokens", 1)
+        prompt = rg.preflight(request, template_args, max_tokens)
+        if count_only:
+            return self._send_json(200, {"input_tokens": len(prompt)})
+        # the fields the Messages API does not have take mlx_lm.server's defaults
+        args = generation_arguments(
+            **NEUTRAL, model="default_model", draft="default_model",
+            temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
+            top_k=body.get("top_k", cli.top_k), min_p=cli.min_p, stop_words=stop_words,
+            max_tokens=max_tokens, chat_template_kwargs=template_args)
+        stream = body.get("stream", False)
+
+        def keepalive(done, total):
+            if stream:
+                self._write_event("ping", {"type": "ping"})
+
+        watch = None if stream else _ClientWatch(self.connection, request)
+        try:
+            ctx, response = rg.generate(request, args, progress_callback=keepalive)
+        except BaseException as e:
+            if watch is not None:
+                watch.close()
+            if isinstance(e, Refused):
+                raise e.error from None
+            raise
+        tokenizer = mp.tokenizer
+        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
+                                ctx.tool_parser if ctx.has_tool_calling else None, tools)
+        if stream:
+            self._set_stream_headers(200)
+            self.end_headers()
+            self._write_event(*msg.start_event())
+        state = ctx.text_sm.make_state(ctx.initial_state)
+        tokens, finish = [], "stop"
+        try:
+            for gen in response:
+                state, segments = text_segments(state, gen.text, gen.finish_reason)
+                for kind, text in segments:
+                    msg.feed(kind, text)
+                tokens.append(gen.token)
+                if gen.finish_reason is not None:
+                    finish = gen.finish_reason
+                if stream:
+                    for event in msg.events():
+                        self._write_event(*event)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            raise
+        except Exception as e:  # (a shutdown past --shutdown-grace, the generation failing)
+            if not stream:
+                raise e if isinstance(e, ApiError) else ApiError(
+                    500, f"the generation failed: {type(e).__name__}: {e}",
+                    kind="server_error") from None
+            return self._end_in_protocol(e, "anthropic")
+        finally:
+            ctx.stop()
+            if watch is not None:
+                watch.close()
+        stop_sequence = None
+        if finish == "stop" and tokens and tokens[-1] not in tokenizer.eos_token_ids:
+            tail = tokenizer.decode(tokens)
+            stop_sequence = max((s for s in stop_words if tail.endswith(s)), key=len,
+                                default=None)
+        msg.finish(finish, stop_sequence, len(tokens))
+        if stream:
+            for event in msg.events():
+                self._write_event(*event)
+        else:
+            self._send_json(200, msg.response())
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 makes clients at once wait)
+
+    def shutdown(self):
+        """Stop serving and close the listening socket: during the shutdown's
+        grace (MTPResponseGenerator.stop_and_join) a new connection is
+        refused at once instead of waiting in the backlog for nobody."""
+        super().shutdown()
+        self.server_close()
+
+    def handle_error(self, request, client_address):
+        kind, e = sys.exc_info()[:2]
+        if kind in (BrokenPipeError, ConnectionResetError, TimeoutError):
+            logging.info("%s: the client disconnected", client_address[0])
+        else:
+            logging.error("%s: %s: %s", client_address[0], kind.__name__, e)

@@ -1,0 +1,235 @@
+"""The batch requests decode in (`_Lane`): rows join and leave between
+cycles, each row's tokens go to its request as mlx_lm.server builds its
+responses. The generation thread (`generation.py`) drives it; this is the one
+place that calls the engine's `Batch` (add, step, finish)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import mlx.core as mx
+
+from ..distributed import trunk_length
+from ..batch import MTPStats
+from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
+                             logits_processors_for, xtc_special_tokens)
+from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
+from .logprobs import top_logprobs
+from .schemas import ApiError
+
+
+class MTPGenerationContext(GenerationContext):
+    stats: Optional[MTPStats] = None  # filled as the generation runs
+
+
+def _sampler(args, tokenizer):
+    """mlx_lm.server's sampler settings, as an MTPSampler (Leviathan–Chen acceptance)."""
+    s = args.sampling
+    return make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k,
+                        xtc_probability=s.xtc_probability, xtc_threshold=s.xtc_threshold,
+                        xtc_special_tokens=xtc_special_tokens(tokenizer))
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """How a request decodes: what its batch must share (the depth), and its
+    own row settings (mlx_lm's sampler, XTC included, as in-graph arrays)."""
+
+    depth: object
+    sampling: RowSampling
+    processors: tuple  # mlx_lm's processors, on the host: what is not in-graph
+
+    @classmethod
+    def of(cls, gen, args) -> "_Settings":
+        lg = args.logits
+        depth = gen._depth(args)
+        sampler = _sampler(args, gen.model_provider.tokenizer)
+        penalties = Penalties.of(**{f"{kind}_{part}": getattr(lg, f"{kind}_{part}")
+                                    for kind in PENALTY_KINDS
+                                    for part in ("penalty", "context_size")})
+        sampling = RowSampling.of(sampler, lg.logit_bias, penalties)  # (an MTPSampler: never None)
+        # the logit bias (and penalties) are applied in-graph
+        in_graph = {f"{kind}_penalty": 0.0 for kind in PENALTY_KINDS} if penalties else {}
+        args = replace(args, logits=replace(lg, logit_bias=None, **in_graph))
+        processors = tuple(logits_processors_for(args))
+        return cls(depth, sampling, processors)
+
+
+@dataclass
+class _RowState:
+    """A request's side of a batch row: its queue, context and text state."""
+
+    rid: int
+    rqueue: object
+    ctx: MTPGenerationContext
+    args: object
+    cache: list
+    key_tokens: list
+    matcher: object
+    detokenizer: object
+    left: bool = False  # its client went away (rank 0's word, `_tick`)
+
+
+class _Lane:
+    """The batch requests decode in (see `_generate`); a new one starts when a
+    request cannot share the present one and it has drained."""
+
+    def __init__(self, gen, settings: _Settings):
+        from ..batch import make_batch
+
+        self.gen, self.depth = gen, settings.depth
+        self.batch = make_batch(gen.model_provider.model, draft_tokens=settings.depth,
+                                max_draft_tokens=gen.cli_args.max_draft_tokens,
+                                prefill_step_size=gen.cli_args.prefill_step_size)
+        self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
+        self.rows: dict = {}  # Row -> _RowState
+        self.cycles = 0
+
+    def accepts(self, settings: _Settings, joining: int, width: int) -> bool:
+        """A request with these settings can join now (`joining` already will)."""
+        return (self.batch is not None and settings.depth == self.depth
+                and self.batch.accepts(settings.sampling)
+                and len(self.rows) + joining < width)
+
+    def join(self, requests: list):
+        """Prefill the requests' new tokens together (each from its nearest
+        stored prefix, snapshots stored at its message boundaries) and add them
+        as rows; their first tokens come with the next cycle."""
+        gen = self.gen
+        collectives = gen._is_distributed
+        joined = []
+        for (rqueue, request, args), settings in requests:
+            rid = next(gen._row_ids)
+            try:
+                joined.append(self._prepare(rid, rqueue, request, args, settings))
+            except Exception as e:
+                self._fail(rqueue, e)
+                if collectives:  # this rank may have left the others inside a collective
+                    raise
+        if not joined:
+            return
+        try:
+            with mx.stream(generation_stream):
+                rows = self.batch.add([r for r, _ in joined])
+        except Exception as e:
+            for _, state in joined:
+                self._fail(state.rqueue, e)
+            if collectives:
+                raise
+            return
+        for row, (_, state) in zip(rows, joined):
+            if row is None:  # (max_tokens is at least 1 here)
+                continue
+            self.rows[row] = state
+
+    def _prepare(self, rid, rqueue, request, args, settings: _Settings):
+        """One request's Request (for Batch.add) and its row state."""
+        gen, mp = self.gen, self.gen.model_provider
+        model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
+        tokenized = getattr(request, "mtp_tokenized", None)
+        if tokenized is None or args.chat_template_kwargs != getattr(request, "mtp_kwargs", None):
+            tokenized = gen._tokenize(tokenizer, request, args)
+        prompt, segments, kinds, initial_state, _ = tokenized
+        stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
+        # an exact stored prefix (GDN states cannot be cut back), leaving at
+        # least the last prompt token to run
+        cache, n = gen._fetch(key, prompt[:-1])
+        ctx = MTPGenerationContext(
+            has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+            tool_parser=tokenizer.tool_parser, text_sm=text_sm,
+            initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
+        stats = getattr(request, "mtp_stats", None)  # the handler's (`handle_completion`)
+        ctx.stats = MTPStats() if stats is None else stats
+        request.mtp_ctx = ctx  # (a non-streamed request's client may leave: _ClientWatch)
+        rqueue.put(ctx)
+        if cache is None:
+            cache = model.make_cache()
+        stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
+                                           gen.cli_args.prompt_snapshots)
+
+        def snapshot(done):
+            gen.prompt_cache.insert_cache(key, prompt[:n + done], copy.deepcopy(cache),
+                                          cache_type=kinds_at[done])
+
+        r = self.batch.prepare(
+            prompt[n:], cache, args.max_tokens, args.seed,
+            sampler=settings.sampling, logits_processors=settings.processors, stats=ctx.stats,
+            progress=lambda done, total: rqueue.put((n + done, n + total)),
+            cached_tokens=prompt[:n],  # penalties count the cached prefix, as mlx_lm.server's
+            stop_tokens=tokenizer.eos_token_ids,
+            feed_tail=False)  # the cache as it stands when the row leaves: no forward then
+        r.stops, r.snapshot = stops, snapshot
+        state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
+                          stop_sequences.matcher(), tokenizer.detokenizer)
+        return r, state
+
+    def step(self):
+        """One cycle for every row; each row's tokens go to its request."""
+        self.cycles += 1
+        try:
+            with mx.stream(generation_stream):
+                for event in self.batch.step():
+                    state = self.rows.get(event.row)
+                    if state is not None:
+                        self._emit(event, state)
+        except Exception as e:  # every row of the batch is lost: tell each request
+            for state in self.rows.values():
+                self._fail(state.rqueue, e)
+            self.rows.clear()
+            self.batch = None  # the generation thread starts a new lane
+            if self.gen._is_distributed:  # (sharded: this rank may be out of step)
+                raise
+
+    def _emit(self, event, state: _RowState):
+        """Send one token (as mlx_lm.server's responses are built). The batch
+        ends a row at EOS or max_tokens; a stop sequence or a client that left
+        ends it here."""
+        token, finish = event.token, event.finish
+        if finish != "stop":  # EOS is not text
+            state.detokenizer.add_token(token)
+        if state.matcher.advance(token):
+            finish = "stop"
+        if finish is not None:
+            state.detokenizer.finalize()
+        top = state.args.top_logprobs
+        state.rqueue.put(Response(
+            state.detokenizer.last_segment, token, event.logprob, finish,
+            top_logprobs(event.logprobs, top) if top > 0 else ()))  # (handler.py formats them)
+        state.key_tokens.append(token)
+        if finish is None and not state.left:
+            return
+        del self.rows[event.row]
+        state.rqueue.put(None)
+        if not event.row.done:
+            with mx.stream(generation_stream):
+                self.batch.finish(event.row)
+        model = self.gen.model_provider.model
+        held = trunk_length(state.cache, model)
+        self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
+                                           state.key_tokens[:held], state.cache)
+
+    @staticmethod
+    def _fail(rqueue, e: Exception):
+        if not isinstance(e, ApiError):
+            logging.error("generation failed: %s: %s", type(e).__name__, e)
+        rqueue.put(e)
+
+
+def _snapshot_points(prompt: list, segments: list, kinds: list, cached: int, mode: str):
+    """Where the prefill stores copies of the cache (counts of the new tokens,
+    after the `cached` ones), and each one's kind: the end of every segment
+    (system prompt, last user message) and of the prompt but its last token,
+    so a later request sharing that prefix (the next turn, a regenerated
+    answer) starts from it exactly. mode "end": none (only the answers)."""
+    if mode != "segments":
+        return (), {}
+    points, end = {}, 0
+    for segment, kind in zip(segments, kinds):
+        end += len(segment)
+        at = min(end, len(prompt) - 1) - cached
+        if at > 0:
+            points[at] = kind
+    return tuple(sorted(points)), points

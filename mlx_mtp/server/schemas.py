@@ -1,0 +1,259 @@
+"""Request schemas and validation: the fields mlx_lm.server reads, and the
+OpenAI fields a client may send that do not change the output here; anything
+else is refused. The numeric ones (ranges, 'auto', null) are made from the
+table in params.py. `ApiError` is how every refusal travels to the handler.
+
+Also here, the checks that need no model: the body as JSON (`parse_json`:
+nesting, NaN, lone surrogates), what mlx_lm.server would silently ignore
+(`check_openai_options`: `response_format`, a forced `tool_choice`), and the
+characters a prompt holds verbatim (`prompt_chars`), which bound its tokens
+from below before anything is tokenized."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterable, Optional, Tuple
+
+import jsonschema
+
+from .. import params
+from . import anthropic
+
+_NUMBER = {"type": "number"}
+_COMMON = {
+    **params.schema("openai"),
+    "model": {"type": "string"},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": ["object", "null"],
+                       "properties": {"include_usage": {"type": "boolean"}}},
+    "stop": {"type": ["string", "array", "null"], "items": {"type": "string"}},
+    "logit_bias": {"type": ["object", "null"], "additionalProperties": _NUMBER},
+    "logprobs": {"type": "boolean"},
+    "n": {"const": 1},
+    "user": {"type": "string"},
+    "metadata": {}, "store": {}, "service_tier": {},
+}
+_MESSAGE = {
+    "type": "object", "required": ["role"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                   "content": {"type": ["string", "array", "null"]},
+                   "name": {"type": "string"}, "tool_calls": {"type": "array"},
+                   "tool_call_id": {"type": "string"}, "reasoning_content": {},
+                   "reasoning": {}, "refusal": {}},
+    "additionalProperties": False,
+}
+CHAT_SCHEMA = {
+    "type": "object", "required": ["messages"],
+    "properties": dict(_COMMON, messages={"type": "array", "minItems": 1, "items": _MESSAGE},
+                       tools={"type": ["array", "null"], "items": {"type": "object"}},
+                       tool_choice={}, parallel_tool_calls={}, response_format={},
+                       reasoning_effort={}, chat_template_kwargs={"type": ["object", "null"]},
+                       role_mapping={"type": ["object", "null"]}),
+    "additionalProperties": False,
+}
+COMPLETION_SCHEMA = {
+    "type": "object", "required": ["prompt"],
+    "properties": dict(_COMMON, prompt={"type": "string", "minLength": 1}, echo={"const": False},
+                       suffix={"type": "null"}, best_of={"const": 1}),
+    "additionalProperties": False,
+}
+
+
+class ApiError(Exception):
+    """A request answered with an error: HTTP status, OpenAI error type, message."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def openai(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+    def anthropic(self) -> dict:
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                503: "overloaded_error"}.get(self.status)
+        if kind is None:
+            kind = "invalid_request_error" if self.status < 500 else "api_error"
+        return anthropic.error_body(kind, str(self))
+
+
+def _schema_error(e: jsonschema.ValidationError) -> ApiError:
+    where = ".".join(str(p) for p in e.absolute_path) or None
+    if e.validator == "additionalProperties":
+        extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
+        where = ".".join([*(str(p) for p in e.absolute_path), extra[0]]) if extra else where
+        return ApiError(400, f"unknown field {where!r}", param=where)
+    message = e.message if where is None else f"{where}: {e.message}"
+    return ApiError(400, message, param=where)
+
+
+def validate(body: dict, schema: dict, surface: str):
+    """The request body against its JSON schema (jsonschema); a field of the
+    parameter table (params.py) is refused in the table's words (name, value,
+    what is allowed). surface: "openai" or "anthropic"."""
+    error = jsonschema.exceptions.best_match(params.Validator(schema).iter_errors(body))
+    if error is None:
+        return params.coerce(surface, body)
+    path = list(error.absolute_path)
+    if path and isinstance(path[0], str):
+        message = params.refusal(surface, path[0], body.get(path[0]))
+        if message is not None:
+            raise ApiError(400, message, param=path[0])
+    raise _schema_error(error)
+
+
+
+
+def shutdown_error(grace: float) -> ApiError:
+    """What a request still running when the server stops is answered with."""
+    return ApiError(503, f"the server shut down before this request finished (it waited "
+                         f"{grace:g} s for it: --shutdown-grace)", kind="server_error",
+                    code="server_shutdown")
+
+
+# -- the body --------------------------------------------------------------------------------
+def _not_json(name: str):
+    """json.loads' parse_constant: NaN and Infinity are not JSON (RFC 8259)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def utf8(raw: bytes) -> str:
+    """A request body's text: JSON is UTF-8 (RFC 8259)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start})") from None
+
+
+def parse_json(text: str) -> dict:
+    """A request body as a JSON object: no NaN or Infinity, nested no deeper
+    than json's recursion limit, every string valid Unicode (no lone
+    surrogate, which JSON's \\u escapes can spell and no tokenizer takes).
+    Anything else is a 400 saying which."""
+    try:
+        body = json.loads(text, parse_constant=_not_json)
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON arrays or objects too deeply") from None
+    except ValueError as e:  # (JSONDecodeError is a ValueError)
+        raise ApiError(400, f"invalid JSON in the request body: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    bad = lone_surrogate(body)
+    if bad is not None:
+        where, at, char = bad
+        raise ApiError(400, f"{where or 'a key'}: a lone surrogate ({char!a}) at character {at}: "
+                            "not Unicode text", param=where)
+    return body
+
+
+def lone_surrogate(value) -> Optional[Tuple[str, int, str]]:
+    """The first string (key or value) in a parsed JSON value that is not
+    valid Unicode: (its path, e.g. "messages.0.content", the index, the
+    character); None if there is none."""
+    stack = [(value, "")]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                path = f"{where}.{k}" if where else str(k)
+                bad = _bad_char(k)
+                if bad is not None:
+                    return (where, *bad)
+                stack.append((item, path))
+        elif isinstance(v, list):
+            stack.extend((item, f"{where}.{i}" if where else str(i)) for i, item in enumerate(v))
+        elif isinstance(v, str):
+            bad = _bad_char(v)
+            if bad is not None:
+                return (where, *bad)
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # (only a lone one survives json.loads)
+
+
+def _bad_char(s: str) -> Optional[Tuple[int, str]]:
+    found = _SURROGATE.search(s)  # (no copy of the string, unlike encoding it)
+    return None if found is None else (found.start(), found.group())
+
+
+# -- what mlx_lm.server would silently ignore --------------------------------------------------
+FORCED_OPENAI = "required"
+
+
+def check_openai_options(body: dict, tool_calling: bool):
+    """`response_format` other than text (structured output is not built
+    yet) and a `tool_choice` that forces a call the model cannot make are
+    refused: mlx_lm.server ignores both and answers with plain text."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"response_format {kind!r} is not supported: structured output is not "
+                            "implemented yet; only {'type': 'text'} (or none) is served",
+                       param="response_format")
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+        choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if choice != FORCED_OPENAI and not named:
+        raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': "
+                            f"'function', 'function': {{'name': ...}}}}, not {choice!r}",
+                       param="tool_choice")
+    forced(choice if choice == FORCED_OPENAI else choice["function"]["name"],
+           bool(body.get("tools")), tool_calling, "tool_choice")
+
+
+def forced(what: str, has_tools: bool, tool_calling: bool, param: str):
+    """A tool_choice that forces a tool call (OpenAI's 'required' or a named
+    function, Anthropic's 'any' or 'tool'): refused when the request has no
+    tools or the model's chat template cannot call them. On a model that
+    can, it is served and not enforced (README, "Errors and limits")."""
+    if not has_tools:
+        raise ApiError(400, f"{param} forces a tool call ({what!r}) but the request has no tools",
+                       param=param)
+    if not tool_calling:
+        raise ApiError(400, f"{param} forces a tool call ({what!r}), but this model's chat "
+                            "template has no tool calling", param=param)
+
+
+# -- the prompt's size, before tokenizing --------------------------------------------------------
+# Roles whose text chat templates render verbatim (an assistant turn's text
+# may be rewritten: Qwen's templates drop the reasoning of earlier turns).
+VERBATIM_ROLES = ("system", "developer", "user", "tool")
+# Unicode normalization (NFC) can fold up to 4 code points into one (a Greek
+# letter with three combining marks): a token's text covers at most this many
+# times its own length of the input.
+NORMALIZATION_FOLD = 4
+
+
+def prompt_chars(prompt: Optional[str], messages: Iterable[dict]) -> int:
+    """Characters of text the rendered prompt holds verbatim: a completion's
+    prompt, or the chat messages of the roles above (their text parts), each
+    stripped of surrounding whitespace (templates may trim it)."""
+    if prompt:
+        return _stripped_len(prompt)
+    n = 0
+    for m in messages:
+        if m.get("role") not in VERBATIM_ROLES:
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            n += _stripped_len(content)
+        elif isinstance(content, list):
+            n += sum(_stripped_len(p["text"]) for p in content
+                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
+def _stripped_len(s: str) -> int:
+    """len(s.strip()), copying the string only when it has whitespace to strip."""
+    return len(s.strip()) if s[:1].isspace() or s[-1:].isspace() else len(s)
+
+
+def most_chars(tokens: int, max_token_chars: int) -> int:
+    """The most characters of input `tokens` tokens can hold."""
+    return tokens * max_token_chars * NORMALIZATION_FOLD
