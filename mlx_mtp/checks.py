@@ -70,8 +70,8 @@ def logit_bias(bias: Any, vocab_size: int) -> Optional[dict]:
     return out
 
 
-def sampling(temp=0.0, top_p=0.0, min_p=0.0, min_tokens_to_keep=1, top_k=0,
-             xtc_probability=0.0, xtc_threshold=0.1, draft_temp=None):
+def sampling(temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold,
+             draft_temp=None):
     """mlx_lm's sampler settings in the table's ranges (top_p 0 means off)."""
     for name, v in (("temp", temp), ("top_p", top_p), ("min_p", min_p),
                     ("min_tokens_to_keep", min_tokens_to_keep), ("top_k", top_k),

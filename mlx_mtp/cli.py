@@ -15,6 +15,7 @@ import threading
 import mlx.core as mx
 
 from . import checks, params
+from .params import SAMPLER_DEFAULTS
 from .api import print_stats, stream_generate
 
 
@@ -73,13 +74,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=str, default=None,
                    help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
                         "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
-    p.add_argument("--temp", type=flag("temp"), default=0.0, help="Sampling temperature")
-    p.add_argument("--top-p", type=flag("top_p"), default=0.0)
-    p.add_argument("--min-p", type=flag("min_p"), default=0.0)
-    p.add_argument("--top-k", type=flag("top_k"), default=0)
-    p.add_argument("--min-tokens-to-keep", type=flag("min_tokens_to_keep"), default=1)
-    p.add_argument("--xtc-probability", type=flag("xtc_probability"), default=0.0)
-    p.add_argument("--xtc-threshold", type=flag("xtc_threshold"), default=0.1)
+    p.add_argument("--temp", type=flag("temp"), default=SAMPLER_DEFAULTS["temp"],
+                   help="Sampling temperature")
+    p.add_argument("--top-p", type=flag("top_p"), default=SAMPLER_DEFAULTS["top_p"])
+    p.add_argument("--min-p", type=flag("min_p"), default=SAMPLER_DEFAULTS["min_p"])
+    p.add_argument("--top-k", type=flag("top_k"), default=SAMPLER_DEFAULTS["top_k"])
+    p.add_argument("--min-tokens-to-keep", type=flag("min_tokens_to_keep"),
+                   default=SAMPLER_DEFAULTS["min_tokens_to_keep"])
+    p.add_argument("--xtc-probability", type=flag("xtc_probability"),
+                   default=SAMPLER_DEFAULTS["xtc_probability"])
+    p.add_argument("--xtc-threshold", type=flag("xtc_threshold"),
+                   default=SAMPLER_DEFAULTS["xtc_threshold"])
     p.add_argument("--repetition-penalty", type=flag("repetition_penalty"), default=None)
     p.add_argument("--repetition-context-size", type=flag("repetition_context_size"),
                    default=20)

@@ -72,7 +72,7 @@ from mlx_lm.utils import infer_quant_config  # noqa: F401
 # load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
 from mlx_lm.utils import load_model, load_tokenizer  # noqa: F401
 # _parse_size("8GB") -> 8 * 10**9: mlx_lm.server's --prompt-cache-bytes type
-from mlx_lm.utils import _parse_size as parse_size
+from mlx_lm.utils import _parse_size as parse_size  # noqa: F401
 
 # `_make_logits_processors(args)`: mlx_lm.server's processors for a
 # GenerationArguments (logit bias, repetition/presence/frequency penalties)

@@ -363,6 +363,12 @@ class DecodeOptions:
                 {k: v for k, v in kwargs.items() if k not in names})
 
 
+# mlx_lm's sampler defaults (its make_sampler's): mlx_mtp.make_sampler, the
+# MTPSampler it makes and the generate CLI's flags take them from here
+SAMPLER_DEFAULTS = dict(temp=0.0, top_p=0.0, min_p=0.0, min_tokens_to_keep=1, top_k=0,
+                        xtc_probability=0.0, xtc_threshold=0.1)
+
+
 # mlx_lm options that would change what is computed: refused with one line,
 # by the API (as arguments) and the server (as flags)
 UNSUPPORTED = {

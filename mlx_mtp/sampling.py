@@ -37,6 +37,7 @@ from mlx_lm.sample_utils import make_logits_processors as _mlx_lm_make_logits_pr
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
 from .mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
+from .params import SAMPLER_DEFAULTS
 
 __all__ = ["MTPSampler", "make_sampler", "make_logits_processors", "speculative_sample",
            "is_greedy", "RowSampling", "Penalties"]
@@ -62,13 +63,13 @@ class MTPSampler:
 
     def __init__(
         self,
-        temp: float = 0.0,
-        top_p: float = 0.0,
-        min_p: float = 0.0,
-        min_tokens_to_keep: int = 1,
-        top_k: int = 0,
-        xtc_probability: float = 0.0,
-        xtc_threshold: float = 0.1,
+        temp: float = SAMPLER_DEFAULTS["temp"],
+        top_p: float = SAMPLER_DEFAULTS["top_p"],
+        min_p: float = SAMPLER_DEFAULTS["min_p"],
+        min_tokens_to_keep: int = SAMPLER_DEFAULTS["min_tokens_to_keep"],
+        top_k: int = SAMPLER_DEFAULTS["top_k"],
+        xtc_probability: float = SAMPLER_DEFAULTS["xtc_probability"],
+        xtc_threshold: float = SAMPLER_DEFAULTS["xtc_threshold"],
         xtc_special_tokens: Optional[List[int]] = None,
         draft_temp: Optional[float] = None,
     ):
@@ -143,13 +144,13 @@ class MTPSampler:
 
 
 def make_sampler(
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    top_k: int = 0,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
+    temp: float = SAMPLER_DEFAULTS["temp"],
+    top_p: float = SAMPLER_DEFAULTS["top_p"],
+    min_p: float = SAMPLER_DEFAULTS["min_p"],
+    min_tokens_to_keep: int = SAMPLER_DEFAULTS["min_tokens_to_keep"],
+    top_k: int = SAMPLER_DEFAULTS["top_k"],
+    xtc_probability: float = SAMPLER_DEFAULTS["xtc_probability"],
+    xtc_threshold: float = SAMPLER_DEFAULTS["xtc_threshold"],
     xtc_special_tokens: Optional[List[int]] = None,
     draft_temp: Optional[float] = None,
 ) -> MTPSampler:

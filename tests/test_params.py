@@ -50,7 +50,7 @@ def api_checks(name):
     """The API's checks of a parameter: the table's, and the functions made from it."""
     yield lambda v: params.check(name, v)
     if name in SAMPLER:
-        yield lambda v: checks.sampling(**{name: v})
+        yield lambda v: checks.sampling(**{**params.SAMPLER_DEFAULTS, name: v})
         yield lambda v: make_sampler(**{name: v})
     if name == "draft_tokens":
         yield checks.depth
