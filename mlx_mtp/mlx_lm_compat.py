@@ -176,13 +176,16 @@ NEUTRAL = dict(adapter=None, logit_bias=None, repetition_penalty=0.0, repetition
 class Need(NamedTuple):
     """One mlx_lm name and the shape we rely on: `params`, the leading
     parameter names we pass (None: not checked); `fields`, dataclass fields
-    we fill or read, the leading ones in this order when `positional`."""
+    we fill or read, the leading ones in this order when `positional`;
+    `sets`, instance attributes its source assigns (`self.name = ...`) that
+    the server reads."""
 
     path: str  # "module:qualified.name"
     params: Optional[Tuple[str, ...]] = None
     fields: Optional[Tuple[str, ...]] = None
     why: str = ""
     positional: bool = False
+    sets: Optional[Tuple[str, ...]] = None
 
 
 RELIED_ON: List[Need] = [
@@ -218,6 +221,16 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.base:create_ssm_mask", ("h", "cache"),
          why="models/qwen4_exp.py: the GDN layers' padding mask"),
     Need("mlx_lm.models.pipeline:PipelineMixin", why="models/qwen4_exp.py: pipeline stages"),
+    # the server's instance attributes: set by mlx_lm's handler and generator,
+    # read by server/ (its handler's response building, its generation thread)
+    Need("mlx_lm.server:APIHandler",
+         sets=("chat_template_kwargs", "created", "logprobs", "max_tokens", "object_type",
+               "response_generator", "stream", "top_logprobs"),
+         why="server/handler.py reads what mlx_lm's do_POST / handle_completion set"),
+    Need("mlx_lm.server:ResponseGenerator.__init__",
+         sets=("model_provider", "prompt_cache", "requests", "_is_distributed", "_rank", "_stop",
+               "_generation_thread", "_generation_failed"),
+         why="server/generation.py replaces the generation loop on these"),
     Need("mlx_lm.sample_utils:apply_top_p", ("logprobs", "top_p")),
     Need("mlx_lm.sample_utils:apply_min_p", ("logprobs", "min_p", "min_tokens_to_keep")),
     Need("mlx_lm.sample_utils:apply_top_k", ("logprobs", "top_k")),
@@ -376,6 +389,14 @@ def problems(needs=None, import_module=importlib.import_module) -> List[str]:
                 if have[:len(need.params)] != need.params:
                     out.append(f"{name}: parameters are now ({', '.join(have)}); mlx_mtp "
                                f"passes ({', '.join(need.params)}){_because(need)}")
+        if need.sets is not None:
+            import re
+
+            assigned = set(re.findall(r"self\.(\w+)\s*=", inspect.getsource(obj)))
+            gone = [a for a in need.sets if a not in assigned]
+            if gone:
+                out.append(f"{name}: no longer sets {', '.join(gone)}, which mlx_mtp reads"
+                           f"{_because(need)}")
         if need.fields is not None:
             have = tuple(f.name for f in dataclasses.fields(obj)) \
                 if dataclasses.is_dataclass(obj) else None

@@ -77,6 +77,20 @@ def test_checker_names_changed_fields():
     assert found[1].startswith("mlx_lm.server.GenerationContext: no longer a dataclass"), found
 
 
+def test_checker_names_an_instance_attribute_no_longer_set(monkeypatch):
+    """The server reads attributes mlx_lm's handler and generator set on
+    themselves; a release that stops setting one is named."""
+    class Handler:  # a release whose handler no longer sets `stream`
+        def do_POST(self):
+            self.max_tokens = 1
+
+    fake = types.ModuleType("fake_server")
+    fake.APIHandler = Handler
+    found = problems([Need("fake_server:APIHandler", sets=("max_tokens", "stream"))],
+                     import_module=lambda name: fake)
+    assert found == ["fake_server.APIHandler: no longer sets stream, which mlx_mtp reads"]
+
+
 def test_every_reexport_is_checked():
     """Each mlx_lm class or function compat.py hands out has an entry in RELIED_ON."""
     paths = {n.path for n in compat.RELIED_ON}
