@@ -36,25 +36,32 @@ def _json_object(name):
     return parse
 
 
+def read_constraint(kind: str, text: str):
+    """mlx_mtp.constrain of a flag's value: kind "json_schema" (a file, or the
+    schema itself when it starts with '{'), "regex" (the regex) or "grammar"
+    (a Lark file). ValueError, one line, for a bad one (llguidance is
+    imported only here)."""
+    from .constraint import constrain
+
+    value = text
+    if kind == "grammar" or (kind == "json_schema" and not text.lstrip().startswith("{")):
+        try:
+            with open(text, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            what = "a file" if kind == "grammar" else "a file or a JSON object"
+            raise ValueError(f"not {what}: cannot read {text!r} "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+    return constrain(**{kind: value})
+
+
 def _constraint(kind: str):
     """An argparse type: --json-schema FILE_OR_JSON, --regex REGEX or --grammar
-    FILE (Lark), compiled by mlx_mtp.constrain; a bad one is argparse's one
-    `error:` line, exit 2 (llguidance is imported only when one is given)."""
+    FILE (Lark), compiled by mlx_mtp.constrain (`read_constraint`); a bad one
+    is argparse's one `error:` line, exit 2."""
     def parse(text):
-        from .constraint import constrain
-
-        value = text
-        if kind == "grammar" or (kind == "json_schema" and not text.lstrip().startswith("{")):
-            try:
-                with open(text, encoding="utf-8") as f:
-                    value = f.read()
-            except (OSError, UnicodeDecodeError) as e:
-                what = "a file" if kind == "grammar" else "a file or a JSON object"
-                raise argparse.ArgumentTypeError(
-                    f"not {what}: cannot read {text!r} ({getattr(e, 'strerror', None) or e})"
-                ) from None
         try:
-            return constrain(**{kind: value})
+            return read_constraint(kind, text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
