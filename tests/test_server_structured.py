@@ -126,6 +126,24 @@ def test_stop_strings_are_still_honoured(srv):
     assert text.startswith('{"a": ') and text[6:].isdigit(), text
 
 
+def test_logprobs_of_masked_tokens_are_json(srv):
+    """Where the grammar leaves one token, the others' logprob is -inf: it
+    is written as OpenAI's -9999.0, since JSON has no infinity."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "add", "schema": ADD}}
+    r = requests.post(srv.url + "/v1/chat/completions", timeout=60, json=dict(
+        messages=MSGS, max_tokens=40, temperature=0, logprobs=True, top_logprobs=3,
+        response_format=fmt, **NO_THINKING))
+    assert r.status_code == 200
+
+    def strict(name):
+        raise ValueError(f"{name} is not JSON")
+
+    content = json.loads(r.text, parse_constant=strict)["choices"][0]["logprobs"]["content"]
+    first = content[0]  # '{': forced
+    assert first["logprob"] == 0.0 and first["top_logprobs"][0]["token"] == "{"
+    assert [t["logprob"] for t in first["top_logprobs"][1:]] == [-9999.0, -9999.0]
+
+
 def test_the_prefix_cache_serves_constrained_turns(srv):
     """A constrained answer's tokens stay in the prefix cache: the next
     turn (holding it) prefills only what follows, and is valid too."""
