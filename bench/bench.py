@@ -28,12 +28,18 @@ Flags beyond the model/prompt ones:
   --trace-cycles N      steady-state cycles traced (default 8)
   --trace-repeats N     trace runs of each loop, interleaved (default 3); the
                         median one is shown, the hidden fraction of all
+  --json-schema FILE_OR_JSON  structured output instead: constrained MTP at each
+                        depth against constrained plain decoding (mlx_lm's
+                        generate_step with the same grammar mask), alternated run
+                        by run; acceptance per position, JSON validity, and every
+                        greedy output equal to the constrained reference's
 
 On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md, "Performance physics"):
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python bench/bench.py --model mlx_mtp/demo --depths 0,1,2,3,4 --sync --trace
 
   python bench/bench.py --synthetic --oracle-rate 0.8   # random weights, oracle drafts
+  python bench/bench.py --json-schema schema.json --depths 0,1,2,3,auto
 """
 
 from __future__ import annotations
@@ -433,8 +439,18 @@ def main(argv=None):
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--context-file", type=str, default=None,
                    help="first turn's context (default: the Python stdlib's json/decoder.py)")
+    p.add_argument("--json-schema", type=str, default=None, metavar="FILE_OR_JSON",
+                   help="constrained MTP vs constrained plain decoding under this schema")
     p.add_argument("--json", type=str, default="bench/results/bench.json")
     args = p.parse_args(argv)
+    constraint = None
+    if args.json_schema is not None:
+        from mlx_mtp.cli import read_constraint
+
+        try:
+            constraint = read_constraint("json_schema", args.json_schema)
+        except ValueError as e:
+            p.error(f"--json-schema: {e}")
 
     import mlx_lm
     from mlx_lm.generate import generate_step
@@ -486,6 +502,9 @@ def main(argv=None):
         model.mtp.update(tree_unflatten(params))
         mx.eval(model.mtp.parameters())
     V = model.vocab_size
+    if constraint is not None:
+        return constrained_bench(args, path, model, ref_model, tok, prompts, prompt_ids, depths,
+                                 constraint)
 
     def run_mlx_lm(ids, max_tokens=None):
         t0, out = None, []
@@ -668,6 +687,131 @@ def main(argv=None):
         }, indent=1))
         print(f"wrote {args.json}")
     return 0 if n_bad == 0 else 1
+
+
+def constrained_bench(args, path, model, ref_model, tok, prompts, prompt_ids, depths,
+                      constraint) -> int:
+    """--json-schema: constrained MTP at each depth against constrained plain
+    decoding (mlx_lm's generate_step with the grammar's mask, the reference
+    tests/test_structured.py compares with), each MTP run right after a
+    reference run on the same prompt. Prints tok/s, the median of those
+    pairs' ratios, the pooled ratio, tokens per cycle, acceptance per draft
+    position, how many outputs are complete valid JSON, and whether every
+    output equals the reference's."""
+    import jsonschema
+    from mlx_lm.generate import generate_step as lm_step
+
+    import mlx_mtp
+    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.constraint import MaskingProcessor
+
+    schema = json.loads(constraint.source)
+    eos = set(tok.eos_token_ids)
+
+    def timed(steps):
+        """(tokens before EOS, finish, seconds from the first token)."""
+        t0, out, finish = None, [], "length"
+        for token, _ in steps:
+            if t0 is None:
+                t0 = time.perf_counter()  # first token = end of prompt processing
+            if token in eos:
+                finish = "stop"
+                break
+            out.append(token)
+        return out, finish, time.perf_counter() - t0
+
+    def plain(ids):
+        return timed(lm_step(mx.array(ids), ref_model, max_tokens=args.max_tokens,
+                             logits_processors=[MaskingProcessor(constraint, tok)]))
+
+    def mtp(ids, k, stats):
+        return timed(mlx_mtp.generate_step(mx.array(ids), model, max_tokens=args.max_tokens,
+                                           draft_tokens=k, constraint=constraint, tokenizer=tok,
+                                           stats=stats))
+
+    def valid(tokens, finish):
+        if finish != "stop":
+            return False
+        try:
+            jsonschema.validate(json.loads(tok.decode(tokens)), schema)
+            return True
+        except (ValueError, jsonschema.ValidationError):
+            return False
+
+    labels = [str(k) for k in depths]
+    plain(prompt_ids[0][:8])  # warm-up: allocator, every depth's graphs
+    for k in depths:
+        mtp(prompt_ids[0][:8], k, MTPStats())
+    per = {lab: {"pairs": [], "tokens": 0, "seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0,
+                 "stats": MTPStats(), "same": 0, "valid": 0, "runs": 0} for lab in labels}
+    plain_valid = plain_runs = 0
+    for _ in range(args.rounds):
+        for ids in prompt_ids:
+            for lab, k in zip(labels, depths):
+                ref, finish, dt = plain(ids)
+                plain_valid += valid(ref, finish)
+                plain_runs += 1
+                st = MTPStats()
+                out, mfinish, mdt = mtp(ids, k, st)
+                r = per[lab]
+                n, m = max(len(ref) - 1, 1), max(len(out) - 1, 1)  # (after the first token)
+                r["pairs"].append((m / mdt) / (n / dt))
+                r["base_tokens"] += n
+                r["base_seconds"] += dt
+                r["tokens"] += m
+                r["seconds"] += mdt
+                r["same"] += (out, mfinish) == (ref, finish)
+                r["valid"] += valid(out, mfinish)
+                r["runs"] += 1
+                a = r["stats"]
+                a.cycles += st.cycles
+                a.emitted += st.emitted
+                for i, (d, c) in enumerate(zip(st.drafted_at, st.accepted_at)):
+                    while len(a.drafted_at) <= i:
+                        a.drafted_at.append(0)
+                        a.accepted_at.append(0)
+                    a.drafted_at[i] += d
+                    a.accepted_at[i] += c
+    base_tps = sum(r["base_tokens"] for r in per.values()) / sum(
+        r["base_seconds"] for r in per.values())
+    info = machine_info()
+    print(f"model: {path}   device: {info['device']}   mlx {info['mlx']}   BLAS: {info['blas']}")
+    given = args.json_schema if len(args.json_schema) < 60 else args.json_schema[:57] + "..."
+    print(f"structured output: JSON schema {given}")
+    print(f"{len(prompts)} prompts x {args.rounds} rounds, at most {args.max_tokens} tokens, "
+          "greedy; each mlx_mtp run follows a constrained plain run (mlx_lm's generate_step "
+          "with the same mask) on the same prompt")
+    print(f"constrained plain decoding: {base_tps:.1f} tok/s; complete valid JSON "
+          f"{plain_valid}/{plain_runs}")
+    print("pairs = median of adjacent pairs' tok/s ratios; pooled = total tokens / total time "
+          "ratio (both against constrained plain decoding)")
+    print(f"{'depth':>6} {'tok/s':>8} {'pairs':>6} {'pooled':>7} {'tok/cycle':>9} "
+          f"{'valid':>7} {'same':>7}  acceptance per position")
+    rows = []
+    for lab, k in zip(labels, depths):
+        r = per[lab]
+        tps = r["tokens"] / r["seconds"]
+        pooled = tps / (r["base_tokens"] / r["base_seconds"])
+        acc = r["stats"].acceptance
+        rows.append({"depth": k, "tok_s": tps, "ratio_pair_median": statistics.median(r["pairs"]),
+                     "ratio_pooled": pooled, "ratio_pairs": r["pairs"],
+                     "tokens_per_cycle": r["stats"].tokens_per_cycle, "acceptance": acc,
+                     "valid": r["valid"], "same": r["same"], "runs": r["runs"]})
+        print(f"{lab:>6} {tps:>8.1f} {rows[-1]['ratio_pair_median']:>5.2f}x {pooled:>6.2f}x "
+              f"{r['stats'].tokens_per_cycle:>9.2f} {r['valid']:>3}/{r['runs']:<3} "
+              f"{r['same']:>3}/{r['runs']:<3}  " + (" ".join(f"{a:.0%}" for a in acc) or "-"))
+    same = all(r["same"] == r["runs"] for r in rows)
+    print("outputs identical to constrained plain decoding: " + ("yes" if same else "NO"))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "machine": info, "model": str(path), "schema": schema, "prompts": len(prompts),
+            "rounds": args.rounds, "max_tokens": args.max_tokens,
+            "constrained_plain_tok_s": base_tps, "plain_valid": plain_valid,
+            "plain_runs": plain_runs, "rows": rows,
+            "command": " ".join([sys.executable] + sys.argv)}, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if same else 1
 
 
 def run_trace(args, model, ids, rows, run_mlx_lm) -> dict:

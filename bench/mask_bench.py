@@ -81,7 +81,7 @@ DOCUMENT = json.dumps({"name": "get_weather", "arguments": {
     "city": "San Francisco, California", "days": 5, "units": "metric",
     "notes": "The user is planning a hike on Saturday and wants to know about rain."}})
 # A bounded string: every length is a lexer state of its own, which defeats
-# llguidance's per-state mask cache (see docs/constrain_notes.md).
+# llguidance's per-state mask cache (docs/design.md, "Structured output").
 BOUNDED = json.loads(json.dumps(SCHEMA))
 BOUNDED["properties"]["arguments"]["properties"]["notes"]["maxLength"] = 200
 SENTENCE = "Yes. The forecast says it will be dry, but it's windy near the coast."

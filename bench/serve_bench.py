@@ -29,6 +29,12 @@ Run only when named (--workloads):
              64 tokens, streamed
   xtc        1 client, 4 chats sampling with XTC (temperature 0.8,
              xtc_probability 0.5, xtc_threshold 0.1, seeded), 96 tokens each
+  json       4 concurrent clients, each with its own JSON schema
+             (bench/schemas/*.json) as `response_format`, 2 chats each, up to
+             256 tokens, greedy: prints how many answers are complete JSON
+             valid under their schema on each server (mlx_lm.server ignores
+             response_format: its answers are free text, not compared with
+             ours; ours must all be valid, else the bench exits 1)
 
 On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md); the
 servers inherit the environment:
@@ -120,8 +126,8 @@ def peak_rss_mb(pid: int) -> float:
 
 # -- one request ---------------------------------------------------------------------------------
 def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
-    """One chat completion: its text, completion tokens, TTFT (streamed) or
-    latency, or the error."""
+    """One chat completion: its text, completion tokens, finish reason, TTFT
+    (streamed) or latency, or the error."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             **(fields or {})}
     if stream:
@@ -156,7 +162,7 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
     end = time.perf_counter()
     if finish is None:  # a server that fails after the headers ends the stream early
         return {"error": "the answer ended without a finish_reason"}
-    return {"text": text, "tokens": usage.get("completion_tokens", 0),
+    return {"text": text, "tokens": usage.get("completion_tokens", 0), "finish": finish,
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
             "prompt_tokens": usage.get("prompt_tokens", 0),
             "ttft": (first or end) - t0 if stream else end - t0}
@@ -215,6 +221,48 @@ def long_prompt(url, rnd: int):
     return [r]
 
 
+SCHEMAS = {p.stem: json.loads(p.read_text())
+           for p in sorted((Path(__file__).parent / "schemas").glob("*.json"))}
+ASK_JSON = {"weather": "Give the weather forecast for a city as JSON.",
+            "person": "Describe a programmer as JSON.",
+            "review": "Review the code above as JSON.",
+            "todo": "Write a to-do item for the code above as JSON."}
+
+
+def valid_json(text: str, schema: dict) -> bool:
+    """The answer is one JSON document valid under `schema` (jsonschema)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def json_clients(url, rnd: int, per_client: int = 2, max_tokens: int = 256):
+    """4 concurrent clients, each asking for its own schema's JSON."""
+    names = list(SCHEMAS)[:4]
+
+    def client(c):
+        out = []
+        for j in range(per_client):
+            name = names[c]
+            fmt = {"type": "json_schema", "json_schema": {"name": name, "strict": True,
+                                                          "schema": SCHEMAS[name]}}
+            r = chat(url, [{"role": "user", "content": f"{_task(rnd, c * per_client + j)}\n"
+                                                       f"{ASK_JSON.get(name, 'Answer as JSON.')}"}],
+                     max_tokens, {"response_format": fmt})
+            r["greedy"] = False  # (mlx_lm.server's answers are free text: not compared)
+            if "error" not in r:
+                r["valid"] = r["finish"] == "stop" and valid_json(r["text"], SCHEMAS[name])
+            out.append(r)
+        return out
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        return [r for rs in pool.map(client, range(len(names))) for r in rs]
+
+
 WORKLOADS = {
     "single": lambda url, rnd: clients(url, 1, 4, 96, rnd),
     "same4": lambda url, rnd: clients(url, 4, 3, 64, rnd),
@@ -231,6 +279,7 @@ WORKLOADS.update({
     "long": long_prompt,
     "xtc": lambda url, rnd: clients(url, 1, 4, 96, rnd, fields=[{
         "temperature": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.1, "seed": 4}]),
+    "json": json_clients,
 })
 
 
@@ -242,6 +291,7 @@ def run(workload: str, url: str, rnd: int) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     return {"tps": tokens / wall, "wall": wall, "tokens": tokens,
             "errors": [r["error"] for r in results if "error" in r],
+            "valid": [r["valid"] for r in ok if "valid" in r],
             "ttft": [r["ttft"] for r in ok],
             "greedy_texts": [r.get("text") if r["greedy"] else None for r in results]}
 
@@ -291,7 +341,10 @@ def main(argv=None):
                 print(f"round {rnd + 1} {w:>6}: mlx_lm {lm['tps']:6.1f} tok/s, mlx_mtp "
                       f"{mtp['tps']:6.1f} tok/s, ratio {mtp['tps'] / lm['tps']:.2f}x"
                       + (f", errors {lm['errors'] + mtp['errors']}"
-                         if lm["errors"] or mtp["errors"] else ""), flush=True)
+                         if lm["errors"] or mtp["errors"] else "")
+                      + (f", valid JSON mlx_lm {sum(lm['valid'])}/{len(lm['valid'])} mlx_mtp "
+                         f"{sum(mtp['valid'])}/{len(mtp['valid'])}" if mtp["valid"] else ""),
+                      flush=True)
         rss = {name: peak_rss_mb(proc.pid) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
@@ -304,14 +357,18 @@ def main(argv=None):
         # greedy answers that differ: (round, request, mlx_lm's text, mlx_mtp's)
         diffs = [(i, j, a, b) for i, r in enumerate(rs) for j, (a, b) in enumerate(
             zip(r["mlx_lm"]["greedy_texts"], r["mlx_mtp"]["greedy_texts"])) if a != b]
+        compared = sum(a is not None for r in rs for a in r["mlx_lm"]["greedy_texts"])
         row = {"ratio": statistics.median(ratios), "ratios": ratios, "equal": not diffs,
+               "compared": compared,
                "differ": [{"round": i + 1, "request": j, "mlx_lm": a, "mlx_mtp": b}
                           for i, j, a, b in diffs]}
         for name in servers:
             ttft = [t for r in rs for t in r[name]["ttft"]]
+            checked = [v for r in rs for v in r[name]["valid"]]
             row[name] = {"tps": [r[name]["tps"] for r in rs],
                          "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
-                         "errors": sum(len(r[name]["errors"]) for r in rs)}
+                         "errors": sum(len(r[name]["errors"]) for r in rs),
+                         "valid": sum(checked), "checked": len(checked)}
         summary[w] = row
     print(f"\n{args.rounds} rounds, servers alternated; tok/s = completion tokens / wall time "
           "of the workload; ratio = median over rounds of mlx_mtp / mlx_lm")
@@ -326,7 +383,14 @@ def main(argv=None):
               f"| {row['ratio']:.2f}x [{min(row['ratios']):.2f}-{max(row['ratios']):.2f}] "
               f"| {lm['ttft_p50']:.2f} / {lm['ttft_p95']:.2f} s{note} "
               f"| {mtp['ttft_p50']:.2f} / {mtp['ttft_p95']:.2f} s{note} "
-              f"| {lm['errors'] + mtp['errors']} | {'yes' if row['equal'] else 'NO'} |")
+              f"| {lm['errors'] + mtp['errors']} "
+              f"| {('yes' if row['equal'] else 'NO') if row['compared'] else 'n/a'} |")
+    for w, row in summary.items():
+        if row["mlx_mtp"]["checked"]:
+            print(f"{w}: complete JSON valid under the request's schema: " + ", ".join(
+                f"{n} {row[n]['valid']}/{row[n]['checked']} "
+                f"({row[n]['valid'] / max(row[n]['checked'], 1):.0%})" for n in servers)
+                + " (mlx_lm.server ignores response_format)")
     for w, row in summary.items():
         for d in row["differ"]:
             at = next((i for i, (x, y) in enumerate(zip(d["mlx_lm"] or "", d["mlx_mtp"] or ""))
@@ -342,7 +406,7 @@ def main(argv=None):
                                               for r in rs] for w, rs in rounds.items()}},
                               indent=1))
     ok = all(r["equal"] and not r["mlx_lm"]["errors"] and not r["mlx_mtp"]["errors"]
-             for r in summary.values())
+             and r["mlx_mtp"]["valid"] == r["mlx_mtp"]["checked"] for r in summary.values())
     return 0 if ok else 1
 
 

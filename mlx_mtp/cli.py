@@ -1,6 +1,6 @@
 """The CLI `python -m mlx_mtp.generate`: mlx_lm.generate's flags plus
 --draft-tokens (--draft-model takes a folder holding the MTP head, not a
-separate model). The library functions are in `api.py` (`mlx_mtp.generate`,
+separate model) and structured output (--json-schema, --regex, --grammar). The library functions are in `api.py` (`mlx_mtp.generate`,
 ...); `generate.py` only runs `main` (see there why)."""
 
 from __future__ import annotations
@@ -34,6 +34,39 @@ def _json_object(name):
         if not isinstance(value, dict):
             raise argparse.ArgumentTypeError(f"{name} must be a JSON object")
         return value
+    return parse
+
+
+def read_constraint(kind: str, text: str):
+    """mlx_mtp.constrain of a flag's value: kind "json_schema" (a file, or the
+    schema itself when it starts with '{'), "regex" (the regex) or "grammar"
+    (a Lark file). ValueError, one line, for a bad one (llguidance is
+    imported only here)."""
+    from .constraint import constrain
+
+    value = text
+    if kind == "grammar" or (kind == "json_schema" and not text.lstrip().startswith("{")):
+        try:
+            with open(text, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            what = "a file" if kind == "grammar" else "a file or a JSON object"
+            raise ValueError(f"not {what}: cannot read {text!r} "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+    return constrain(**{kind: value})
+
+
+def _constraint(kind: str):
+    """An argparse type: --json-schema FILE_OR_JSON, --regex REGEX or --grammar
+    FILE (Lark), compiled by mlx_mtp.constrain (`read_constraint`); a bad one
+    is argparse's one `error:` line, exit 2."""
+    def parse(text):
+        try:
+            return read_constraint(kind, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = "--" + kind.replace("_", "-")
     return parse
 
 
@@ -103,6 +136,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-file", type=str, default=None,
                    help="A prompt cache from mlx_lm.cache_prompt (or save_prompt_cache): "
                         "the prompt continues after the cached one")
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", dest="constraint", type=_constraint("json_schema"),
+                            metavar="FILE_OR_JSON",
+                            help="the output is JSON valid under this JSON schema (a file, or "
+                                 "the schema itself)")
+    structured.add_argument("--regex", dest="constraint", type=_constraint("regex"),
+                            metavar="REGEX", help="the output matches this regex (whole)")
+    structured.add_argument("--grammar", dest="constraint", type=_constraint("grammar"),
+                            metavar="FILE", help="the output follows this Lark grammar "
+                                                 "(llguidance's dialect)")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    nargs="?", const=True, default=False,
                    help="Also print timing, MTP statistics and the path each kernel took "
@@ -129,7 +172,14 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
         if args.system_prompt is not None:
             messages.append({"role": "system", "content": args.system_prompt})
         messages.append({"role": "user", "content": prompt})
-        kwargs = args.chat_template_config or {}
+        kwargs = dict(args.chat_template_config or {})
+        if getattr(args, "constraint", None) is not None and tokenizer.has_thinking and (
+                "enable_thinking" not in kwargs):
+            # the grammar covers the whole output: a think block would have to follow it
+            kwargs["enable_thinking"] = False
+            print("mlx_mtp: thinking is off under --json-schema/--regex/--grammar (the output "
+                  "follows it from its first token); --chat-template-config "
+                  "'{\"enable_thinking\": true}' keeps it", file=sys.stderr)
         prompt = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
@@ -251,7 +301,8 @@ def _main(argv=None):
                     draft_tokens=args.draft_tokens, sampler=sampler,
                     logits_processors=processors, prefill_step_size=args.prefill_step_size,
                     draft_vocab=vocab, max_draft_tokens=args.max_draft_tokens,
-                    lookahead=not args.no_lookahead, prompt_cache=prompt_cache):
+                    lookahead=not args.no_lookahead, prompt_cache=prompt_cache,
+                    constraint=args.constraint):
                 print(last.text, end="", flush=True, file=out)
         except KeyboardInterrupt as e:  # what was generated is printed already
             print(flush=True, file=out)

@@ -28,7 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["Constraint", "constrain", "Matcher", "batch_masks", "unpack_bitmask",
+__all__ = ["Constraint", "constrain", "json_term", "Matcher", "batch_masks", "unpack_bitmask",
            "apply_bitmask", "MaskingProcessor"]
 
 # JSON is written with json.dumps' separators and no other whitespace: a free
@@ -106,6 +106,22 @@ def constrain(json_schema: Any = None, *, json_object: bool = False, regex: Opti
     if is_error:
         raise ValueError(f"cannot use this {_LABEL[kind]}: {_one_line(messages[0], kind)}")
     return Constraint(kind, source, definition)
+
+
+def json_term(json_schema: Any = None, *, json_object: bool = False) -> str:
+    """A JSON schema as a term of a Lark grammar (llguidance's `%json {...}`),
+    for grammars that embed JSON (a tool call's arguments, an answer after a
+    model's reasoning): checked and refused as `constrain(json_schema=...)`
+    does (ValueError, one line), written with the same layout (json.dumps'
+    separators) and the same refusal of unimplemented keywords (the options
+    go in the schema's `x-guidance`: our defaults, the schema's own, then
+    `lenient: false`). json_object=True: any JSON object."""
+    schema = {"type": "object"} if json_object else _schema_dict(json_schema)
+    if not json_object:
+        constrain(json_schema=schema)  # its refusals, in its words
+    own = schema.get("x-guidance")
+    options = {**JSON_OPTIONS, **(own if isinstance(own, dict) else {}), **JSON_OVERRIDES}
+    return "%json " + json.dumps({**schema, "x-guidance": options})
 
 
 def _schema_dict(json_schema) -> dict:
@@ -200,6 +216,32 @@ def llg_tokenizer(tokenizer, vocab_size: int):
     return per_width[vocab_size]
 
 
+_SPECIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _special_tokens(tokenizer, vocab_size: int) -> np.ndarray:
+    """The ids llguidance treats as special tokens (every added token of the
+    HF tokenizer, `<think>` and `<tool_call>` included, whether or not the
+    tokenizer calls it special), stop tokens left out; cached like
+    `llg_tokenizer`."""
+    per_width = _SPECIALS.setdefault(tokenizer, {})
+    if vocab_size not in per_width:
+        tok = llg_tokenizer(tokenizer, vocab_size)
+        added = getattr(_hf_tokenizer(tokenizer), "added_tokens_decoder", None) or {}
+        stops = set(tok.eos_tokens)
+        per_width[vocab_size] = np.array(sorted(
+            i for i in added if i < vocab_size and i not in stops and tok.is_special_token(i)),
+            dtype=np.int64)
+    return per_width[vocab_size]
+
+
+def warm_up(tokenizer, vocab_size: int):
+    """Build and cache what matchers for `tokenizer` at this logits width
+    need (llguidance's tokenizer walks the vocabulary: 0.07 s at 4K tokens,
+    8-10 s at 248K): a server calls it once at start, in the background."""
+    _special_tokens(tokenizer, vocab_size)
+
+
 _EXECUTOR = None
 
 
@@ -230,6 +272,7 @@ class Matcher:
         tok = llg_tokenizer(tokenizer, self.vocab_size)
         self.stop_tokens = frozenset(tok.eos_tokens)
         self._llg_tokenizer = tok
+        self._specials = _special_tokens(tokenizer, self.vocab_size)
         self._matcher = llguidance.LLMatcher(tok, constraint.grammar, log_level=0)
         self.finished = False  # a stop token was accepted: the row has ended
         self._raise_on_error()
@@ -319,7 +362,8 @@ class Matcher:
         run = []
         try:
             while len(run) < limit:
-                words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)
+                words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32).copy()
+                _drop_refused_specials(words, self, ())
                 if int(np.bitwise_count(words).sum()) != 1:
                     break
                 word = int(np.flatnonzero(words)[0])
@@ -369,11 +413,50 @@ def batch_masks(rows: Sequence[Tuple[Matcher, Sequence[int]]],
             with_drafts, out.ctypes.data, width * 4, total)
     if without:
         _executor().unsafe_compute_mask_ptr(without, out.ctypes.data, width * 4, total)
+    words = out.view(np.uint32)
+    # special tokens llguidance allowed (rarely any), per tokenizer, looked up at once
+    for specials in {id(m._specials): m._specials for m, _ in rows if m._specials.size}.values():
+        set_bits = (words[..., specials >> 5] >> (specials & 31).astype(np.uint32)) & 1
+        for r, i in {(int(r), int(i)) for r, i, _ in np.argwhere(set_bits)}:
+            matcher, drafts = rows[r]
+            if matcher._specials is specials and i < valid[r]:
+                _drop_refused_specials(words[r, i], matcher, drafts[:i])
     for r, n in enumerate(valid):
         out[r, n:] = out[r, n - 1]
     for matcher, _ in rows:
         matcher._raise_on_error()
-    return out.view(np.uint32), valid
+    return words, valid
+
+
+def _drop_refused_specials(words: np.ndarray, matcher: Matcher, prefix: Sequence[int]):
+    """Make one mask row (after `prefix` from the matcher's state) allow
+    exactly what the parser accepts where llguidance 1.9.1's does not: where
+    the grammar forces text that an added token spells (a regex `<tool_call>x`
+    on a tokenizer with a `<tool_call>` token, which llguidance treats as
+    special), its mask allows that token alone and consuming it fails
+    (llguidance issue #366's family; outlines #1771). A decoder would emit it
+    forever. Here such special tokens are cleared; a row left empty is
+    rebuilt token by token from the parser (`validate_tokens` over the
+    vocabulary: ~1 µs a token, only at such a position). Only the few
+    special ids are looked at otherwise; a set one costs one validate."""
+    specials = matcher._specials
+    if not specials.size:
+        return
+    set_bits = ((words[specials >> 5] >> (specials & 31).astype(np.uint32)) & 1).astype(bool)
+    if not set_bits.any():
+        return
+    prefix = [int(t) for t in prefix]
+    validate, n = matcher._matcher.validate_tokens, len(prefix) + 1
+    cleared = False
+    for t in specials[set_bits]:
+        if validate(prefix + [int(t)]) != n:
+            words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
+            cleared = True
+    if cleared and not words.any():
+        skip = set(specials.tolist()) | matcher.stop_tokens
+        for t in range(matcher.vocab_size):
+            if t not in skip and validate(prefix + [t]) == n:
+                words[t >> 5] |= np.uint32(1 << (t & 31))
 
 
 # -- device side ---------------------------------------------------------------

@@ -88,6 +88,18 @@ def xtc_special_tokens(tokenizer) -> list:
     return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
 
 
+def tool_call_format(tokenizer) -> Optional[str]:
+    """The name of the module of mlx_lm's tool parser the tokenizer wrapper
+    chose (`mlx_lm.tool_parsers.<name>`: "json_tools", "qwen3_coder", ...),
+    or None without tool calling. mlx_lm keeps the choice only as the
+    parser function (`tool_parser`); its module names the format of the
+    calls the chat template writes (server/structured.py constrains them)."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    module = getattr(parser, "__module__", None) or ""
+    prefix = "mlx_lm.tool_parsers."
+    return module[len(prefix):] if module.startswith(prefix) else None
+
+
 # -- where mlx_lm has no clean override ------------------------------------------------------
 def hand_body_to(handler, body: dict):
     """Give mlx_lm's `APIHandler.do_POST` the (checked) request body.
@@ -239,6 +251,14 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.utils:load_model",
          ("model_path", "lazy", "strict", "model_config", "get_model_classes")),
     Need("mlx_lm.utils:load_tokenizer", ("model_path", "tokenizer_config_extra")),
+    # the tool-call formats server/structured.py writes (`tool_call_format`):
+    # each module's parse_tool_call(text, tools) and its start / end markers
+    Need("mlx_lm.tool_parsers.json_tools:parse_tool_call", ("text", "tools")),
+    Need("mlx_lm.tool_parsers.json_tools:tool_call_start"),
+    Need("mlx_lm.tool_parsers.json_tools:tool_call_end"),
+    Need("mlx_lm.tool_parsers.qwen3_coder:parse_tool_call", ("model_output", "tools")),
+    Need("mlx_lm.tool_parsers.qwen3_coder:tool_call_start"),
+    Need("mlx_lm.tool_parsers.qwen3_coder:tool_call_end"),
     # mlx_lm.server's dataclasses, built or read by server/
     Need("mlx_lm.server:CompletionRequest",
          fields=("request_type", "prompt", "messages", "tools", "role_mapping"),

@@ -453,3 +453,22 @@ def test_mtp_through_the_processor_path_is_the_reference(demo, depth):
         tokens.append(token)
     assert tokens == reference.tokens
     assert 0 < stats.accepted < stats.drafted  # drafts were kept and rejected: rollbacks ran
+
+
+def test_text_an_added_token_spells_is_written_in_bytes(tmp_path):
+    """llguidance treats every added token of a tokenizer (`<tool_call>`,
+    `<think>`) as special. Where a grammar forces the text one spells,
+    llguidance 1.9.1's mask allows that token alone and its parser then
+    refuses it: decoding would emit it forever. The matcher's masks allow
+    what the parser takes, so the text is written byte by byte."""
+    import mlx_mtp
+    from mlx_mtp.testing.synthetic import write_checkpoint
+
+    model, tok = mlx_mtp.load(write_checkpoint(tmp_path / "ck", tools="json"), quiet=True)
+    c = constrain(regex="<tool_call>x")
+    special = tok.encode("<tool_call>")
+    assert len(special) == 1  # an added token
+    assert not (Matcher(c, tok, model.vocab_size).mask()[special[0] >> 5] >> (special[0] & 31)) & 1
+    for k in (0, 2):
+        assert mlx_mtp.generate(model, tok, tok.encode("hi"), max_tokens=30, draft_tokens=k,
+                                constraint=c) == "<tool_call>x"

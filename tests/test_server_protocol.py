@@ -184,14 +184,14 @@ def test_streamed_chunks_carry_logprobs(srv):
     assert b"".join(bytes(e["bytes"]) for e in entries).decode().strip() == streamed.strip()
 
 
-# -- what mlx_lm.server would silently ignore is refused ---------------------------------------
+# -- what cannot be honoured is refused (mlx_lm.server would silently ignore it) -----------------
 CHAT = dict(messages=MSGS, max_tokens=4)
 ANTHROPIC = dict(model=SERVED, max_tokens=4, messages=MSGS)  # (any name is served: see above)
 REFUSED = [  # (path, body, the field the error names)
-    ("/v1/chat/completions", dict(CHAT, response_format={"type": "json_object"}),
-     "response_format"),
     ("/v1/chat/completions", dict(CHAT, response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}), "response_format"),
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}),
+     "response_format.json_schema.schema"),
+    # the demo model's chat template cannot call tools: a forced call cannot be made
     ("/v1/chat/completions", dict(CHAT, tools=TOOLS, tool_choice="required"), "tool_choice"),
     ("/v1/chat/completions", dict(CHAT, tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "add"}}), "tool_choice"),
@@ -209,6 +209,10 @@ REFUSED = [  # (path, body, the field the error names)
 ]
 SERVED_AS_ASKED = [
     ("/v1/chat/completions", dict(CHAT, response_format={"type": "text"})),
+    # (structured output: tests/test_server_structured.py)
+    ("/v1/chat/completions", dict(CHAT, response_format={"type": "json_object"})),
+    ("/v1/chat/completions", dict(CHAT, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}})),
     ("/v1/chat/completions", dict(CHAT, tools=TOOLS, tool_choice="auto")),
     ("/v1/chat/completions", dict(CHAT, tools=TOOLS, tool_choice="none")),
     ("/v1/messages", dict(ANTHROPIC, tools=ANTHROPIC_TOOLS, tool_choice={"type": "auto"})),

@@ -90,8 +90,9 @@ def _text(content, where: str = "", allowed=("text",)) -> str:
 
 
 def check_tool_choice(body: dict, tool_calling: bool):
-    """tool_choice: 'auto' and 'none' are served (not enforced); 'any' or a
-    named 'tool' force a call: refused without tools or tool calling."""
+    """tool_choice's shape: 'auto' and 'none' are served (not enforced); 'any'
+    or a named 'tool' force a call (structured.py constrains it): refused
+    without tools or tool calling."""
     choice = body.get("tool_choice")
     if choice is None:
         return

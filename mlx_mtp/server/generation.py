@@ -92,6 +92,10 @@ class MTPModelProvider(ModelProvider):
         # may spell them), bounding a prompt's tokens from below by its length
         self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab())))
         self.token_text = TokenText(tokenizer)  # logprobs' token texts and bytes
+        # structured output's tokenizer (llguidance walks the vocabulary: seconds at
+        # 248K tokens), built in the background rather than on the first request
+        threading.Thread(target=_warm_structured, args=(tokenizer, model.vocab_size),
+                         daemon=True, name="mlx_mtp-llguidance").start()
 
     @property
     def context_length(self) -> int:
@@ -108,6 +112,15 @@ class MTPModelProvider(ModelProvider):
         if given is not None:
             return given
         return min(MAX_BODY, BODY_SLACK + JSON_BYTES_PER_TOKEN * self.context_length)
+
+
+def _warm_structured(tokenizer, vocab_size: int):
+    try:
+        from ..constraint import warm_up
+
+        warm_up(tokenizer, vocab_size)
+    except Exception as e:  # (a slow tokenizer: requests asking for structure get the error)
+        logging.info("structured output's tokenizer was not built: %s", e)
 
 
 # -- generation ---------------------------------------------------------------------------------

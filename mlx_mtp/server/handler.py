@@ -28,11 +28,10 @@ from .. import checks
 from ..batch import MTPStats
 from ..mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, generation_arguments,
                              hand_body_to, text_segments, validate_depth)
-from . import anthropic
+from . import anthropic, structured
 from .generation import Refused
 from .logprobs import entries
-from .schemas import (CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, check_openai_options,
-                      parse_json, utf8, validate)
+from .schemas import CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, parse_json, utf8, validate
 
 # routes and their methods (OPTIONS, CORS's preflight, is answered on any path)
 OPENAI_ROUTES = {"/v1/completions": COMPLETION_SCHEMA, "/v1/chat/completions": CHAT_SCHEMA,
@@ -92,6 +91,7 @@ class MTPAPIHandler(APIHandler):
 
     stats: Optional[MTPStats] = None  # the request's, filled by the generation thread
     seen: Optional[list] = None  # the request's Responses so far (their logprobs)
+    wanted: Optional[structured.Wanted] = None  # what its output must be (structured output)
     logprobs_sent = 0  # of `seen`, those whose logprobs went out in a streamed chunk
 
     def __init__(self, response_generator, *args, **kwargs):
@@ -233,7 +233,8 @@ class MTPAPIHandler(APIHandler):
             checks.logit_bias(body.get("logit_bias"), mp.model.vocab_size)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param="logit_bias") from None
-        check_openai_options(body, mp.tokenizer.has_tool_calling)
+        # response_format and a forcing tool_choice (compiled here: a bad schema is a 400)
+        self.wanted = structured.openai(body, mp.tokenizer, mp.model.vocab_size)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
             self.response_generator.cli_args.max_tokens
         # (before mlx_lm's handler parses the body again: see preflight)
@@ -337,6 +338,7 @@ class MTPAPIHandler(APIHandler):
             try:
                 held.enter_context(rg.slot())
                 rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
+                constrain(request, self.wanted, rg.model_provider)
             except ApiError as e:
                 return self.send_api_error(e)
             # the generation thread counts into these (`_prepare`); `usage` reports them
@@ -412,11 +414,13 @@ class MTPAPIHandler(APIHandler):
             anthropic.check_tool_choice(body, mp.tokenizer.has_tool_calling)
         except anthropic.RequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
+        wanted = structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size)
         request = CompletionRequest("chat", "", messages, tools, None)
         max_tokens = body.get("max_tokens", 1)
         prompt = rg.preflight(request, template_args, max_tokens)
         if count_only:
             return self._send_json(200, {"input_tokens": len(prompt)})
+        constrain(request, wanted, mp)
         # the fields the Messages API does not have take mlx_lm.server's defaults
         args = generation_arguments(
             **NEUTRAL, model="default_model", draft="default_model",
@@ -481,6 +485,16 @@ class MTPAPIHandler(APIHandler):
                 self._write_event(*event)
         else:
             self._send_json(200, msg.response())
+
+
+def constrain(request, wanted: Optional[structured.Wanted], mp):
+    """Give a request the grammar its output must follow (lane.py masks its
+    row with it), once its prompt is rendered (`preflight`): where the
+    prompt leaves the model thinking, the grammar starts after the thinking."""
+    if wanted is not None:
+        initial_state = request.mtp_tokenized[3]
+        request.mtp_constraint = structured.constraint(wanted, mp.tokenizer, mp.model.vocab_size,
+                                                       initial_state)
 
 
 class _HTTPServer(ThreadingHTTPServer):

@@ -41,6 +41,7 @@ class _Settings:
     depth: object
     sampling: RowSampling
     processors: tuple  # mlx_lm's processors, on the host: what is not in-graph
+    # (a request's grammar mask joins them per row, in `_Lane._prepare`)
 
     @classmethod
     def of(cls, gen, args) -> "_Settings":
@@ -154,9 +155,15 @@ class _Lane:
             gen.prompt_cache.insert_cache(key, prompt[:n + done], copy.deepcopy(cache),
                                           cache_type=kinds_at[done])
 
+        processors = settings.processors
+        constraint = getattr(request, "mtp_constraint", None)  # (handler.py's `constrain`)
+        if constraint is not None:  # structured output: the grammar's mask, last (as the API's)
+            from ..constraint import MaskingProcessor
+
+            processors = (*processors, MaskingProcessor(constraint, tokenizer))
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed,
-            sampler=settings.sampling, logits_processors=settings.processors, stats=ctx.stats,
+            sampler=settings.sampling, logits_processors=processors, stats=ctx.stats,
             progress=lambda done, total: rqueue.put((n + done, n + total)),
             cached_tokens=prompt[:n],  # penalties count the cached prefix, as mlx_lm.server's
             stop_tokens=tokenizer.eos_token_ids,

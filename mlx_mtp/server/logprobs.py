@@ -6,13 +6,16 @@ For each generated token, `logprobs.content` holds
 text (decoded, not the tokenizer's byte-level piece such as "Ġdef"; a token
 that is only part of a UTF-8 character is "bytes:\\xe4\\xbd", as OpenAI
 writes it), `bytes` its UTF-8 bytes, `top_logprobs` the most likely tokens at
-that position, most likely first. Each entry also carries `id`, the token id,
-as mlx_lm.server's do. Not mlx_lm's `_format_top_logprobs`: it named the
+that position, most likely first; a logprob of -inf (a token a grammar's mask
+or a filter removed) is written -9999.0, OpenAI's "very unlikely", as JSON
+has no infinity. Each entry also carries `id`, the token id, as
+mlx_lm.server's do. Not mlx_lm's `_format_top_logprobs`: it named the
 first of an unsorted top list as the chosen token and returned raw pieces.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Dict, List, Sequence, Tuple
 
@@ -73,13 +76,22 @@ class TokenText:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def item(self, token: int, logprob: float) -> dict:
-        return {"id": token, "token": self.text(token), "logprob": logprob,
+        return {"id": token, "token": self.text(token), "logprob": finite(logprob),
                 "bytes": list(self.bytes(token))}
 
     def entry(self, token: int, logprob: float, top: Sequence[Tuple[int, float]]) -> dict:
         """One generated token's `logprobs.content` entry."""
         return dict(self.item(token, logprob),
                     top_logprobs=[self.item(i, lp) for i, lp in top])
+
+
+# OpenAI's logprob for "very unlikely": a token a grammar's mask removed (or a
+# filter) has -inf, which JSON cannot carry (json.dumps writes -Infinity)
+UNLIKELY = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else UNLIKELY
 
 
 def entries(table: TokenText, responses: Sequence) -> List[dict]:

@@ -4,10 +4,9 @@ else is refused. The numeric ones (ranges, 'auto', null) are made from the
 table in params.py. `ApiError` is how every refusal travels to the handler.
 
 Also here, the checks that need no model: the body as JSON (`parse_json`:
-nesting, NaN, lone surrogates), what mlx_lm.server would silently ignore
-(`check_openai_options`: `response_format`, a forced `tool_choice`), and the
-characters a prompt holds verbatim (`prompt_chars`), which bound its tokens
-from below before anything is tokenized."""
+nesting, NaN, lone surrogates) and the characters a prompt holds verbatim
+(`prompt_chars`), which bound its tokens from below before anything is
+tokenized. `response_format` and `tool_choice` are read in structured.py."""
 
 from __future__ import annotations
 
@@ -178,46 +177,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # (only a lone one survives json.loa
 def _bad_char(s: str) -> Optional[Tuple[int, str]]:
     found = _SURROGATE.search(s)  # (no copy of the string, unlike encoding it)
     return None if found is None else (found.start(), found.group())
-
-
-# -- what mlx_lm.server would silently ignore --------------------------------------------------
-FORCED_OPENAI = "required"
-
-
-def check_openai_options(body: dict, tool_calling: bool):
-    """`response_format` other than text (structured output is not built
-    yet) and a `tool_choice` that forces a call the model cannot make are
-    refused: mlx_lm.server ignores both and answers with plain text."""
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise ApiError(400, f"response_format {kind!r} is not supported: structured output is not "
-                            "implemented yet; only {'type': 'text'} (or none) is served",
-                       param="response_format")
-    choice = body.get("tool_choice")
-    if choice is None or choice in ("auto", "none"):
-        return
-    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
-        choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
-    if choice != FORCED_OPENAI and not named:
-        raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': "
-                            f"'function', 'function': {{'name': ...}}}}, not {choice!r}",
-                       param="tool_choice")
-    forced(choice if choice == FORCED_OPENAI else choice["function"]["name"],
-           bool(body.get("tools")), tool_calling, "tool_choice")
-
-
-def forced(what: str, has_tools: bool, tool_calling: bool, param: str):
-    """A tool_choice that forces a tool call (OpenAI's 'required' or a named
-    function, Anthropic's 'any' or 'tool'): refused when the request has no
-    tools or the model's chat template cannot call them. On a model that
-    can, it is served and not enforced (README, "Errors and limits")."""
-    if not has_tools:
-        raise ApiError(400, f"{param} forces a tool call ({what!r}) but the request has no tools",
-                       param=param)
-    if not tool_calling:
-        raise ApiError(400, f"{param} forces a tool call ({what!r}), but this model's chat "
-                            "template has no tool calling", param=param)
 
 
 # -- the prompt's size, before tokenizing --------------------------------------------------------

@@ -26,6 +26,66 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Chat templates with tool calling (and thinking), in the two formats of the
+# supported families: Qwen3-Next's JSON calls (mlx_lm's `json_tools` parser)
+# and Qwen3.5/3.6's XML calls (`qwen3_coder`). mlx_lm infers the parser from
+# the template's text; `<think>` / `</think>` in the vocabulary turn its
+# thinking on. Written for the tests, in the released templates' shape.
+# (HF renders templates with trim_blocks: every newline here is in a {{ '...' }})
+_TOOLS_PREAMBLE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n<tools>' }}{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\n</tools>\nCALLS<|im_end|>\n' }}{% endif %}"
+)
+_TOOLS_TURNS = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% if message['content'] %}{{ message['content'] + '\n' }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}"
+    "{% if not loop.first %}{{ '\n' }}{% endif %}CALL{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ 'THINK_OFF' }}"
+    "{% else %}{{ 'THINK_ON' }}{% endif %}{% endif %}"
+)
+_JSON_CALL = ("{{ '<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+              "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+              "{% else %}{{ tool_call.arguments | tojson }}{% endif %}{{ '}\n</tool_call>' }}")
+_XML_CALL = ("{{ '<tool_call>\n<function=' + tool_call.name + '>\n' }}"
+             "{% for name, value in tool_call.arguments | items %}"
+             "{{ '<parameter=' + name + '>\n' }}"
+             "{% if value is string %}{{ value }}{% else %}{{ value | tojson }}{% endif %}"
+             "{{ '\n</parameter>\n' }}{% endfor %}{{ '</function>\n</tool_call>' }}")
+TOOL_FORMATS = {
+    "json": ("For each call: <tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+             "<args-json-object>}\\n</tool_call>", _JSON_CALL),
+    # (mlx_lm recognizes the format by this line's "<tool_call>\n<function=")
+    "xml": ("For each call: <tool_call>\\n<function=NAME>\\n<parameter=NAME>\\nvalue\\n"
+            "</parameter>\\n</function>\\n</tool_call>", _XML_CALL),
+}
+THINK_TOKENS = ("<think>", "</think>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+
+
+def tool_chat_template(fmt: str, thinking: bool = False) -> str:
+    """A chat template that calls tools in `fmt` ("json" or "xml"); with
+    `thinking`, the generation prompt opens a think block, as Qwen's
+    templates do, unless `enable_thinking` is false (then, unlike Qwen's, it
+    writes no empty block: a next turn's prompt then extends this one's
+    prompt and answer exactly, as a template without thinking does)."""
+    calls, call = TOOL_FORMATS[fmt]
+    on, off = ("<think>\\n" if thinking else "", "")
+    return (_TOOLS_PREAMBLE.replace("CALLS", calls)
+            + _TOOLS_TURNS.replace("CALL", call).replace("THINK_ON", on)
+            .replace("THINK_OFF", off))
+
 
 # The geometry both tiny families share (Qwen3.5's and Qwen3-Next's configs
 # name these fields alike), and their MoE fields
@@ -218,8 +278,12 @@ def random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
     return t
 
 
-def write_tokenizer(path: Path, eos_token_id: int = 258):
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
+def write_tokenizer(path: Path, eos_token_id: int = 258, chat_template: str = CHAT_TEMPLATE,
+                    added=()):
+    """A byte-level tokenizer (256 byte tokens, no merges) with Qwen's three
+    special tokens (ids 256-258) and `added` plain added tokens after them
+    (e.g. `<think>`, as Qwen's tokenizers add them: not special)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -227,12 +291,14 @@ def write_tokenizer(path: Path, eos_token_id: int = 258):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    if added:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }, indent=1))
 
 
@@ -264,9 +330,21 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
                      per_expert: bool = False, dtype: str = "float32", shards: int = 1,
                      text_overrides: Optional[Dict] = None,
                      weights: Optional[Dict[str, np.ndarray]] = None,
-                     family: str = "qwen3_5") -> Path:
+                     family: str = "qwen3_5", tools: Optional[str] = None,
+                     thinking: bool = False) -> Path:
     """Write a random checkpoint folder in the released HF layout: Qwen3.5
-    (Qwen3.5-MoE with moe=True), or Qwen3-Next with family="qwen3_next"."""
+    (Qwen3.5-MoE with moe=True), or Qwen3-Next with family="qwen3_next".
+    tools="json" or "xml": a chat template that calls tools in that format
+    (`tool_chat_template`), `<tool_call>` / `</tool_call>` added tokens;
+    thinking: `<think>` / `</think>` too, and the template opens a think
+    block (as Qwen3.5's)."""
+    added = (THINK_TOKENS if thinking else ()) + (TOOL_TOKENS if tools else ())
+    template = tool_chat_template(tools, thinking) if tools else CHAT_TEMPLATE
+    if thinking and not tools:
+        raise ValueError("thinking=True needs tools= (the template with thinking calls tools)")
+    if added:
+        text_overrides = dict(text_overrides or {})
+        text_overrides.setdefault("vocab_size", _TINY["vocab_size"] + len(added))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if family == "qwen3_next":
@@ -275,7 +353,7 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
             weights = random_weights(config, seed, mtp=mtp)
         (path / "config.json").write_text(json.dumps(config, indent=1))
         save_safetensors_shards(path, weights, dtype, shards)
-        write_tokenizer(path, config["eos_token_id"])
+        write_tokenizer(path, config["eos_token_id"], template, added)
         return path
     if family != "qwen3_5":
         raise ValueError(f"unknown family {family!r}")
@@ -292,7 +370,7 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
     save_safetensors_shards(path, weights, dtype, shards)
-    write_tokenizer(path, tc["eos_token_id"])
+    write_tokenizer(path, tc["eos_token_id"], template, added)
     return path
 
 
