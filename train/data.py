@@ -19,10 +19,11 @@ import hashlib
 import json
 import random
 import re
+import sys
 import sysconfig
 import textwrap
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -201,22 +202,81 @@ def renamed(examples, rng: random.Random, words: List[str], copies: int):
     return out
 
 
+def rename_identifiers(source: str, rng: random.Random, words: List[str]) -> Optional[str]:
+    """`source` with every name it binds or uses renamed, consistently, to 1-3
+    random words (snake_case; CamelCase for a capitalised name): the function
+    or class, its parameters, its locals. Kept: keywords, builtins, `self` /
+    `cls`, dunder names, the standard library's module names, attributes
+    (after a dot, whose owner may live elsewhere), strings and comments.
+    Predicting a renamed name's second use needs what came before it in the
+    window: the model learns to copy names from its context (the prompt's
+    signature into its answer, parameters into the body), which memorised
+    bodies never teach. None when the source does not tokenize."""
+    import builtins
+    import io
+    import keyword
+    import tokenize
+
+    keep = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls"} | set(
+        getattr(sys, "stdlib_module_names", ()))
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return None
+    mapping, edits, previous = {}, [], None
+    for tok in tokens:
+        if (tok.type == tokenize.NAME and tok.string not in keep
+                and not (tok.string.startswith("__") and tok.string.endswith("__"))
+                and not (previous is not None and previous.string == ".")):
+            new = mapping.get(tok.string)
+            if new is None:
+                parts = rng.sample(words, rng.randint(1, 3))
+                new = ("".join(w.capitalize() for w in parts) if tok.string[:1].isupper()
+                       else "_".join(parts))
+                mapping[tok.string] = new
+            edits.append((tok.start, tok.end, new))
+        if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT,
+                            tokenize.DEDENT):
+            previous = tok
+    lines = source.split("\n")
+    for (row, c0), (_, c1), new in reversed(edits):
+        line = lines[row - 1]
+        lines[row - 1] = line[:c0] + new + line[c1:]
+    return "\n".join(lines)
+
+
+def renamed_everywhere(examples, rng: random.Random, words: List[str], copies: int):
+    """Each example `copies` more times with its names renamed
+    (`rename_identifiers`); the signature follows its source's first line."""
+    out = []
+    for sig, src in examples:
+        for _ in range(copies):
+            new = rename_identifiers(src, rng, words)
+            if new is not None:
+                out.append((new.split("\n", 1)[0].strip(), new))
+    return out
+
+
 def chat_text(signature: str, source: str) -> str:
     return (f"<|im_start|>user\n{signature}<|im_end|>\n"
             f"<|im_start|>assistant\n{source}<|im_end|>\n")
 
 
 def build_documents(train_docs, seed: int, chat_fraction: float, renames: int = 0,
-                    **examples):
+                    identifier_renames: int = 0, **examples):
     """Training documents: files plus chat examples (`function_examples`'
-    options in `examples`; each also `renames` times renamed), shuffled with
+    options in `examples`; each also `renames` times under a new name, and
+    `identifier_renames` times with all its names renamed), shuffled with
     `seed`."""
     rng = random.Random(seed)
     docs = [t for _, t in train_docs]
     n_chars = sum(map(len, docs))
     ex = function_examples(train_docs, **examples)
-    if renames:
-        ex += renamed(ex, rng, name_words(train_docs), renames)
+    words = name_words(train_docs) if renames or identifier_renames else []
+    extra = renamed(ex, rng, words, renames) if renames else []
+    if identifier_renames:
+        extra += renamed_everywhere(ex, rng, words, identifier_renames)
+    ex += extra
     rng.shuffle(ex)
     chat, chars = [], 0
     budget = chat_fraction * n_chars / (1 - chat_fraction)

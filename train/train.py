@@ -228,6 +228,8 @@ def main(argv=None):
                    help="also chat examples of class openings (user: `class Name:`)")
     p.add_argument("--chat-renames", type=int, default=0,
                    help="each chat example this many more times under a random new name")
+    p.add_argument("--chat-identifier-renames", type=int, default=0,
+                   help="each chat example this many more times with all its names renamed")
     p.add_argument("--tokenizer", default=None,
                    help="use this folder's tokenizer.json (e.g. mlx_mtp/demo) instead of training one")
     p.add_argument("--config", default=None, help="JSON overrides of the text config")
@@ -262,7 +264,8 @@ def main(argv=None):
     train_docs, held_docs = data.split_corpus(corpus=args.corpus)
     docs, n_chat = data.build_documents(
         train_docs, args.seed, args.chat_fraction, max_chars=args.chat_max_chars,
-        min_lines=args.chat_min_lines, classes=args.chat_classes, renames=args.chat_renames)
+        min_lines=args.chat_min_lines, classes=args.chat_classes, renames=args.chat_renames,
+        identifier_renames=args.chat_identifier_renames)
     log(f"corpus: {len(train_docs)} train files, {len(held_docs)} held-out files, "
         f"{n_chat} chat examples, {sum(map(len, docs)) / 1e6:.1f}M train chars", logf)
     tok_dir = out / "tokenizer"
