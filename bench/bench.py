@@ -567,15 +567,7 @@ def main(argv=None):
                     mismatches[lab] += out != ref
                     per_round[lab][r][0] += n
                     per_round[lab][r][1] += dt
-                    a = agg[lab]
-                    a.cycles += st.cycles
-                    a.emitted += st.emitted
-                    for i, (d, c) in enumerate(zip(st.drafted_at, st.accepted_at)):
-                        while len(a.drafted_at) <= i:
-                            a.drafted_at.append(0)
-                            a.accepted_at.append(0)
-                        a.drafted_at[i] += d
-                        a.accepted_at[i] += c
+                    agg[lab].add(st)
 
         def pooled(lab):
             n = sum(x[0] for x in per_round[lab])
@@ -763,15 +755,7 @@ def constrained_bench(args, path, model, ref_model, tok, prompts, prompt_ids, de
                 r["same"] += (out, mfinish) == (ref, finish)
                 r["valid"] += valid(out, mfinish)
                 r["runs"] += 1
-                a = r["stats"]
-                a.cycles += st.cycles
-                a.emitted += st.emitted
-                for i, (d, c) in enumerate(zip(st.drafted_at, st.accepted_at)):
-                    while len(a.drafted_at) <= i:
-                        a.drafted_at.append(0)
-                        a.accepted_at.append(0)
-                    a.drafted_at[i] += d
-                    a.accepted_at[i] += c
+                r["stats"].add(st)
     base_tps = sum(r["base_tokens"] for r in per.values()) / sum(
         r["base_seconds"] for r in per.values())
     info = machine_info()

@@ -68,6 +68,17 @@ class MTPStats:
             self.drafted_at[i] += 1
             self.accepted_at[i] += int(i < accepted)
 
+    def add(self, other: "MTPStats"):
+        """Add another generation's counters to these (benches pool runs)."""
+        self.cycles += other.cycles
+        self.emitted += other.emitted
+        for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
+            while len(self.drafted_at) <= i:
+                self.drafted_at.append(0)
+                self.accepted_at.append(0)
+            self.drafted_at[i] += d
+            self.accepted_at[i] += a
+
     @property
     def drafted(self) -> int:
         return sum(self.drafted_at)

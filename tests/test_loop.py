@@ -101,3 +101,13 @@ def test_host_side_drafter_sees_the_rows_tokens(loaded):
         # each cycle's first draft comes from exactly the tokens emitted before it
         firsts = [p for p in prefixes if got[:len(p)] == list(p)]
         assert firsts[0] == () and len(set(map(len, firsts))) > 3
+
+
+def test_stats_add_pools_generations_of_different_depths():
+    a, b = MTPStats(), MTPStats()
+    a.record(1, 1)
+    b.record(3, 2)
+    b.record(2, 0)
+    a.add(b)
+    assert (a.cycles, a.emitted) == (3, 6)
+    assert a.drafted_at == [3, 2, 1] and a.accepted_at == [2, 1, 0]
