@@ -12,6 +12,7 @@ import pytest
 
 import mlx_mtp
 from mlx_mtp.loader import demo_model_path
+from train.probe import OPENINGS, complete_statements, judge
 
 pytestmark = pytest.mark.skipif(demo_model_path() is None, reason="demo model not installed")
 
@@ -169,3 +170,36 @@ def test_parallel_chain_training_forward_matches_decoding(demo):
     tokens = tok.encode(HELDOUT)[:120]
     assert head.check_chain(model, tokens, depth=4) < 1e-4
     assert head.check_chain(model, tokens, depth=3, first=70) < 1e-4
+
+
+def test_complete_statements_cuts_at_the_last_complete_one():
+    two = "def a():\n    return 1\n\ndef b(x):\n    if x:\n        return 2\n    else:\n"
+    assert complete_statements(two, ended=False) == "def a():\n    return 1"
+    assert complete_statements("def a():\n    return 1\n", ended=True) == "def a():\n    return 1"
+    assert complete_statements("def a():\n    return (1 +", ended=False) == ""
+    long = "\n".join(["def fib(n):"] + ["    x = 1"] * 3 + ["    y = 2"] * 5) + "\n"
+    assert judge("def fib(n):", long, ended=True) == {
+        "parses": True, "lines": 9, "max_repeat": 5, "names_it": True, "ok": False}
+
+
+# Issue 36's bar, not met by the shipped demo: it does not copy a name from
+# its prompt into its answer (train/README.md, "Teaching it to copy"; `python
+# -m train.probe mlx_mtp/demo` prints each criterion). Strict: a demo that
+# passes turns these into failures until the mark is removed.
+@pytest.mark.xfail(strict=True, reason="the demo model does not yet write what its prompt "
+                   "opens (issue 36)")
+@pytest.mark.parametrize("opening", OPENINGS)
+def test_writes_the_code_its_prompt_opens(demo, opening):
+    """Greedy, 200 tokens, through the chat template (as the README's first
+    command), MTP decoding: cut at its last complete top-level statement, the
+    answer parses, is at least 8 lines, repeats no line more than twice in a
+    row, and defines what the prompt opened (its name in the first two
+    lines)."""
+    model, tok = demo
+    prompt = tok.apply_chat_template([{"role": "user", "content": opening}],
+                                     add_generation_prompt=True)
+    text, last = "", None
+    for last in mlx_mtp.stream_generate(model, tok, prompt, max_tokens=200):
+        text += last.text
+    verdict = judge(opening, text, ended=last.finish_reason == "stop")
+    assert verdict["ok"], (verdict, text)

@@ -104,15 +104,38 @@ def n_params(model) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def losses(model, x, stop_grad: bool):
-    """(trunk CE, head CE) on a batch x [B, T]."""
+def losses(model, x, stop_grad: bool, weights=None):
+    """(trunk CE, head CE) on a batch x [B, T]; `weights` [B, T-1] weigh the
+    trunk's positions (`copy_weights`), None: all alike."""
     h = model.trunk_hidden(x, None)
     lt = model.logits_from_hidden(h[:, :-1])
-    l_trunk = nn.losses.cross_entropy(lt, x[:, 1:], reduction="mean")
+    if weights is None:
+        l_trunk = nn.losses.cross_entropy(lt, x[:, 1:], reduction="mean")
+    else:
+        ce = nn.losses.cross_entropy(lt, x[:, 1:], reduction="none")
+        l_trunk = (ce * weights).sum() / weights.sum()
     hh = mx.stop_gradient(h[:, :-2]) if stop_grad else h[:, :-2]
     g = model.mtp(hh, model.embed(x[:, 1:-1]))
     l_head = nn.losses.cross_entropy(model.logits_from_hidden(g), x[:, 2:], reduction="mean")
     return l_trunk, l_head
+
+
+def copy_weights(x: np.ndarray, common: np.ndarray, extra: float) -> np.ndarray:
+    """[B, T-1] weights of the next-token targets of windows x [B, T]: 1, or
+    1 + `extra` where the target is a rare token (not in `common`) that
+    already stood earlier in its window: the positions only copying from the
+    context predicts (a name's second use), so the gradient that builds
+    in-context copying is not drowned by the rest (train/README.md,
+    "Teaching it to copy")."""
+    w = np.ones((x.shape[0], x.shape[1] - 1), np.float32)
+    for b, row in enumerate(x):
+        seen = set()
+        for t, tok in enumerate(row[:-1].tolist()):
+            seen.add(tok)
+            nxt = int(row[t + 1])
+            if nxt in seen and not common[nxt]:
+                w[b, t] += extra
+    return w
 
 
 def lr_at(step, progress, peak, warmup, floor=0.1):
@@ -230,6 +253,9 @@ def main(argv=None):
                    help="each chat example this many more times under a random new name")
     p.add_argument("--chat-identifier-renames", type=int, default=0,
                    help="each chat example this many more times with all its names renamed")
+    p.add_argument("--copy-weight", type=float, default=0.0,
+                   help="extra weight of the trunk's loss where the target repeats a rare "
+                        "token of its window (copy_weights); 0: the plain objective")
     p.add_argument("--tokenizer", default=None,
                    help="use this folder's tokenizer.json (e.g. mlx_mtp/demo) instead of training one")
     p.add_argument("--config", default=None, help="JSON overrides of the text config")
@@ -307,14 +333,20 @@ def main(argv=None):
 
     opt = optim.AdamW(learning_rate=args.lr, betas=[0.9, 0.95], weight_decay=args.weight_decay)
 
-    def loss_fn(model, x):
-        a, b = losses(model, x, args.stop_grad)
+    def loss_fn(model, x, w):
+        a, b = losses(model, x, args.stop_grad, w)
         return a + args.mtp_weight * b, (a, b)
 
     vg = nn.value_and_grad(model, loss_fn)
+    # the most frequent ids (keywords, punctuation, indentation): repeats of
+    # these need no copying
+    common = np.zeros(config["text_config"]["vocab_size"], bool)
+    common[np.argsort(np.bincount(train_stream, minlength=common.size))[-256:]] = True
 
     def step(x):
-        (loss, (a, b)), grads = vg(model, x)
+        w = (mx.array(copy_weights(np.array(x), common, args.copy_weight))
+             if args.copy_weight else None)
+        (loss, (a, b)), grads = vg(model, x, w)
         grads, gnorm = optim.clip_grad_norm(grads, 1.0)
         opt.update(model, grads)
         return a, b, gnorm
