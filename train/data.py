@@ -224,16 +224,20 @@ def rename_identifiers(source: str, rng: random.Random, words: List[str]) -> Opt
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return None
     mapping, edits, previous = {}, [], None
+    # new names differ from each other and from every name the source keeps
+    taken = keep | {t.string for t in tokens if t.type == tokenize.NAME}
     for tok in tokens:
         if (tok.type == tokenize.NAME and tok.string not in keep
                 and not (tok.string.startswith("__") and tok.string.endswith("__"))
                 and not (previous is not None and previous.string == ".")):
             new = mapping.get(tok.string)
             if new is None:
-                parts = rng.sample(words, rng.randint(1, 3))
-                new = ("".join(w.capitalize() for w in parts) if tok.string[:1].isupper()
-                       else "_".join(parts))
+                while new is None or new in taken:  # two names never become one
+                    parts = rng.sample(words, rng.randint(1, 3))
+                    new = ("".join(w.capitalize() for w in parts) if tok.string[:1].isupper()
+                           else "_".join(parts))
                 mapping[tok.string] = new
+                taken.add(new)
             edits.append((tok.start, tok.end, new))
         if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT,
                             tokenize.DEDENT):
