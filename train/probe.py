@@ -118,16 +118,18 @@ def copy_probes(model, tok) -> dict:
 
 
 def load(path: Path):
-    """A model folder through mlx_mtp.load, or a training run's checkpoint."""
+    """A training run's checkpoint (its ckpt.safetensors), or a model folder
+    through mlx_mtp.load."""
     import mlx_mtp
 
-    if (path / "config.json").exists():
+    if not (path / "ckpt.safetensors").exists():
         return mlx_mtp.load(str(path))
     from mlx_lm.utils import load_tokenizer
 
     from .train import DEFAULT_TEXT_CONFIG, build_model, full_config
 
     tok = load_tokenizer(path / "tokenizer")
+    tok.add_eos_token("<|im_end|>")  # the exported config lists it; the run's tokenizer does not
     model = build_model(full_config(dict(DEFAULT_TEXT_CONFIG), [0, 2]), chunked=False)
     model.load_weights(str(path / "ckpt.safetensors"))
     model.eval()
