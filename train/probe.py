@@ -65,17 +65,18 @@ def judge(opening: str, text: str, ended: bool) -> dict:
     return c
 
 
-def answer(model, tok, opening: str, max_tokens: int = 200):
+def answer(model, tok, opening: str, max_tokens: int = 200, stream_generate=None):
     """The greedy answer to `opening` through the chat template, and whether
-    the model ended it (EOS) within `max_tokens` (plain mlx_lm decoding: a
-    training checkpoint has no MTP adapter, and MTP's greedy text is the
-    same)."""
-    import mlx_lm
+    the model ended it (EOS) within `max_tokens`. `stream_generate` defaults
+    to mlx_lm's (a training checkpoint has no MTP adapter, and MTP's greedy
+    text is the same); the test passes mlx_mtp's."""
+    if stream_generate is None:
+        from mlx_lm import stream_generate
 
     prompt = tok.apply_chat_template([{"role": "user", "content": opening}],
                                      add_generation_prompt=True)
     text, last = "", None
-    for last in mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens):
+    for last in stream_generate(model, tok, prompt, max_tokens=max_tokens):
         text += last.text
     return text, last.finish_reason == "stop"
 

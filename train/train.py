@@ -338,14 +338,13 @@ def main(argv=None):
         return a + args.mtp_weight * b, (a, b)
 
     vg = nn.value_and_grad(model, loss_fn)
-    # the most frequent ids (keywords, punctuation, indentation): repeats of
-    # these need no copying
-    common = np.zeros(config["text_config"]["vocab_size"], bool)
-    common[np.argsort(np.bincount(train_stream, minlength=common.size))[-256:]] = True
+    if args.copy_weight:
+        # the most frequent ids (keywords, punctuation, indentation): repeats
+        # of these need no copying
+        common = np.zeros(config["text_config"]["vocab_size"], bool)
+        common[np.argsort(np.bincount(train_stream, minlength=common.size))[-256:]] = True
 
-    def step(x):
-        w = (mx.array(copy_weights(np.array(x), common, args.copy_weight))
-             if args.copy_weight else None)
+    def step(x, w):
         (loss, (a, b)), grads = vg(model, x, w)
         grads, gnorm = optim.clip_grad_norm(grads, 1.0)
         opt.update(model, grads)
@@ -387,9 +386,10 @@ def main(argv=None):
             stopped = True
             break
         opt.learning_rate = lr_at(s, progress, args.lr, args.warmup)
-        x = mx.array(batch_at(train_stream, args.batch, args.seq, (args.seed, stage, s)))
+        batch = batch_at(train_stream, args.batch, args.seq, (args.seed, stage, s))
+        w = mx.array(copy_weights(batch, common, args.copy_weight)) if args.copy_weight else None
         ts = time.time()
-        a, b, gn = step(x)
+        a, b, gn = step(mx.array(batch), w)
         mx.eval(model.parameters(), opt.state, a, b)
         dt = time.time() - ts
         a, b = a.item(), b.item()
