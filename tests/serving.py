@@ -12,6 +12,13 @@ import time
 import requests
 
 
+# Requests the demo model answers at length (greedy, it loops on them: 1,500
+# tokens without an EOS; tests/test_demo_model.py checks 600):
+# for tests that need a request still decoding when they act. A short answer
+# (`def fibonacci(n):` ends in 36 tokens) would finish first.
+LONG_MESSAGES = [{"role": "user", "content": "class Stack:"}]
+LONG_PROMPT = "x = [1, 2, 3]\nprint("
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

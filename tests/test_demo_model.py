@@ -164,6 +164,21 @@ def test_completes_code_without_chat_template(demo):
     assert_python_looking("def fibonacci(n):" + text)
 
 
+def test_the_server_tests_long_requests_run_long(demo):
+    """tests/serving.py's LONG_MESSAGES and LONG_PROMPT, which the server tests
+    use for a request still decoding when they act, run 600 tokens (greedy)
+    without an EOS on this demo: a new demo that ends them fails here first."""
+    from serving import LONG_MESSAGES, LONG_PROMPT
+
+    model, tok = demo
+    chat = tok.apply_chat_template(LONG_MESSAGES, add_generation_prompt=True)
+    for ids in (chat, tok.encode(LONG_PROMPT)):
+        last = None
+        for last in mlx_mtp.stream_generate(model, tok, mx.array(ids), max_tokens=600):
+            pass
+        assert last.finish_reason == "length" and last.generation_tokens == 600
+
+
 def test_parallel_chain_training_forward_matches_decoding(demo):
     """train/head.py trains every chained draft step of every position at once
     (one boolean mask over the concatenated keys of steps 1..k); it must equal

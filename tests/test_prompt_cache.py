@@ -451,4 +451,4 @@ def test_head_context_in_config_is_checked(tmp_path):
         with pytest.raises(CheckpointError, match="config.json: mlx_mtp.head_context must be"):
             head_context({"mlx_mtp": {"head_context": bad}}, tmp_path)
     demo = json.loads((demo_model_path() / "config.json").read_text())
-    assert head_context(demo, demo_model_path()) == 256  # trained on 256-token windows
+    assert head_context(demo, demo_model_path()) == 512  # trained on 512-token windows

@@ -20,7 +20,7 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.loader import demo_model_path  # noqa: E402
-from serving import Server, chat_text, greedy_ids  # noqa: E402
+from serving import LONG_MESSAGES, Server, chat_text, greedy_ids  # noqa: E402
 
 DEMO = str(demo_model_path())
 
@@ -170,7 +170,7 @@ def test_disconnect_mid_stream(mtp):
     not wait for 3000 tokens), the server keeps serving, the next answer is right."""
     want = chat_text(mtp, CHATS[1])
     with socket.create_connection(("127.0.0.1", mtp.port)) as s:
-        body = json.dumps(dict(messages=CHATS[0]["messages"], max_tokens=3000, stream=True))
+        body = json.dumps(dict(messages=LONG_MESSAGES, max_tokens=3000, stream=True))
         s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                    f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
         seen = b""
@@ -191,8 +191,8 @@ def _cpu_seconds(pid: int) -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", dict(messages=CHATS[0]["messages"], max_tokens=3000)),
-    ("/v1/messages", dict(model="default_model", messages=CHATS[0]["messages"],
+    ("/v1/chat/completions", dict(messages=LONG_MESSAGES, max_tokens=3000)),
+    ("/v1/messages", dict(model="default_model", messages=LONG_MESSAGES,
                           max_tokens=3000)),
 ])
 def test_client_leaving_a_non_streamed_request_stops_it(mtp, path, body):
@@ -348,7 +348,7 @@ def test_api_key_strict_model_and_busy_server(tmp_path):
         assert ok.chat.completions.create(model="mlx-mtp-demo", **CHATS[4]).choices
         # a batch of one, nothing waiting: a second request while the first runs gets 503
         first = threading.Thread(target=lambda: ok.chat.completions.create(
-            model="default_model", messages=CHATS[0]["messages"], max_tokens=300))
+            model="default_model", messages=LONG_MESSAGES, max_tokens=300))
         first.start()
         time.sleep(1.0)
         r = requests.post(s.url + "/v1/chat/completions", json=CHATS[1],

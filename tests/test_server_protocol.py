@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
-from serving import PeakRSS, Server, greedy_ids, proc_status  # noqa: E402
+from serving import LONG_PROMPT, PeakRSS, Server, greedy_ids, proc_status  # noqa: E402
 
 SERVED = "mlx-mtp-demo"  # the demo model's id (no --model)
 READ_TIMEOUT = 2  # the server's --read-timeout here
@@ -65,7 +65,7 @@ def test_any_model_name_is_served_and_answered_with_the_served_id(srv):
     chunks = list(client.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=4,
                                                  stream=True))
     assert chunks and {c.model for c in chunks} == {SERVED}
-    c = client.completions.create(model="gpt-3.5-turbo-instruct", prompt="def f():",
+    c = client.completions.create(model="gpt-3.5-turbo-instruct", prompt=LONG_PROMPT,
                                   max_tokens=4)
     assert c.model == SERVED and c.choices[0].text
     a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
@@ -280,7 +280,7 @@ def test_a_lone_surrogate_is_named_as_such(srv):
 
 @pytest.mark.parametrize("path,body,kind", [
     ("/v1/chat/completions", dict(messages=MSGS), "chat.completion.chunk"),
-    ("/v1/completions", dict(prompt="def f():"), "text_completion"),
+    ("/v1/completions", dict(prompt=LONG_PROMPT), "text_completion"),
 ])
 def test_the_usage_chunk_is_a_chunk(srv, path, body, kind):
     r = requests.post(srv.url + path, stream=True, timeout=60, json=dict(

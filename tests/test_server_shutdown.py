@@ -14,10 +14,10 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
-from serving import Server  # noqa: E402
+from serving import LONG_MESSAGES, Server  # noqa: E402
 
 GRACE = 4  # seconds (--shutdown-grace)
-MSGS = [{"role": "user", "content": "def fibonacci(n):"}]
+MSGS = LONG_MESSAGES
 
 
 def test_sigterm_finishes_what_it_can_and_ends_the_rest_in_protocol(tmp_path):
