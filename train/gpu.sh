@@ -33,9 +33,10 @@ prepare)
   cp -r "$run/tokenizer" "$run/heldout.txt" .gpu/d1/
   python - "$run" "$init" <<'EOF' || exit 1
 import sys, numpy as np, mlx.core as mx
+from train.train import initial_weights  # a ckpt.safetensors or a model folder (mlx_mtp/demo)
 z = np.load(f"{sys.argv[1]}/tokens.npz")
 np.savez_compressed(".gpu/d1/tokens16.npz", train=z["train"].astype(np.uint16), held=z["held"].astype(np.uint16))
-w = mx.load(sys.argv[2])
+w = initial_weights(sys.argv[2])
 mx.save_safetensors(".gpu/d2/init16.safetensors", {k: v.astype(mx.float16) for k, v in w.items()})
 EOF
   # mlx_mtp.params needs jsonschema, which the GPU image lacks (it has attrs)
