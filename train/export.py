@@ -127,3 +127,37 @@ def ship(hf_path: Path, demo_dir: Path):
         cfg["mlx_mtp"]["source"] = "train/train.py (released-layout export)"
         cfg_file.write_text(json.dumps(cfg, indent=4))
     return r.returncode == 0
+
+
+def export_run(run: Path, demo_dir: Path, check: bool = True):
+    """A training run's final checkpoint (RUN/ckpt.safetensors and its
+    config.json) -> RUN/hf -> demo_dir: what `train.py --demo-dir` does after
+    training, for a checkpoint trained elsewhere (train/gpu.sh)."""
+    import numpy as np
+
+    from .train import build_model
+
+    run = Path(run)
+    config = json.loads((run / "config.json").read_text())
+    model = build_model(config)
+    model.load_weights(str(run / "ckpt.safetensors"))
+    model.eval()
+    hf = export_hf(model, config, run / "tokenizer", run / "hf")
+    if check:
+        err = verify_reload(model, hf, np.load(run / "tokens.npz")["held"][:200])
+        print(f"export: {hf} reload max |logit diff| trunk {err[0]:.2e} head {err[1]:.2e}")
+    ship(hf, demo_dir)
+    print(f"shipped to {demo_dir}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Export a training run's checkpoint and ship it "
+                                "into a model folder (train/README.md).")
+    p.add_argument("run", type=Path, help="a train.py --out folder with ckpt.safetensors")
+    p.add_argument("demo_dir", type=Path, help="the model folder to write (e.g. mlx_mtp/demo)")
+    p.add_argument("--no-reload-check", action="store_true",
+                   help="skip verify_reload (it fails on CUDA: train/README.md)")
+    a = p.parse_args()
+    export_run(a.run, a.demo_dir, check=not a.no_reload_check)

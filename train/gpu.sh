@@ -14,9 +14,9 @@
 # 64 MiB). run trains until DEADLINE seconds after it started minus the time
 # the export and the head need, then, if HEAD=1, retrains the head
 # (train/head.py) and brings back the trunk checkpoint (15 MiB pieces) and
-# the head's, into the device's $OUT. Join the pieces here with
-# `cat NAME.part_* > ckpt.safetensors` (NAME: RUN's last part); export and
-# ship on the CPU (train/README.md).
+# the head's, with the run's config.json, into the device's $OUT. Join the pieces here with
+# `cat NAME.part_* > RUN/ckpt.safetensors` (NAME: RUN's last part), then
+# export and ship on the CPU: `python -m train.export RUN mlx_mtp/demo`.
 # `LOCAL=1 OUT=/tmp/x DEADLINE=... bash train/gpu.sh run ...` dry-runs it here.
 set -u
 usage() { echo "usage: train/gpu.sh prepare RUN INIT [flags] | copy | run RUN [flags]" >&2; exit 2; }
@@ -86,12 +86,9 @@ EOF
     --init $G/init.safetensors --steps 100000 --time-limit $tl "$@" > $OUT/train.log 2>&1
   el "train rc=$?"; grep -v "^ \|^Traceback" $OUT/train.log | tail -3
   grep -q "^\[.*\] training: " $OUT/train.log || { el "training did not finish: no checkpoint"; exit 1; }
-  split -b 15m $G/$name/ckpt.safetensors $OUT/$name.part_ || exit 1
+  split -b 15m $G/$name/ckpt.safetensors $OUT/$name.part_ && cp $G/$name/config.json $OUT/ || exit 1
   if [ "${HEAD:-0}" = 1 ]; then
-    python3 -c "from train.export import export_hf, ship; from train.train import build_model
-import json; from pathlib import Path
-c = json.loads(Path('$G/$name/config.json').read_text()); m = build_model(c); m.load_weights('$G/$name/ckpt.safetensors')
-export_hf(m, c, Path('$G/$name/tokenizer'), Path('$G/$name/hf')); ship(Path('$G/$name/hf'), Path('$G/demo'))" || { el "export failed"; exit 1; }
+    python3 -m train.export $G/$name $G/demo --no-reload-check || { el "export failed"; exit 1; }
     timeout 100 python3 -m train.head cache --out $G/head --demo-dir $G/demo --train-tokens 262144 --greedy-tokens 32768 > $OUT/head.log 2>&1
     htl=$(python3 -c "print(round(max(0.3, ($(left) - 75) / 60), 2))")
     timeout $(python3 -c "print(int($htl * 60 + 60))") python3 -m train.head train --out $G/head --demo-dir $G/demo \
