@@ -133,6 +133,9 @@ def model_27b(bits: int = 0, tiny: bool = False):
         nn.quantize(model, group_size=64, bits=bits,
                     class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith("mtp"))
         nn.quantize(model.mtp, group_size=64, bits=8)
+        from mlx_mtp.quantized import use_shared_reads
+
+        use_shared_reads(model)  # as mlx_mtp.load does
     for _, v in tree_flatten(model.parameters()):
         mx.eval(v)
     return model

@@ -17,6 +17,9 @@ run as kernels:
   mlx_lm's ops path, so the reference (the same ops) runs.
 - conv_verify: the reference (mx.conv1d, as plain decoding).
 - commit (a copy) and draft_project (drafts need no exactness): kernels.
+- quantized_matmul of 2..8 rows (a verify's k+1 tokens): qmv_rows, which
+  reads each packed weight once and gives every row the bits MLX's one-row
+  kernel gives it alone; its self-check demands that bit for bit.
 `fused=True` or MLX_MTP_FAST_KERNELS=1 runs the fused kernels instead (conv
 kernel; GDN with in-kernel normalization and gates; the CUDA GDN twin): one
 launch each, equal to the references up to rounding (see the kernel files).
@@ -38,8 +41,8 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from . import selfcheck
 
-__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "backend", "fused_default",
-           "describe"]
+__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "quantized_matmul", "backend",
+           "fused_default", "describe"]
 
 
 def backend() -> str:
@@ -149,6 +152,67 @@ def draft_project(hidden, weight, scales=None, biases=None, *, group_size: int =
                                        bits=bits, vocab_ids=vocab_ids, top_k=top_k)
     return launch.draft_project(hidden, weight, scales, biases, group_size=group_size,
                                  bits=bits, vocab_ids=vocab_ids, top_k=top_k, backend=be)
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine",
+                     backend: Optional[str] = None):
+    """`mx.quantized_matmul(x, w, ..., transpose=True)`, with 2..8 rows on a
+    GPU through qmv_rows: each packed weight read once, every row bit for bit
+    what MLX's one-row kernel (the decode step's) computes for it. One row,
+    more than 8, other quantizations and the CPU run MLX's op."""
+    be = backend or globals()["backend"]()
+    K = x.shape[-1]
+    rows = x.size // K if K else 0
+
+    def mlx_op():
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
+                                   bits=bits, mode=mode)
+
+    if rows < 2 or rows > 8:  # decode keeps MLX's kernel; prefill its tiled matmul
+        return mlx_op()
+    if be == "ref" or mode != "affine" or biases is None or scales.dtype != x.dtype:
+        _reference("qmv_rows", be, f"MLX's op: {mode} quantization, scales {scales.dtype}")
+        return mlx_op()
+    from . import launch
+
+    N = w.shape[0]
+    why = launch.qmv_rows_supported(be, x.dtype, rows, N, K, group_size, bits)
+    if why is not None:
+        _reference("qmv_rows", be, f"MLX's op: no kernel for {why}")
+        return mlx_op()
+    exact = not _fast(None)
+    shape = launch.qmv_rows_check_shape(be, x.dtype, rows, N, K, bits)
+    # CUDA: MLX's dequantization may or may not have been contracted to one fma
+    forms = ({"fused dequantization": True, "dequantization rounded twice": False}
+             if launch.dialect(be) == "cuda" else {"": True})
+    choice = selfcheck.verified_choice(
+        "qmv_rows", be, selfcheck.variant(x.dtype, bits, group_size, rows, *shape, exact),
+        {name: selfcheck.qmv_rows_check(launch, qmv_row_reference(be), be, x.dtype, bits,
+                                        group_size, rows, *shape, dq_fma=fma, exact=exact)
+         for name, fma in forms.items()})
+    if choice is None:
+        return mlx_op()
+    return launch.qmv_rows(x, w, scales, biases, group_size=group_size, bits=bits, backend=be,
+                           dq_fma=forms[choice])
+
+
+def qmv_row_reference(backend: str):
+    """Each row on its own as `backend`'s one-row kernel computes it: MLX's op
+    on a GPU, the NumPy model of that kernel in the emulator (emu/qmv.py)."""
+    if backend == "emu-cuda":
+        from .emu import qmv
+
+        return qmv.cuda_qmv
+    if backend == "emu-metal":
+        from .emu import qmv
+
+        return lambda x, w, s, b, gs, bits, dq_fma: qmv.metal_qmv_fast(x, w, s, b, gs, bits)
+
+    def per_row(x, w, s, b, gs, bits, dq_fma):
+        return mx.concatenate([mx.quantized_matmul(x[i:i + 1], w, s, b, transpose=True,
+                                                   group_size=gs, bits=bits)
+                               for i in range(x.shape[0])])
+    return per_row
 
 
 # -- the ops references ------------------------------------------------------------------

@@ -208,6 +208,75 @@ def commit(states, conv_inputs, consumed, conv_kernel, *, backend: str):
     return [(res[2 * l], res[2 * l + 1]) for l in range(L)]
 
 
+# ------------------------------------------------ quantized matmul, 2..8 rows
+QMV_ROWS_MAX = 8
+
+
+def qmv_rows_elems(dtype, bits: int) -> int:
+    """Values a CUDA lane takes per step: MLX qmv's elems_per_thread."""
+    return 16 if dtype != mx.float32 and bits <= 4 else 8
+
+
+def qmv_rows_supported(backend: str, dtype, rows: int, N: int, K: int, group_size: int,
+                       bits: int) -> Optional[str]:
+    """None if qmv_rows takes this matmul on `backend`, else why not."""
+    if not 1 <= rows <= QMV_ROWS_MAX:
+        return f"{rows} rows"
+    if bits not in (4, 8) or group_size not in (32, 64, 128):
+        return f"{bits}-bit, group size {group_size}"
+    if dtype not in (mx.float32, mx.bfloat16, mx.float16) or K % group_size:
+        return f"{dtype}, K {K}"
+    if dialect(backend) == "cuda":
+        return None if K % qmv_rows_elems(dtype, bits) == 0 else f"K {K}"
+    # Metal: only qmv_fast's shapes (MLX's qmv for the others is another kernel)
+    vpt = 2 * 32 // bits
+    if N % 8 or K % (32 * vpt):
+        return f"N {N}, K {K} (not qmv_fast's shapes)"
+    return None
+
+
+def _qmv_cols(rows: int) -> int:
+    """CUDA: output columns per warp, as many as registers allow for the rows."""
+    return 4 if rows <= 2 else (2 if rows <= 4 else 1)
+
+
+def qmv_rows_check_shape(backend: str, dtype, rows: int, N: int, K: int, bits: int) -> Tuple[int, int]:
+    """(N, K) of the self-check's matmul for this call: the same code paths
+    (the K tail, a partly filled last block) at a tiny size."""
+    if dialect(backend) == "cuda":
+        step, block = 32 * qmv_rows_elems(dtype, bits), 8 * _qmv_cols(rows)
+        return 2 * block + N % block, 2 * step + K % step
+    return 16, 2 * 32 * (2 * 32 // bits)
+
+
+def qmv_rows(x, w, scales, biases, *, group_size: int, bits: int, backend: str,
+             dq_fma: bool = True):
+    """x [..., K] with at most 8 rows in all -> [..., N]: each row as MLX's
+    one-row kernel computes it (see qmv_rows.cu / .metal), weights read once."""
+    K = x.shape[-1]
+    N = w.shape[0]
+    M = x.size // K
+    x2 = x.reshape(M, K)
+    kern = _kernel("qmv_rows", backend, ["x", "w", "scales", "biases"], ["y"])
+    tmpl = [("InT", x.dtype), ("M", M), ("N", N), ("K", K), ("GS", group_size),
+            ("BITS", bits)]
+    if dialect(backend) == "cuda":
+        E = qmv_rows_elems(x.dtype, bits)
+        cols = _qmv_cols(M)
+        tmpl += [("E", E), ("COLS", cols), ("DQ_FMA", bool(dq_fma))]
+        grid = (256 * -(-N // (8 * cols)), 1, 1)
+        threadgroup = (256, 1, 1)
+    else:
+        grid = (32, 2 * (N // 8), 1)
+        threadgroup = (32, 2, 1)
+    (y,) = kern(
+        inputs=[x2, w, scales, biases],
+        template=tmpl, grid=grid, threadgroup=threadgroup,
+        output_shapes=[(M, N)], output_dtypes=[x.dtype],
+    )
+    return y.reshape(*x.shape[:-1], N)
+
+
 # ------------------------------------------------------------- draft head
 def draft_project(hidden, weight, scales=None, biases=None, *, group_size=64, bits=0,
                   vocab_ids=None, top_k=1, backend: str, simdgroups: int = 8,

@@ -21,8 +21,9 @@ import mlx.core as mx
 
 log = logging.getLogger("mlx_mtp")
 
-KERNELS = ("gdn_verify", "conv_verify", "commit", "draft_project")
-_results: Dict[tuple, Optional[str]] = {}  # (kernel, backend, variant) -> None or why it failed
+KERNELS = ("gdn_verify", "conv_verify", "commit", "draft_project", "qmv_rows")
+# (kernel, backend, variant) -> (the form that passed, or None; why the others failed)
+_results: Dict[tuple, Tuple[Optional[str], str]] = {}
 # kernel -> the path it last took, in words (the dispatch in __init__.py writes
 # its reference paths here directly)
 PATHS: Dict[str, str] = {}
@@ -33,22 +34,36 @@ def verified(kernel: str, backend: str, variant: tuple, check: Callable[[], Opti
     """Whether `kernel` runs as a kernel for this (backend, variant): `check()`
     (the kernel beside its reference on a tiny input: None when they agree,
     else why not) runs the first time; an exception in it is a failure too."""
+    return verified_choice(kernel, backend, variant, {"": check}) is not None
+
+
+def verified_choice(kernel: str, backend: str, variant: tuple,
+                    checks: Dict[str, Callable[[], Optional[str]]]) -> Optional[str]:
+    """The first of a kernel's forms (name -> check) that passes its check for
+    this (backend, variant), tried in order the first time; None, after one
+    warning with each form's reason, when none does."""
     key = (kernel, backend, variant)
     with _lock:
         if key not in _results:
-            try:
-                reason = check()
-            except Exception as e:  # a compile error, a launch the backend refused
-                lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-                reason = f"{type(e).__name__}: {' '.join(lines[:2])[:240]}"
-            _results[key] = reason
-            if reason is not None:
+            passed, reasons = None, []
+            for name, check in checks.items():
+                try:
+                    reason = check()
+                except Exception as e:  # a compile error, a launch the backend refused
+                    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+                    reason = f"{type(e).__name__}: {' '.join(lines[:2])[:240]}"
+                if reason is None:
+                    passed = name
+                    break
+                reasons.append(f"{name}: {reason}" if name else reason)
+            _results[key] = (passed, "; ".join(reasons))
+            if passed is None:
                 log.warning("mlx_mtp: the %s kernel (%s) failed its self-check (%s): its "
-                            "reference path runs instead", kernel, backend, reason)
-        reason = _results[key]
-    took(kernel, f"{backend} kernel (self-checked)" if reason is None else
-         f"reference (the {backend} kernel failed its self-check: {reason})")
-    return reason is None
+                            "reference path runs instead", kernel, backend, _results[key][1])
+        passed, why = _results[key]
+    took(kernel, f"{backend} kernel (self-checked{', ' + passed if passed else ''})"
+         if passed is not None else f"reference (the {backend} kernel failed its self-check: {why})")
+    return passed
 
 
 def took(kernel: str, path: str):
@@ -159,6 +174,27 @@ def draft_check(launch, reference, backend: str, dtype, wdtype, bits: int, group
         if got[1].shape != want[1].shape or not mx.array_equal(got[1], want[1]).item():
             return "ids differ from the reference's"
         return _mismatch(got[0], want[0], dtype, "values")
+    return check
+
+
+def qmv_rows_check(launch, one_row, backend: str, dtype, bits: int, group_size: int, rows: int,
+                   N: int, K: int, *, dq_fma: bool, exact: bool):
+    """qmv_rows against each row alone through the backend's one-row kernel
+    (`one_row`): bit for bit when `exact`, else within the dtype's tolerance."""
+    def check():
+        ks = mx.random.split(mx.random.key(5), 2)
+        x = mx.random.normal((rows, K), key=ks[0]).astype(dtype)
+        w = mx.random.normal((N, K), key=ks[1]).astype(dtype)
+        wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+        got = launch.qmv_rows(x, wq, scales, biases, group_size=group_size, bits=bits,
+                              backend=backend, dq_fma=dq_fma)
+        want = one_row(x, wq, scales, biases, group_size, bits, dq_fma)
+        if not exact:
+            return _mismatch(got, want, dtype, "y")
+        if got.shape != want.shape or not mx.array_equal(got, want).item():
+            bad = mx.sum(got != want).item() if got.shape == want.shape else "all"
+            return f"{bad} of {want.size} values differ from the one-row kernel's bits"
+        return None
     return check
 
 

@@ -10,6 +10,7 @@ from .checkpoint import (CheckpointError, read_config_file,  # noqa: F401 (Check
                          safetensors_header, weight_files)
 from .draft import attach_head, read_draft
 from .families import MODEL_CLASSES, family_of
+from .quantized import use_shared_reads
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -119,6 +120,7 @@ def load(
     model.head_context = head_context(config, model_path)
     if head is not None:
         attach_head(model, head, lazy=lazy, quiet=quiet)
+    use_shared_reads(model)  # on a GPU a verify reads each quantized weight once
     if not model.has_mtp and not quiet:
         reason = (
             "has no mtp.* tensors"

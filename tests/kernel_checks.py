@@ -142,3 +142,35 @@ DRAFT_CASES = [
     (1, 128, 300, mx.float32, 2, 0, 2),
     (1, 1024, 8192, mx.bfloat16, 4, 0, 1),  # real hidden size, trimmed-vocab scale
 ]
+
+
+# -------------------------------------------------------- quantized matmul rows
+QMV_CASES = [
+    # dtype, bits, group_size, rows, N, K
+    (mx.bfloat16, 4, 64, 4, 24, 1024),
+    (mx.bfloat16, 4, 32, 2, 40, 512 + 256),   # a K tail, a partly filled block
+    (mx.bfloat16, 8, 128, 8, 16, 1024),
+    (mx.float16, 4, 128, 5, 16, 512),
+    (mx.float16, 8, 64, 3, 16, 768),
+    (mx.float32, 4, 64, 7, 8, 512),
+    (mx.float32, 8, 32, 2, 24, 1024),
+]
+
+
+def qmv_inputs(dtype, bits, gs, rows, N, K, seed=0):
+    ks = mx.random.split(mx.random.key(seed), 2)
+    x = mx.random.normal((rows, K), key=ks[0]).astype(dtype)
+    w = mx.random.normal((N, K), key=ks[1]).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
+    return x, wq, scales, biases
+
+
+def check_qmv_rows(backend, one_row, dtype, bits, gs, rows, N, K, dq_fma=True):
+    """qmv_rows equals `one_row` (each row alone through the backend's one-row
+    kernel) bit for bit, in every row."""
+    x, w, s, b = qmv_inputs(dtype, bits, gs, rows, N, K)
+    got = launch.qmv_rows(x, w, s, b, group_size=gs, bits=bits, backend=backend, dq_fma=dq_fma)
+    want = one_row(x, w, s, b, gs, bits, dq_fma)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    bad = mx.sum(got != want).item()
+    assert bad == 0, f"{bad} of {want.size} values differ from the one-row kernel's"

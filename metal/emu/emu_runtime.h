@@ -613,6 +613,38 @@ inline T __shfl_down_sync(unsigned, T v, unsigned d, int w = 32, int line = __bu
   if (w != 32) emu::fail("__shfl_down_sync width != 32 not modeled");
   return simd_shuffle_down(v, d, line);
 }
+// Correctly rounded float / bf16 / fp16 operations (CUDA's *_rn intrinsics and
+// __hfma). A result is formed exactly in double (a bf16 or fp16 product has at
+// most 22 significant bits) and rounded once; to bf16 through round-to-odd
+// float, which keeps the one rounding exact.
+inline float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline __nv_bfloat16 emu_bf16_from_double(double d) {
+  float f = float(d);
+  if (double(f) != d && f == f) {  // inexact: round toward zero, then set the sticky bit
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (__builtin_fabs(double(f)) > __builtin_fabs(d)) u -= 1;
+    u |= 1u;
+    memcpy(&f, &u, 4);
+  }
+  return __nv_bfloat16(f);
+}
+inline __nv_bfloat16 __hfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) {
+  return emu_bf16_from_double(double(float(a)) * double(float(b)) + double(float(c)));
+}
+inline __nv_bfloat16 __hmul_rn(__nv_bfloat16 a, __nv_bfloat16 b) {
+  return emu_bf16_from_double(double(float(a)) * double(float(b)));
+}
+inline __nv_bfloat16 __hadd_rn(__nv_bfloat16 a, __nv_bfloat16 b) {
+  return emu_bf16_from_double(double(float(a)) + double(float(b)));
+}
+inline __half __hfma(__half a, __half b, __half c) {
+  return __half(double(a) * double(b) + double(c));
+}
+inline __half __hmul_rn(__half a, __half b) { return __half(double(a) * double(b)); }
+inline __half __hadd_rn(__half a, __half b) { return __half(double(a) + double(b)); }
 inline void __syncthreads(int line = __builtin_LINE()) { emu::barrier(emu::kBarrier, line); }
 inline void __syncwarp(unsigned = 0xffffffffu, int line = __builtin_LINE()) {
   auto g = emu::gather(0, emu::kSimdBarrier, line);
