@@ -64,6 +64,15 @@ DEFAULT_PROMPTS = [
 ]
 
 
+_T0 = time.perf_counter()
+
+
+def progress(msg: str):
+    """One line on stderr as each phase starts: a GPU's first-use compiles
+    take minutes, and a silent bench looks hung."""
+    print(f"[bench +{time.perf_counter() - _T0:.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def blas_in_use() -> str:
     """Which BLAS serves MLX's CPU matmuls: a preloaded library wins symbol
     resolution over the reference BLAS bundled in the mlx wheel."""
@@ -468,6 +477,7 @@ def main(argv=None):
     cost_depths = [int(d) for d in args.cost_depths.split(",") if d]
     if args.synthetic_27b:
         path = f"in-memory Qwen3.6-27B shapes, random weights, {args.bits or 16}-bit trunk"
+        progress(f"building the model: {path}")
         model = model_27b(args.bits, tiny=args.tiny)
         ref_model, tok = model, None  # mlx_lm's generate_step runs on our subclass unchanged
     else:
@@ -538,14 +548,27 @@ def main(argv=None):
 
     # warm-up (allocator; compiled graphs are kept on the model across generations,
     # so every graph the rounds use is traced here: each variant, and auto's at
-    # every depth)
-    ref0, _, _ = run_mlx_lm(prompt_ids[0][:8])
-    for _, k, mode in variants:
-        run_mtp(prompt_ids[0][:8], k, ref0, mode)
+    # every depth). The first call of each is a cold start: its time to first
+    # token includes the backend's first-use compiles, which a user waits for.
+    cold = {}
+
+    def first_call(label, fn):
+        progress(f"warm-up: {label}")
+        t0 = time.perf_counter()
+        out = fn()
+        cold[label] = time.perf_counter() - t0
+        return out
+
+    ref0, _, _ = first_call("mlx_lm", lambda: run_mlx_lm(prompt_ids[0][:8]))
+    for lab, k, mode in variants:
+        first_call(f"mlx_mtp {lab}", lambda: run_mtp(prompt_ids[0][:8], k, ref0, mode))
     if "auto" in depths and model.has_mtp:
-        warm_auto(model, prompt_ids[0][:8], max_depth=4)
+        first_call("auto at every depth", lambda: warm_auto(model, prompt_ids[0][:8], max_depth=4))
+    progress("cold start, seconds (first-use compiles included): "
+             + ", ".join(f"{lab} {t:.1f}" for lab, t in cold.items()))
 
     info = machine_info()
+    progress("step costs: decode, verify(k+1), draft, rewrite")
     costs = step_costs(model, prompt_ids[0], sorted(set(fixed) | set(cost_depths)))
     dec_s = costs["decode_s"]
 
@@ -559,7 +582,8 @@ def main(argv=None):
         agg = {v[0]: MTPStats() for v in variants}
         mismatches = {v[0]: 0 for v in variants}
         for r in range(args.rounds):
-            for ids in prompt_ids:
+            for p_i, ids in enumerate(prompt_ids):
+                progress(f"rate {rate}: round {r + 1}/{args.rounds}, prompt {p_i + 1}/{len(prompt_ids)}")
                 for lab, k, mode in variants:
                     ref, n, dt = run_mlx_lm(ids)
                     per_round["mlx_lm"][r][0] += n
@@ -655,6 +679,8 @@ def main(argv=None):
 
 
     results = [measure(rate) for rate in rates]
+    print("cold start (first generation of an 8-token prompt, first-use compiles included), s: "
+          + ", ".join(f"{lab} {t:.1f}" for lab, t in cold.items()))
     rows = results[0]["rows"]
     n_bad = sum(r["mismatches"] for r in results)
     if len(cost_depths) > 0:
@@ -677,7 +703,7 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps({
             "machine": info, "model": str(path), "prompts": len(prompts), "rounds": args.rounds,
             "max_tokens": args.max_tokens, "results": results,
-            "costs": costs, "trace": trace, "multi_turn": turns,
+            "costs": costs, "cold_start_s": cold, "trace": trace, "multi_turn": turns,
             "command": " ".join([sys.executable] + sys.argv),
         }, indent=1))
         print(f"wrote {args.json}")

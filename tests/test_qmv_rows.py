@@ -53,9 +53,8 @@ def test_the_two_dequantizations_differ():
                               qmv.cuda_qmv(x, w, s, b, 64, 4, dq_fma=False)).item()
 
 
-_FMA = "sums[c][m][j] = mtp_fma(mtp_as<Acc>(xp[j]), mtp_as<Acc>(wdq[j]), sums[c][m][j]);"
-_MUL_ADD = ("const Acc p = Acc(float(mtp_as<Acc>(xp[j])) * float(mtp_as<Acc>(wdq[j])));\n"
-            "          sums[c][m][j] = Acc(float(p) + float(sums[c][m][j]));")
+_FMA = "sums[c][m][j] = __hfma2(xv.v[j], wdq[j], sums[c][m][j]);"
+_MUL_ADD = "sums[c][m][j] = __hadd2_rn(__hmul2_rn(xv.v[j], wdq[j]), sums[c][m][j]);"
 
 
 @pytest.mark.parametrize("dial,dtype,old,new", [

@@ -645,6 +645,24 @@ inline __half __hfma(__half a, __half b, __half c) {
 }
 inline __half __hmul_rn(__half a, __half b) { return __half(double(a) * double(b)); }
 inline __half __hadd_rn(__half a, __half b) { return __half(double(a) + double(b)); }
+// bf16x2 / half2: each lane rounds as the scalar operation
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+struct __half2 {
+  __half x, y;
+};
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__nv_bfloat16(a), __nv_bfloat16(b)};
+}
+inline __half2 __floats2half2_rn(float a, float b) { return {__half(a), __half(b)}; }
+#define EMU_PAIR_OPS(P)                                                                    \
+  inline P __hfma2(P a, P b, P c) { return {__hfma(a.x, b.x, c.x), __hfma(a.y, b.y, c.y)}; } \
+  inline P __hmul2_rn(P a, P b) { return {__hmul_rn(a.x, b.x), __hmul_rn(a.y, b.y)}; }      \
+  inline P __hadd2_rn(P a, P b) { return {__hadd_rn(a.x, b.x), __hadd_rn(a.y, b.y)}; }
+EMU_PAIR_OPS(__nv_bfloat162)
+EMU_PAIR_OPS(__half2)
+#undef EMU_PAIR_OPS
 inline void __syncthreads(int line = __builtin_LINE()) { emu::barrier(emu::kBarrier, line); }
 inline void __syncwarp(unsigned = 0xffffffffu, int line = __builtin_LINE()) {
   auto g = emu::gather(0, emu::kSimdBarrier, line);
