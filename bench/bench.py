@@ -107,6 +107,17 @@ def machine_info() -> dict:
     }
 
 
+# Qwen3.6-27B's text config: the shapes --synthetic-27b and verify_cost.py use
+TEXT_27B = dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408,
+                num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                full_attention_interval=4, rms_norm_eps=1e-6, vocab_size=248320,
+                tie_word_embeddings=False, mtp_num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                 "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]})
+
+
 def model_27b(bits: int = 0, tiny: bool = False):
     """A model of Qwen3.6-27B's text shapes (64 layers, hidden 5120, 24/4
     attention heads of 256, GDN 16/48 heads of 128, FFN 17408, vocabulary
@@ -118,14 +129,7 @@ def model_27b(bits: int = 0, tiny: bool = False):
 
     from mlx_mtp.families.qwen3_5 import Model
 
-    text = dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408,
-                num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
-                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                full_attention_interval=4, rms_norm_eps=1e-6, vocab_size=248320,
-                tie_word_embeddings=False, mtp_num_hidden_layers=1,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                                 "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]})
+    text = dict(TEXT_27B)
     if tiny:  # the same code path at a size this machine holds (a smoke test)
         text.update(hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                     num_attention_heads=4, head_dim=64, linear_num_value_heads=16,

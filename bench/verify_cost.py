@@ -30,25 +30,27 @@ import time
 
 import mlx.core as mx
 
-# Qwen3.6-27B: (name, N, K, layers using it)
-SHAPES_27B = [
-    ("attn q_proj (+gate)", 12288, 5120, 16),
-    ("attn k_proj", 1024, 5120, 16),
-    ("attn v_proj", 1024, 5120, 16),
-    ("attn o_proj", 5120, 6144, 16),
-    ("gdn in_proj_qkv", 10240, 5120, 48),
-    ("gdn in_proj_z", 6144, 5120, 48),
-    ("gdn in_proj_b", 48, 5120, 48),
-    ("gdn in_proj_a", 48, 5120, 48),
-    ("gdn out_proj", 5120, 6144, 48),
-    ("mlp gate_proj", 17408, 5120, 64),
-    ("mlp up_proj", 17408, 5120, 64),
-    ("mlp down_proj", 5120, 17408, 64),
-    ("lm_head", 248320, 5120, 1),
-]
+
+
+def shapes_27b() -> list:
+    """(name, N, K, layers using it) of each projection of Qwen3.6-27B (bench.py's TEXT_27B)."""
+    from bench import TEXT_27B as c
+
+    H, L = c["hidden_size"], c["num_hidden_layers"]
+    attn = L // c["full_attention_interval"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    hv = c["linear_num_value_heads"]
+    gv, gk = hv * c["linear_value_head_dim"], c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    return [("attn q_proj (+gate)", 2 * q, H, attn), ("attn k_proj", kv, H, attn),
+            ("attn v_proj", kv, H, attn), ("attn o_proj", H, q, attn),
+            ("gdn in_proj_qkv", 2 * gk + gv, H, L - attn), ("gdn in_proj_z", gv, H, L - attn),
+            ("gdn in_proj_b", hv, H, L - attn), ("gdn in_proj_a", hv, H, L - attn),
+            ("gdn out_proj", H, gv, L - attn),
+            ("mlp gate_proj", c["intermediate_size"], H, L), ("mlp up_proj", c["intermediate_size"], H, L),
+            ("mlp down_proj", H, c["intermediate_size"], L), ("lm_head", c["vocab_size"], H, 1)]
+
+
 SHAPES_TINY = [("proj", 256, 512, 8), ("mlp down", 512, 1024, 8), ("lm_head", 1024, 512, 1)]
-GDN_27B = dict(Hk=16, Hv=48, Dk=128, Dv=128, layers=48)
-ATTN_27B = dict(H=24, Hkv=4, D=256, layers=16)
 
 
 def median_ms(fn, iters: int) -> float:
@@ -98,8 +100,14 @@ def matmuls(shapes, bits: int, rows, iters: int, dtype) -> list:
 def recurrent(rows, iters: int, dtype, tiny: bool, context: int) -> list:
     from mlx_lm.models.gated_delta import gated_delta_update
 
-    g = dict(Hk=2, Hv=4, Dk=64, Dv=64, layers=8) if tiny else GDN_27B
-    a = dict(H=4, Hkv=2, D=64, layers=2) if tiny else ATTN_27B
+    from bench import TEXT_27B as c
+
+    attn = c["num_hidden_layers"] // c["full_attention_interval"]
+    g = dict(Hk=2, Hv=4, Dk=64, Dv=64, layers=8) if tiny else dict(
+        Hk=c["linear_num_key_heads"], Hv=c["linear_num_value_heads"], Dk=c["linear_key_head_dim"],
+        Dv=c["linear_value_head_dim"], layers=c["num_hidden_layers"] - attn)
+    a = dict(H=4, Hkv=2, D=64, layers=2) if tiny else dict(
+        H=c["num_attention_heads"], Hkv=c["num_key_value_heads"], D=c["head_dim"], layers=attn)
     out = []
     C = 2 * g["Hk"] * g["Dk"] + g["Hv"] * g["Dv"]
     state = mx.zeros((1, g["Hv"], g["Dv"], g["Dk"]), mx.float32)
@@ -147,7 +155,7 @@ def main(argv=None):
     from mlx_mtp import metal
 
     progress(f"device {mx.default_device()}, kernel backend {metal.backend()}, MLX {mx.__version__}")
-    res = matmuls(SHAPES_TINY if a.tiny else SHAPES_27B, a.bits, rows, a.iters, dtype)
+    res = matmuls(SHAPES_TINY if a.tiny else shapes_27b(), a.bits, rows, a.iters, dtype)
     res += recurrent(rows, a.iters, dtype, a.tiny, a.context)
     if a.json:
         with open(a.json, "w") as f:
