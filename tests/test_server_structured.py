@@ -223,6 +223,10 @@ def test_anthropic_forced_tool_use_has_valid_input(srv, choice, stream):
 
 
 # -- refusals ------------------------------------------------------------------------------------
+REPEATABLE_KEYS = {"type": "object", "patternProperties": {"^x_": {"type": "integer"}},
+                   "minProperties": 2, "maxProperties": 3}
+
+
 def _fmt(schema):
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
@@ -245,6 +249,9 @@ BAD = [  # (body fields, the param the 400 names, words of its message)
         "type": "object", "properties": {"x": {"not": {"type": "null"}}}}}}],
           tool_choice="required"), "tools.0.function.parameters", "not"),
     (dict(tool_choice="required"), "tool_choice", "no tools"),
+    # (the issue's: llguidance wrote {"x_origs": 0, "x_origs": 0, "x_origs": 1}, one key parsed)
+    (dict(response_format=_fmt(REPEATABLE_KEYS)), "response_format.json_schema.schema",
+     "minProperties"),
 ]
 
 
@@ -266,6 +273,8 @@ def test_bad_schemas_and_choices_are_400(srv, fields, param, words):
                                                                        "uniqueItems": True}}}),
      "uniqueItems"),
     (dict(output_config={"format": {"type": "yaml"}}), "output_config.format"),
+    (dict(output_config={"format": {"type": "json_schema", "schema": REPEATABLE_KEYS}}),
+     "minProperties"),
     (dict(tools=[{"name": "f", "input_schema": ADD}], tool_choice={"type": "tool", "name": "g"}),
      "'g' is not one of the request's tools"),
 ])
