@@ -222,6 +222,91 @@ def test_anthropic_forced_tool_use_has_valid_input(srv, choice, stream):
     jsonschema.validate(uses[0].input, WEATHER if uses[0].name == "get_weather" else ADD)
 
 
+# -- what the answer says is what happened -------------------------------------------------------
+def test_anthropic_thinking_block_streams_a_signature_delta(srv):
+    """Before its content_block_stop, a thinking block gets a signature_delta
+    (empty: nothing signs a local model's thinking), which clients keeping
+    thinking blocks wait for."""
+    r = requests.post(srv.url + "/v1/messages", stream=True, timeout=120, json=dict(
+        model="local-model", max_tokens=20, messages=MSGS, stream=True,
+        thinking={"type": "enabled", "budget_tokens": 1024}))
+    data = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+            if line.startswith("data: ")]
+    block = [d for d in data if d.get("index") == 0]
+    assert block[0]["content_block"]["type"] == "thinking"
+    assert block[-2]["delta"] == {"type": "signature_delta", "signature": ""}
+    assert block[-1]["type"] == "content_block_stop"
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    with a.messages.stream(model="local-model", max_tokens=20, messages=MSGS,
+                           thinking={"type": "enabled", "budget_tokens": 1024}) as s:
+        m = s.get_final_message()
+    assert m.content[0].type == "thinking" and m.content[0].signature == ""
+
+
+# A tool-call block the parser cannot read: the grammar makes this model write
+# the markers inside a JSON string ("\n" escaped), around what is not JSON.
+NOT_A_CALL = "<tool_call>\nnot json\n</tool_call>"
+WRITES_NOT_A_CALL = {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+    "const": NOT_A_CALL}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_malformed_tool_call_is_text_and_the_finish_is_stop(srv, stream):
+    """(mlx_lm.server: finish_reason "tool_calls" with no calls, the text
+    between the markers gone)"""
+    kw = dict(model="any", messages=MSGS, max_tokens=60, temperature=0,
+              response_format=WRITES_NOT_A_CALL, extra_body=NO_THINKING)
+    if stream:
+        text, finish, calls = "", None, []
+        for chunk in client(srv).chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                text += delta.content or ""
+                calls += delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+    else:
+        r = client(srv).chat.completions.create(**kw)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        calls = r.choices[0].message.tool_calls or []
+    assert (text, finish, calls) == (json.dumps(NOT_A_CALL), "stop", [])
+    assert json.loads(text) == NOT_A_CALL
+
+
+def test_anthropic_malformed_tool_call_is_a_text_block(srv):
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    m = a.messages.create(model="local-model", max_tokens=60, messages=MSGS,
+                          thinking={"type": "disabled"}, output_config={"format": {
+                              "type": "json_schema", "schema": {"const": NOT_A_CALL}}})
+    assert m.stop_reason == "end_turn"
+    assert [(b.type, b.text) for b in m.content] == [("text", json.dumps(NOT_A_CALL))]
+
+
+ADD_ONLY = [t for t in TOOLS if t["function"]["name"] == "add"]
+
+
+def test_a_call_cut_by_max_tokens_is_length_and_stays_text(srv):
+    """Several calls allowed: this model writes call after call, and
+    max_tokens cuts one. OpenAI: "length", the whole calls as tool_calls, the
+    cut one as text; Anthropic: "max_tokens" (mlx_lm.server's: "tool_use")."""
+    r = client(srv).chat.completions.create(
+        model="any", messages=MSGS, max_tokens=100, temperature=0, tools=ADD_ONLY,
+        tool_choice="required", extra_body=NO_THINKING)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        valid(call.function.arguments, ADD)
+    cut = choice.message.content.strip()
+    assert cut.startswith("<tool_call>") and not cut.endswith("</tool_call>"), cut
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    m = a.messages.create(model="local-model", max_tokens=100, messages=MSGS,
+                          thinking={"type": "disabled"}, tool_choice={"type": "any"},
+                          tools=[{"name": "add", "input_schema": ADD}])
+    assert m.stop_reason == "max_tokens"
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and all(jsonschema.validate(u.input, ADD) is None for u in uses)
+    assert m.content[-1].type == "text" and m.content[-1].text.strip().startswith("<tool_call>")
+
+
 # -- refusals ------------------------------------------------------------------------------------
 REPEATABLE_KEYS = {"type": "object", "patternProperties": {"^x_": {"type": "integer"}},
                    "minProperties": 2, "maxProperties": 3}
