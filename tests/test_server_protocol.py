@@ -238,6 +238,39 @@ def test_what_can_be_honoured_is_served(srv, path, body):
     assert requests.post(srv.url + path, json=body, timeout=60).status_code == 200
 
 
+# -- tool definitions are checked whatever tool_choice is --------------------------------------
+BAD_TOOLS = [  # (tools, the field the 400 names)
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+     "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "oops"}}],
+     "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "tools.0.function.parameters"),
+    (TOOLS + [{"type": "function"}], "tools.1"),
+]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none"])
+@pytest.mark.parametrize("tools,param", BAD_TOOLS, ids=range(len(BAD_TOOLS)))
+def test_malformed_tools_are_refused_whatever_tool_choice(srv, tools, param, choice):
+    """(a call is never forced here: the demo model's template cannot call tools)"""
+    kw = {} if choice is None else {"tool_choice": choice}
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.openai(timeout=60).chat.completions.create(model="m", messages=MSGS, max_tokens=4,
+                                                       tools=tools, **kw)
+    assert e.value.param == param and param in e.value.message
+    assert healthy(srv)
+
+
+@pytest.mark.parametrize("schema", [{"type": "objekt"}, "oops", {"type": "array"}])
+def test_anthropic_malformed_input_schema_is_refused(srv, schema):
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=SERVED, max_tokens=4, messages=MSGS,
+                          tools=[{"name": "f", "input_schema": schema}])
+    assert e.value.body["type"] == "error" and "tools.0.input_schema" in str(e.value)
+
+
 # -- stop strings end the answer where they begin ------------------------------------------------
 # The demo answers MSGS with '...if not n:\n        return ...': ' return' is one
 # token, which the string 'return' (encoded alone) is not.

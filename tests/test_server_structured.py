@@ -194,7 +194,8 @@ def test_forced_tool_call_after_reasoning(srv):
     r = client(srv).chat.completions.create(
         model="any", messages=MSGS, max_tokens=160, temperature=0, tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "add"}},
-        logit_bias={str(THINK_END): 30})
+        logit_bias={str(THINK_END): 30},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     call, = r.choices[0].message.tool_calls
     assert call.function.name == "add"
     valid(call.function.arguments, ADD)
@@ -220,6 +221,64 @@ def test_anthropic_forced_tool_use_has_valid_input(srv, choice, stream):
     if choice["type"] == "tool":
         assert uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER if uses[0].name == "get_weather" else ADD)
+
+
+# -- forced calls on a template that thinks --------------------------------------------------------
+def test_a_forced_call_is_made_with_thinking_off_unless_asked_for(srv):
+    """The template opens a think block this model never closes: a forced
+    call would wait behind max_tokens of reasoning. Unasked, thinking is
+    off for it."""
+    r = client(srv).chat.completions.create(
+        model="any", messages=MSGS, max_tokens=160, temperature=0, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}})
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert not (r.choices[0].message.model_extra or {}).get("reasoning")
+    call, = r.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    valid(call.function.arguments, ADD)
+
+
+def test_a_forced_call_after_thinking_asked_for_gets_a_reasoning_budget(srv):
+    """Thinking asked for: the reasoning gets half of max_tokens, then it is
+    ended (`</think>` forced: this model would not write it) and the call
+    follows."""
+    r = client(srv).chat.completions.create(
+        model="any", messages=MSGS, max_tokens=200, temperature=0, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, logprobs=True,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert (r.choices[0].message.model_extra or {}).get("reasoning")
+    ids = [e.model_extra["id"] for e in r.choices[0].logprobs.content]
+    assert ids.index(THINK_END) == 100
+    assert r.choices[0].finish_reason == "tool_calls"
+    call, = r.choices[0].message.tool_calls
+    valid(call.function.arguments, WEATHER)
+
+
+def test_anthropic_thinking_budget_before_a_forced_call(srv):
+    """Anthropic's thinking.budget_tokens bounds the reasoning before a
+    forced tool_use."""
+    body = dict(model="local-model", max_tokens=200, messages=MSGS, stream=True,
+                thinking={"type": "enabled", "budget_tokens": 24},
+                tool_choice={"type": "tool", "name": "get_weather"},
+                tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                       for t in TOOLS])
+    r = requests.post(srv.url + "/v1/messages", json=body, stream=True, timeout=120)
+    data = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+            if line.startswith("data: ")]
+    starts = {d["index"]: d["content_block"] for d in data if d["type"] == "content_block_start"}
+    assert starts[0]["type"] == "thinking" and {b["type"] for b in starts.values()} == {
+        "thinking", "tool_use"}
+    text = "".join(d["delta"].get("thinking", "") for d in data if d.get("index") == 0
+                   and d["type"] == "content_block_delta")
+    assert 0 < len(text) <= 24  # (a token decodes to at most one character here)
+    assert [d["delta"]["stop_reason"] for d in data if d["type"] == "message_delta"] == [
+        "tool_use"]
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    with a.messages.stream(**{k: v for k, v in body.items() if k != "stream"}) as s:
+        m = s.get_final_message()
+    assert m.stop_reason == "tool_use" and m.content[0].type == "thinking"
+    use, = [b for b in m.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, WEATHER)
 
 
 # -- what the answer says is what happened -------------------------------------------------------

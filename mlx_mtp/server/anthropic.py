@@ -38,7 +38,8 @@ REQUEST_SCHEMA = {
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
         "stream": {"type": "boolean"},
         "tools": {"type": "array", "items": {"type": "object", "required": ["name"]}},
-        "thinking": {"type": "object"},
+        "thinking": {"type": "object", "properties": {
+            "budget_tokens": {"type": "integer", "minimum": 1}}},
     },
     "additionalProperties": False,
 }

@@ -235,9 +235,14 @@ class MTPAPIHandler(APIHandler):
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param="logit_bias") from None
         # response_format and a forcing tool_choice (compiled here: a bad schema is a 400)
-        self.wanted = structured.openai(body, mp.tokenizer, mp.model.vocab_size)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
-            self.response_generator.cli_args.max_tokens
+        wanted = structured.openai(body, mp.tokenizer, mp.model.vocab_size)
+        cli = self.response_generator.cli_args
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or cli.max_tokens
+        kwargs, self.wanted = structured.thinking_for_calls(
+            wanted, body.get("chat_template_kwargs") or {}, cli.chat_template_args,
+            mp.tokenizer.has_thinking, max_tokens)
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
         # (before mlx_lm's handler parses the body again: see preflight)
         self.response_generator.check_prompt_size(body.get("prompt"), body.get("messages", ()),
                                                   max_tokens)
@@ -487,9 +492,12 @@ class MTPAPIHandler(APIHandler):
             anthropic.check_tool_choice(body, mp.tokenizer.has_tool_calling)
         except anthropic.RequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
-        wanted = structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size)
-        request = CompletionRequest("chat", "", messages, tools, None)
         max_tokens = body.get("max_tokens", 1)
+        template_args, wanted = structured.thinking_for_calls(
+            structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size), template_args,
+            cli.chat_template_args, mp.tokenizer.has_thinking, max_tokens,
+            (body.get("thinking") or {}).get("budget_tokens"))
+        request = CompletionRequest("chat", "", messages, tools, None)
         prompt = rg.preflight(request, template_args, max_tokens)
         if count_only:
             return self._send_json(200, {"input_tokens": len(prompt)})
@@ -551,11 +559,15 @@ class MTPAPIHandler(APIHandler):
 def constrain(request, wanted: Optional[structured.Wanted], mp):
     """Give a request the grammar its output must follow (lane.py masks its
     row with it), once its prompt is rendered (`preflight`): where the
-    prompt leaves the model thinking, the grammar starts after the thinking."""
+    prompt leaves the model thinking, the grammar starts after the thinking,
+    and a reasoning budget (a forced call's) ends it in time."""
     if wanted is not None:
-        initial_state = request.mtp_tokenized[3]
+        prompt, _, _, initial_state, _ = request.mtp_tokenized
         request.mtp_constraint = structured.constraint(wanted, mp.tokenizer, mp.model.vocab_size,
                                                        initial_state)
+        if initial_state == "reasoning" and wanted.reasoning_budget is not None:
+            request.mtp_reasoning_budget = structured.ReasoningBudget(
+                mp.tokenizer, len(prompt), wanted.reasoning_budget)
 
 
 class _HTTPServer(ThreadingHTTPServer):

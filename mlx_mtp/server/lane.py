@@ -159,7 +159,10 @@ class _Lane:
                                           cache_type=kinds_at[done])
 
         processors = settings.processors
-        constraint = getattr(request, "mtp_constraint", None)  # (handler.py's `constrain`)
+        budget = getattr(request, "mtp_reasoning_budget", None)  # (handler.py's `constrain`)
+        if budget is not None:
+            processors = (*processors, budget)
+        constraint = getattr(request, "mtp_constraint", None)
         if constraint is not None:  # structured output: the grammar's mask, last (as the API's)
             from ..constraint import MaskingProcessor
 
