@@ -273,11 +273,11 @@ Validator = jsonschema.validators.extend(
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose error is one line, alone: `PROG: error:
-    MESSAGE (PROG -h lists the options)`, exit 2. argparse prints its usage
-    block first, which for these CLIs is twenty lines burying the error."""
+    MESSAGE`, exit 2. argparse prints its usage block first, which for these
+    CLIs is twenty lines burying the error (-h prints it)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the options)\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def flag(name: str, surface: str = "generate") -> Callable[[str], Any]:
