@@ -20,7 +20,8 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.loader import demo_model_path  # noqa: E402
-from serving import LONG_MESSAGES, Server, chat_text, greedy_ids  # noqa: E402
+from serving import (LONG_MESSAGES, Server, chat_text, cut_at_stop,  # noqa: E402
+                     greedy_ids, stopped_chat_text)
 
 DEMO = str(demo_model_path())
 
@@ -61,20 +62,11 @@ CHATS = [
 ]
 
 
-def cut_at_stop(text: str, finish: str, stops) -> tuple:
-    """An answer generated without stop strings, ended where the first one
-    begins: what the stop strings make of it here. (mlx_lm.server deletes
-    each one from the text and generates on: README, the differences table.)"""
-    found = [text.find(s) for s in stops or () if s in text]
-    return (text[:min(found)], "stop") if found else (text, finish)
-
-
 @pytest.mark.parametrize("i", range(len(CHATS)))
 def test_chat_same_text_as_mlx_lm_server(servers, i):
     mtp, lm = servers
     req = CHATS[i]
-    want = cut_at_stop(*chat_text(lm, {k: v for k, v in req.items() if k != "stop"}),
-                       req.get("stop"))
+    want = stopped_chat_text(lm, req)
     assert want[0] or want[1] == "length"
     assert chat_text(mtp, req) == want
     assert chat_text(mtp, req, stream=True) == want
