@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from mlx_mtp import params
+
 from . import interrupts
 
 # Errors whose message is meant for the user as it is; anything else is reported
@@ -26,7 +28,7 @@ _EXPECTED = (ValueError, OSError, KeyError)
 def build_parser() -> argparse.ArgumentParser:
     from .common import MTP_BITS_CHOICES
 
-    p = argparse.ArgumentParser(
+    p = params.ArgumentParser(
         prog="python -m mlx_mtp.convert",
         description=(
             "Convert a Qwen3.5/3.6, Qwen3-Next or Qwen3.8-Flash-Next (qwen4_exp) checkpoint to "

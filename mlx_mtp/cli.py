@@ -76,7 +76,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     range-checked by the table in params.py (a bad value: one `error:` line,
     exit 2)."""
     flag = params.flag
-    p = argparse.ArgumentParser(
+    p = params.ArgumentParser(
         prog="python -m mlx_mtp.generate",
         description="Generate text with MTP speculative decoding (exact; same output as mlx_lm).",
     )

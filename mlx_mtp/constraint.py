@@ -78,7 +78,8 @@ def constrain(json_schema: Any = None, *, json_object: bool = False, regex: Opti
 
     Raises ValueError, one line naming the problem, for an invalid input or a
     JSON-schema feature llguidance cannot enforce (e.g. `uniqueItems`,
-    `oneOf`, an unknown `format`): those are refused, not ignored.
+    `oneOf`, an unknown `format`, `minProperties` where keys beyond
+    `properties` may appear): those are refused, not ignored.
     """
     given = [name for name, value in (("json_schema", json_schema is not None),
                                       ("json_object", bool(json_object)),
@@ -90,7 +91,8 @@ def constrain(json_schema: Any = None, *, json_object: bool = False, regex: Opti
     kind = given[0]
     LLMatcher = _llguidance().LLMatcher
     if kind in ("json_schema", "json_object"):
-        schema = _schema_dict(json_schema) if kind == "json_schema" else {"type": "object"}
+        schema = schema_dict(json_schema) if kind == "json_schema" else {"type": "object"}
+        _refuse_repeatable_counts(schema)
         source = json.dumps(schema)
         definition = LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS,
                                                         overrides=JSON_OVERRIDES)
@@ -116,7 +118,7 @@ def json_term(json_schema: Any = None, *, json_object: bool = False) -> str:
     separators) and the same refusal of unimplemented keywords (the options
     go in the schema's `x-guidance`: our defaults, the schema's own, then
     `lenient: false`). json_object=True: any JSON object."""
-    schema = {"type": "object"} if json_object else _schema_dict(json_schema)
+    schema = {"type": "object"} if json_object else schema_dict(json_schema)
     if not json_object:
         constrain(json_schema=schema)  # its refusals, in its words
     own = schema.get("x-guidance")
@@ -124,7 +126,7 @@ def json_term(json_schema: Any = None, *, json_object: bool = False) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": options})
 
 
-def _schema_dict(json_schema) -> dict:
+def schema_dict(json_schema) -> dict:
     """A JSON schema as a dict, from a dict, JSON text or a pydantic model class,
     checked against its metaschema (jsonschema) for a standard message."""
     pydantic = sys.modules.get("pydantic")  # a pydantic class means pydantic is imported
@@ -150,6 +152,51 @@ def _schema_dict(json_schema) -> dict:
         raise ValueError(f"invalid JSON schema{' at ' + where if where else ''}: "
                          f"{e.message}") from None
     return schema
+
+
+# Where a JSON schema holds subschemas: keyword -> how (one schema, a list,
+# or a name -> schema map). Only these are walked, so a property *named*
+# like a keyword is not taken for one.
+_SUBSCHEMAS = {
+    **dict.fromkeys(("additionalProperties", "items", "additionalItems", "contains", "not", "if",
+                     "then", "else", "propertyNames", "unevaluatedProperties",
+                     "unevaluatedItems"), "one"),
+    **dict.fromkeys(("prefixItems", "allOf", "anyOf", "oneOf"), "list"),
+    **dict.fromkeys(("properties", "patternProperties", "$defs", "definitions",
+                     "dependentSchemas"), "map"),
+}
+
+
+def _refuse_repeatable_counts(schema, where: str = "") -> None:
+    """ValueError for a `minProperties` that needs two or more keys beyond
+    the required `properties` (from `patternProperties`, or
+    `additionalProperties` other than false): llguidance's grammar counts the
+    keys written and cannot keep those distinct, so `{"x_a": 0, "x_a": 1}`
+    counts two and parses as one, under the minimum. (One such key cannot
+    repeat; `maxProperties` holds, as repeats only lower the parsed count.)
+    Every subschema is checked."""
+    if not isinstance(schema, dict):
+        return
+    listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    open_keys = bool(schema.get("patternProperties")) or \
+        schema.get("additionalProperties", True) is not False
+    required = set(schema.get("required") or ()) & set(listed)
+    if open_keys and schema.get("minProperties", 0) > len(required) + 1:
+        raise ValueError(
+            f"cannot use this JSON schema: minProperties at {where or '/'} needs several keys "
+            "beyond the required 'properties' (from patternProperties or additionalProperties), "
+            "which the grammar cannot keep distinct: a repeated key would parse as one")
+    for key, how in _SUBSCHEMAS.items():
+        value = schema.get(key)
+        if how == "one":
+            subs = [(key, value)]
+        elif how == "list":
+            subs = [(f"{key}/{i}", v) for i, v in enumerate(value)] \
+                if isinstance(value, list) else []
+        else:
+            subs = [(f"{key}/{k}", v) for k, v in value.items()] if isinstance(value, dict) else []
+        for at, sub in subs:
+            _refuse_repeatable_counts(sub, f"{where}/{at}")
 
 
 def _one_line(message: str, kind: str) -> str:

@@ -12,13 +12,14 @@ chaining itself exactly as in decoding, and draft i is accepted when drafts
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache
+
+from . import params
 
 
 def teacher_forced_logits(model, tokens) -> Tuple[mx.array, mx.array]:
@@ -99,7 +100,7 @@ def expected_acceptance(model, tokens, depth: int = 4, max_starts: int = 256,
 def main(argv: Optional[list] = None) -> int:
     from .loader import load
 
-    p = argparse.ArgumentParser(prog="python -m mlx_mtp.evaluate", description=__doc__.split("\n\n")[0])
+    p = params.ArgumentParser(prog="python -m mlx_mtp.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder or HF repo (default: demo model)")
     p.add_argument("--text-file", required=True, help="text of your workload ('-' for stdin)")
     p.add_argument("--depth", type=int, default=4, help="draft positions to report")

@@ -45,9 +45,10 @@ from mlx_lm.server import (  # noqa: F401  (re-exported)
 )
 
 # -- elsewhere in mlx_lm --------------------------------------------------------------------
-# TextStateMachine: make_state(initial) and the static split / flush / discard
-# on its runtime state (see `text_segments`)
-from mlx_lm.generate import TextStateMachine
+# TextStateMachine(transitions): make_state(initial) and the static split /
+# flush on its runtime state (see `text_segments`); a transition to None ends
+# the text (split's last segment is then (None, "")): server/stops.py
+from mlx_lm.generate import TextStateMachine  # noqa: F401 (re-exported)
 # the stream mlx_lm generates on (its generate_step, batch generation, wired_limit)
 from mlx_lm.generate import generation_stream  # noqa: F401
 # wired_limit(model, streams): a context that wires the model's memory (Metal)
@@ -136,14 +137,14 @@ def validate_depth(handler, validate: Callable[[], None]):
 def text_segments(state, text: str, finish_reason: Optional[str]) -> Tuple[tuple, list]:
     """One generated piece through the text state machine, as mlx_lm.server's
     `APIHandler.handle_completion` does it: (new state, [(kind, text)]) with
-    kind "reasoning", "tool" or "normal". A copy: mlx_lm keeps this step
-    inline in handle_completion, with no function to call; the Anthropic
-    route (server/handler.py) needs the same segments."""
-    if finish_reason == "stop":
-        state, current = TextStateMachine.discard(state)
-        return state, [(current, "")]
+    kind "reasoning", "tool" or "normal". mlx_lm keeps this step inline, with
+    no function to call. Unlike it, the text held back at the end is let out
+    whatever the finish_reason (mlx_lm drops it on "stop"): the generation
+    thread (server/lane.py) hands over the answer's text exactly, EOS and
+    stop strings left out, so what is held is text the model wrote (a partial
+    marker)."""
     state, segments = TextStateMachine.split(state, text)
-    if finish_reason == "length":
+    if finish_reason is not None:
         state, flushed, current = TextStateMachine.flush(state)
         segments.append((current, flushed))
     return state, segments
@@ -208,10 +209,10 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.utils:_parse_size", ("x",)),
     Need("mlx_lm.generate:generation_stream"),
     Need("mlx_lm.generate:wired_limit", ("model", "streams")),
+    Need("mlx_lm.generate:TextStateMachine.__init__", ("self", "transitions")),
     Need("mlx_lm.generate:TextStateMachine.make_state", ("self", "initial")),
     Need("mlx_lm.generate:TextStateMachine.split", ("state", "text")),
     Need("mlx_lm.generate:TextStateMachine.flush", ("state",)),
-    Need("mlx_lm.generate:TextStateMachine.discard", ("state",)),
     Need("mlx_lm.models.base:create_attention_mask", ("h", "cache")),
     Need("mlx_lm.models.base:gather_last_axis", ("x", "group")),
     Need("mlx_lm.models.cache:_BaseCache"),
@@ -237,8 +238,13 @@ RELIED_ON: List[Need] = [
     # read by server/ (its handler's response building, its generation thread)
     Need("mlx_lm.server:APIHandler",
          sets=("chat_template_kwargs", "created", "logprobs", "max_tokens", "object_type",
-               "response_generator", "stream", "top_logprobs"),
-         why="server/handler.py reads what mlx_lm's do_POST / handle_completion set"),
+               "response_generator", "stream", "top_logprobs", "stream_options",
+               "requested_model", "requested_draft_model", "adapter", "num_draft_tokens",
+               "temperature", "top_p", "top_k", "min_p", "xtc_probability", "xtc_threshold",
+               "logit_bias", "repetition_penalty", "repetition_context_size",
+               "presence_penalty", "presence_context_size", "frequency_penalty",
+               "frequency_context_size", "seed"),
+         why="server/handler.py reads what mlx_lm's do_POST sets (its request's fields)"),
     Need("mlx_lm.server:ResponseGenerator.__init__",
          sets=("model_provider", "prompt_cache", "requests", "_is_distributed", "_rank", "_stop",
                "_generation_thread", "_generation_failed"),
@@ -317,11 +323,13 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.server:APIHandler.do_GET", ("self",)),
     Need("mlx_lm.server:APIHandler.validate_model_parameters", ("self",),
          why="checks num_draft_tokens as an int (`validate_depth`)"),
-    Need("mlx_lm.server:APIHandler.handle_completion", ("self", "request", "stop_words")),
+    Need("mlx_lm.server:APIHandler.handle_completion", ("self", "request", "stop_words"),
+         why="overridden (do_POST calls it); its loop is server/handler.py's `_complete`"),
     Need("mlx_lm.server:APIHandler.handle_models_request", ("self",)),
     Need("mlx_lm.server:APIHandler.generate_response",
          ("self", "text", "finish_reason", "prompt_token_count", "completion_token_count",
-          "prompt_cache_count", "token_logprobs", "top_tokens"),
+          "prompt_cache_count", "token_logprobs", "top_tokens", "tokens", "tool_calls",
+          "reasoning_text"),
          why="overridden: token_logprobs and top_tokens passed as None by name (our logprobs "
              "replace its); reads the handler's stream, logprobs, top_logprobs, object_type"),
     Need("mlx_lm.server:APIHandler.completion_usage_response",

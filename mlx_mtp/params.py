@@ -15,7 +15,8 @@ Made from it, never written out by hand elsewhere:
 - `schema(surface)`: the JSON schemas of those request fields (server/schemas.py's
   `_COMMON`, server/anthropic.py's `REQUEST_SCHEMA`), validated with `Validator`
   (jsonschema, integers being JSON integers: 5.0 is not one);
-- `flag(name)`: the argparse `type=` of the flags of both CLIs.
+- `flag(name)`: the argparse `type=` of the flags of both CLIs (whose
+  parsers are `ArgumentParser`: an error is one line).
 
 A refused value gets one line naming the field, flag or argument, the value
 and what is allowed, in the same words on every surface. Names and defaults
@@ -268,6 +269,15 @@ Validator = jsonschema.validators.extend(
         "number": lambda checker, v: (isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v)),
     }))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose error is one line, alone: `PROG: error:
+    MESSAGE`, exit 2. argparse prints its usage block first, which for these
+    CLIs is twenty lines burying the error (-h prints it)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def flag(name: str, surface: str = "generate") -> Callable[[str], Any]:

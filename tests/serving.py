@@ -108,6 +108,23 @@ def chat_text(server, req, stream=False):
     return text, finish
 
 
+def cut_at_stop(text: str, finish: str, stops) -> tuple:
+    """An answer generated without stop strings, ended where the first one
+    begins: (text, finish_reason) as the stop strings make it here.
+    (mlx_lm.server deletes each one from the text and generates on: README,
+    the table of differences.)"""
+    found = [text.find(s) for s in stops or () if s in text]
+    return (text[:min(found)], "stop") if found else (text, finish)
+
+
+def stopped_chat_text(server, req) -> tuple:
+    """`chat_text` of `req` generated without its stop strings, cut at them
+    (`cut_at_stop`): what mlx_mtp.server answers to `req` when `server` is
+    mlx_lm.server."""
+    return cut_at_stop(*chat_text(server, {k: v for k, v in req.items() if k != "stop"}),
+                       req.get("stop"))
+
+
 def greedy_ids(server, req, path="/v1/chat/completions"):
     """A request's generated token ids at temperature 0 (as `logprobs: true`
     returns them; the end-of-sequence token included where it stopped there),

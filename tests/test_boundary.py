@@ -73,6 +73,18 @@ def test_cli_mistakes(args, stdin, code, words):
         assert w in message, message
 
 
+@pytest.mark.parametrize("module", ["mlx_mtp.generate", "mlx_mtp.server"])
+def test_a_cli_error_is_one_line_not_after_the_usage_block(module):
+    """argparse prints its usage block (twenty lines) before the error; here
+    the error is the whole of stderr."""
+    r = subprocess.run([sys.executable, "-m", module, "--max-tokens", "ten"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"python -m {module}: error: argument --max-tokens")
+
+
 @pytest.fixture(scope="module")
 def broken_folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("broken")

@@ -63,6 +63,8 @@ def test_thinking_is_off_under_a_constraint(tmp_path, capsys):
     (["--json-schema", '{"type": "nope"}'], "invalid JSON schema"),
     (["--json-schema", '{"type": "array", "uniqueItems": true}'], "uniqueItems"),
     (["--json-schema", '{"type": '], "json_schema is not valid JSON"),
+    (["--json-schema", '{"patternProperties": {"^x_": {"type": "integer"}}, "minProperties": 2}'],
+     "minProperties"),
     (["--json-schema", "no/such/file.json"], "not a file or a JSON object"),
     (["--grammar", "no/such/file.lark"], "not a file"),
     (["--regex", "a", "--json-schema", "{}"], "not allowed with argument"),

@@ -287,6 +287,110 @@ def test_advance_refuses_what_the_grammar_refuses(tok):
         m.advance(tok.encode("4") + [0] + tok.encode("2"))
 
 
+# -- every output a schema's grammar allows is valid under it --------------------------
+
+# Short tokens a walk favours, so that objects close, keys repeat and walks end
+_FAVOURED = ('{', '}', '"', ',', ':', ' ', 'p', 'q', 'a', 'b', '0', '1', 'u', 'true', '"p"',
+             '"q"')
+_CLOSERS = ('}', '"', ']')
+
+
+def _single_tokens(tok, texts) -> set:
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    return {i[0] for i in ids if len(i) == 1}
+
+
+def walk_output(constraint, tok, rng, limit=120):
+    """One text the grammar allows, drawn token by token from its masks
+    (short tokens favoured, closers past half the limit), or None when it
+    did not end within `limit` tokens."""
+    favoured, closers = _single_tokens(tok, _FAVOURED), _single_tokens(tok, _CLOSERS)
+    m = constraint.matcher(tok)
+    out = []
+    for step in range(limit):
+        allowed = bits(m.mask())
+        late = step > limit // 2
+        choices = sorted(allowed - m.stop_tokens)
+        if allowed & m.stop_tokens and (late or not choices or rng.random() < 0.3):
+            return tok.decode(out)
+        pool = ([t for t in choices if t in closers] if late else []) or (
+            [t for t in choices if t in favoured] if rng.random() < 0.9 else []) or choices
+        out.append(rng.choice(pool))
+        m.advance(out[-1:])
+    return None
+
+
+@st.composite
+def open_objects(draw):
+    """Object schemas with listed, pattern and additional properties and
+    key counts, sometimes nested in an array or an object."""
+    value = st.sampled_from([{"type": "integer", "minimum": 0, "maximum": 9},
+                             {"type": "boolean"}, {"enum": ["u", "v"]}])
+    listed = draw(st.dictionaries(st.sampled_from(["a", "b"]), value, max_size=2))
+    schema = {"type": "object", "properties": listed,
+              "required": sorted(k for k in listed if draw(st.booleans()))}
+    if draw(st.booleans()):
+        schema["patternProperties"] = {"^[pq]$": draw(value)}
+    extra = draw(st.sampled_from(["absent", "false", "true", "schema"]))
+    if extra != "absent":
+        schema["additionalProperties"] = {"false": False, "true": True}.get(extra) \
+            if extra != "schema" else draw(value)
+    for count in ("minProperties", "maxProperties"):
+        if draw(st.booleans()):
+            schema[count] = draw(st.integers(0, 4))
+    nest = draw(st.sampled_from(["no", "array", "object"]))
+    if nest == "array":
+        return {"type": "array", "items": schema, "maxItems": 2}
+    if nest == "object":
+        return {"type": "object", "properties": {"o": schema}, "required": ["o"],
+                "additionalProperties": False}
+    return schema
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(schema=open_objects(), seed=st.integers(0, 2**16))
+def test_every_output_of_a_schema_validates_or_the_schema_is_refused(tok, schema, seed):
+    """Generated schemas with pattern and additional properties and key
+    counts: a schema is refused naming what cannot be enforced, or every
+    text its grammar lets a walk end with parses and validates (a repeated
+    key under patternProperties once parsed as one, under minProperties)."""
+    import random
+
+    try:
+        c = constrain(schema)
+    except ValueError as e:
+        assert re.search(r"Properties|required", str(e)), str(e)
+        return
+    rng = random.Random(seed)
+    for _ in range(3):
+        text = walk_output(c, tok, rng)
+        if text is not None:
+            jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "patternProperties": {"^x_": {"type": "integer"}},
+     "minProperties": 2, "maxProperties": 3},  # the issue's: {"x_origs": 0, "x_origs": 0, ...}
+    {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+    {"type": "array", "items": {"type": "object", "patternProperties": {"^[pq]$": {}},
+                                "additionalProperties": False, "minProperties": 3}},
+])
+def test_min_properties_over_repeatable_keys_is_refused(schema):
+    with pytest.raises(ValueError, match="minProperties") as e:
+        constrain(schema)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}, "maxProperties": 3},
+    {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1},
+    {"type": "object", "properties": {"minProperties": {"type": "integer"}}},  # a name, no keyword
+])
+def test_counts_that_hold_are_served(schema):
+    assert constrain(schema).kind == "json_schema"
+
+
 # -- vocabulary width ----------------------------------------------------------------
 
 def test_padded_vocabulary_rows_are_never_allowed(tok):

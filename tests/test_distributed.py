@@ -29,7 +29,7 @@ from mlx_mtp.distributed import check_files, check_loaded, sharded_load
 from mlx_mtp.loader import CheckpointError
 from mlx_mtp.testing.synthetic import write_checkpoint, write_qwen4_exp_checkpoint
 from distributed_worker import mixed_turns
-from serving import chat_text, free_port
+from serving import chat_text, free_port, stopped_chat_text
 from util import reference
 
 LAUNCH = shutil.which("mlx.launch")
@@ -326,7 +326,7 @@ def one_process_servers(checkpoints, tmp_path_factory):
         started.append(Server(["mlx_lm", "server", "--model", path], logs / "mlx_lm.log"))
         started.append(Server(["mlx_mtp.server", "--model", path], logs / "mtp.log"))
         lm, one = started
-        yield {"greedy": [chat_text(lm, c) for c in SERVER_CHATS],
+        yield {"greedy": [stopped_chat_text(lm, c) for c in SERVER_CHATS],
                "sampled": _sampled(one, 3), "turns": _two_turns(one)}
     finally:
         for s in started:

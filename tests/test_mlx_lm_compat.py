@@ -119,15 +119,21 @@ def test_tokenize_returns_five():
 
 def test_make_state_machine_returns_stop_sequences_and_text_machine():
     owner = SimpleNamespace(_state_machine_cache={})
-    out = compat.ResponseGenerator._make_state_machine(owner, "key", FakeTokenizer(), ["x"])
+    out = compat.ResponseGenerator._make_state_machine(owner, "key", FakeTokenizer(), ())
     assert isinstance(out, tuple) and len(out) == 2, \
         f"mlx_lm.server.ResponseGenerator._make_state_machine returns {out!r}; mlx_mtp " \
         "unpacks (stop_sequences, text_sm)"
-    stop_sequences, text_sm = out
-    matcher = stop_sequences.matcher()
-    assert matcher.advance(ord("x")) is True and matcher.advance(5) is False, \
-        "StopSequences.matcher().advance(token) -> True at a stop word"
-    assert isinstance(text_sm, compat.TextStateMachine)
+    assert isinstance(out[1], compat.TextStateMachine)
+
+
+def test_a_transition_to_none_ends_the_text():
+    """server/stops.py's stop strings: split's last segment is (None, "")
+    once one matched, the text before it in the segments."""
+    sm = compat.TextStateMachine({"text": [("ab", None)]})
+    state, first = compat.TextStateMachine.split(sm.make_state("text"), "xa")
+    assert first == [("text", "x")]
+    state, second = compat.TextStateMachine.split(state, "bc")
+    assert second == [("text", ""), (None, "")]
 
 
 def test_share_object_in_one_process_and_on_rank_0_is_the_object_itself():
@@ -257,7 +263,8 @@ def test_text_segments():
     assert b == [("normal", ""), ("reasoning", "r"), ("normal", "b"), ("normal", "<th")]
     state = sm.make_state("normal")
     state, _ = compat.text_segments(state, "c<th", None)
-    assert compat.text_segments(state, "", "stop")[1] == [("normal", "")]
+    # the end lets out what was held, whatever ended it (mlx_lm drops it on "stop")
+    assert compat.text_segments(state, "", "stop")[1] == [("normal", ""), ("normal", "<th")]
 
 
 def test_generation_arguments_fill_every_field():

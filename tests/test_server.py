@@ -20,7 +20,8 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.loader import demo_model_path  # noqa: E402
-from serving import LONG_MESSAGES, Server, chat_text, greedy_ids  # noqa: E402
+from serving import (LONG_MESSAGES, Server, chat_text, cut_at_stop,  # noqa: E402
+                     greedy_ids, stopped_chat_text)
 
 DEMO = str(demo_model_path())
 
@@ -64,25 +65,36 @@ CHATS = [
 @pytest.mark.parametrize("i", range(len(CHATS)))
 def test_chat_same_text_as_mlx_lm_server(servers, i):
     mtp, lm = servers
-    want = chat_text(lm, CHATS[i])
+    req = CHATS[i]
+    want = stopped_chat_text(lm, req)
     assert want[0] or want[1] == "length"
-    assert chat_text(mtp, CHATS[i]) == want
-    assert chat_text(mtp, CHATS[i], stream=True) == want
+    assert chat_text(mtp, req) == want
+    assert chat_text(mtp, req, stream=True) == want
+
+
+def test_a_stop_string_ends_the_text_where_mlx_lm_server_deletes_it(servers):
+    """CHATS[3]'s stop ("\n\n") occurs in its answer: mlx_lm.server strips it
+    and goes on; here the answer ends there."""
+    mtp, lm = servers
+    req = CHATS[3]
+    text, _ = chat_text(lm, {k: v for k, v in req.items() if k != "stop"})
+    assert "\n\n" in text and chat_text(lm, req)[0] != text[:text.index("\n\n")]
+    assert chat_text(mtp, req) == (text[:text.index("\n\n")], "stop")
 
 
 def test_completions_same_text_as_mlx_lm_server(servers):
     mtp, lm = servers
     for prompt, kw in [("def fibonacci(n):", {}), ("import numpy as np\n", dict(stop=["\n"]))]:
-        want = lm.openai().completions.create(model="default_model", prompt=prompt,
-                                              max_tokens=20, temperature=0, **kw)
+        free = lm.openai().completions.create(model="default_model", prompt=prompt,
+                                              max_tokens=20, temperature=0).choices[0]
+        want = cut_at_stop(free.text, free.finish_reason, kw.get("stop"))
         got = mtp.openai().completions.create(model="default_model", prompt=prompt,
-                                              max_tokens=20, temperature=0, **kw)
-        assert got.choices[0].text == want.choices[0].text
-        assert got.choices[0].finish_reason == want.choices[0].finish_reason
+                                              max_tokens=20, temperature=0, **kw).choices[0]
+        assert (got.text, got.finish_reason) == want
         streamed = "".join(c.choices[0].text for c in mtp.openai().completions.create(
             model="default_model", prompt=prompt, max_tokens=20, temperature=0, stream=True,
             **kw) if c.choices)
-        assert streamed == want.choices[0].text
+        assert streamed == want[0]
 
 
 @pytest.mark.parametrize("path,body", [
@@ -311,14 +323,16 @@ def test_anthropic_conversion_of_tools_and_system():
     assert messages[3] == {"role": "tool", "tool_call_id": "t1", "content": "sunny"}
     assert tools[0]["function"]["name"] == "weather" and stops == ["END"]
     assert template == {"enable_thinking": False}
-    msg = am.Message("m", 10, 4, lambda text, tools: {"name": "weather", "arguments": {"c": 1}},
-                     tools)
-    for state, text in [("reasoning", "hmm"), ("normal", "ok "), ("tool", "<call>"),
-                        ("normal", "")]:
-        msg.feed(state, text)
-    msg.finish("stop", None, 7)
+    from mlx_mtp.server.answer import Part, ToolCall, finish
+
+    msg = am.Message("m", 10, 4)
+    for part in [Part("reasoning", "hmm"), Part("text", "ok "),
+                 Part("calls", calls=(ToolCall("weather", {"c": 1}),))]:
+        msg.feed(part)
+    msg.finish(finish("stop", None, True), 7)
     r = msg.response()
     assert [b["type"] for b in r["content"]] == ["thinking", "text", "tool_use"]
+    assert r["content"][2]["input"] == {"c": 1}
     assert r["stop_reason"] == "tool_use" and r["usage"]["cache_read_input_tokens"] == 4
 
 

@@ -17,7 +17,8 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
-from serving import LONG_PROMPT, PeakRSS, Server, greedy_ids, proc_status  # noqa: E402
+from serving import (LONG_PROMPT, PeakRSS, Server, chat_text, greedy_ids,  # noqa: E402
+                     proc_status)
 
 SERVED = "mlx-mtp-demo"  # the demo model's id (no --model)
 READ_TIMEOUT = 2  # the server's --read-timeout here
@@ -235,6 +236,90 @@ def test_what_cannot_be_honoured_is_refused(srv, path, body, param):
 @pytest.mark.parametrize("path,body", SERVED_AS_ASKED, ids=range(len(SERVED_AS_ASKED)))
 def test_what_can_be_honoured_is_served(srv, path, body):
     assert requests.post(srv.url + path, json=body, timeout=60).status_code == 200
+
+
+# -- tool definitions are checked whatever tool_choice is --------------------------------------
+BAD_TOOLS = [  # (tools, the field the 400 names)
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+     "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "oops"}}],
+     "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "tools.0.function.parameters"),
+    (TOOLS + [{"type": "function"}], "tools.1"),
+]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none"])
+@pytest.mark.parametrize("tools,param", BAD_TOOLS, ids=range(len(BAD_TOOLS)))
+def test_malformed_tools_are_refused_whatever_tool_choice(srv, tools, param, choice):
+    """(a call is never forced here: the demo model's template cannot call tools)"""
+    kw = {} if choice is None else {"tool_choice": choice}
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.openai(timeout=60).chat.completions.create(model="m", messages=MSGS, max_tokens=4,
+                                                       tools=tools, **kw)
+    assert e.value.param == param and param in e.value.message
+    assert healthy(srv)
+
+
+@pytest.mark.parametrize("schema", [{"type": "objekt"}, "oops", {"type": "array"}])
+def test_anthropic_malformed_input_schema_is_refused(srv, schema):
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=SERVED, max_tokens=4, messages=MSGS,
+                          tools=[{"name": "f", "input_schema": schema}])
+    assert e.value.body["type"] == "error" and "tools.0.input_schema" in str(e.value)
+
+
+# -- stop strings end the answer where they begin ------------------------------------------------
+# The demo answers MSGS with '...if not n:\n        return ...': ' return' is one
+# token, which the string 'return' (encoded alone) is not.
+STOP_CHAT = dict(messages=MSGS, max_tokens=60)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_chat_answer_where_it_begins(srv, stream):
+    """Streamed, the text that could begin the stop string is held back:
+    the chunks joined are the answer, nothing of 'return' sent."""
+    full, _ = chat_text(srv, STOP_CHAT)
+    assert "return" in full
+    got = chat_text(srv, dict(STOP_CHAT, stop=["zzz", "return"]), stream=stream)
+    assert got == (full[:full.index("return")], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_a_completion_where_it_begins(srv, stream):
+    client = srv.openai(timeout=60)
+    kw = dict(model="m", prompt=LONG_PROMPT, max_tokens=40, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    stop = "edw"  # inside '...p|an|ed|window...': the end of one token, the start of the next
+    assert stop in full
+    if stream:
+        text, finish = "", None
+        for c in client.completions.create(stream=True, stop=stop, **kw):
+            text += c.choices[0].text if c.choices else ""
+            finish = (c.choices[0].finish_reason if c.choices else None) or finish
+    else:
+        c = client.completions.create(stop=stop, **kw).choices[0]
+        text, finish = c.text, c.finish_reason
+    assert (text, finish) == (full[:full.index(stop)], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_stop_sequences_end_the_answer_and_are_named(srv, stream):
+    full, _ = chat_text(srv, STOP_CHAT)
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+    kw = dict(model=SERVED, max_tokens=60, messages=MSGS,  # (greedy: the server's --temp)
+              stop_sequences=["zzz", "return"])
+    if stream:
+        with a.messages.stream(**kw) as s:
+            streamed = "".join(s.text_stream)
+            m = s.get_final_message()
+        assert streamed == full[:full.index("return")]
+    else:
+        m = a.messages.create(**kw)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "return"
+    assert [b.text for b in m.content] == [full[:full.index("return")]]
 
 
 # -- HTTP's small print -------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def test_forced_tool_call_after_reasoning(srv):
     r = client(srv).chat.completions.create(
         model="any", messages=MSGS, max_tokens=160, temperature=0, tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "add"}},
-        logit_bias={str(THINK_END): 30})
+        logit_bias={str(THINK_END): 30},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     call, = r.choices[0].message.tool_calls
     assert call.function.name == "add"
     valid(call.function.arguments, ADD)
@@ -222,7 +223,154 @@ def test_anthropic_forced_tool_use_has_valid_input(srv, choice, stream):
     jsonschema.validate(uses[0].input, WEATHER if uses[0].name == "get_weather" else ADD)
 
 
+# -- forced calls on a template that thinks --------------------------------------------------------
+def test_a_forced_call_is_made_with_thinking_off_unless_asked_for(srv):
+    """The template opens a think block this model never closes: a forced
+    call would wait behind max_tokens of reasoning. Unasked, thinking is
+    off for it."""
+    r = client(srv).chat.completions.create(
+        model="any", messages=MSGS, max_tokens=160, temperature=0, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}})
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert not (r.choices[0].message.model_extra or {}).get("reasoning")
+    call, = r.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    valid(call.function.arguments, ADD)
+
+
+def test_a_forced_call_after_thinking_asked_for_gets_a_reasoning_budget(srv):
+    """Thinking asked for: the reasoning gets half of max_tokens, then it is
+    ended (`</think>` forced: this model would not write it) and the call
+    follows."""
+    r = client(srv).chat.completions.create(
+        model="any", messages=MSGS, max_tokens=200, temperature=0, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, logprobs=True,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert (r.choices[0].message.model_extra or {}).get("reasoning")
+    ids = [e.model_extra["id"] for e in r.choices[0].logprobs.content]
+    assert ids.index(THINK_END) == 100
+    assert r.choices[0].finish_reason == "tool_calls"
+    call, = r.choices[0].message.tool_calls
+    valid(call.function.arguments, WEATHER)
+
+
+def test_anthropic_thinking_budget_before_a_forced_call(srv):
+    """Anthropic's thinking.budget_tokens bounds the reasoning before a
+    forced tool_use."""
+    body = dict(model="local-model", max_tokens=200, messages=MSGS, stream=True,
+                thinking={"type": "enabled", "budget_tokens": 24},
+                tool_choice={"type": "tool", "name": "get_weather"},
+                tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                       for t in TOOLS])
+    r = requests.post(srv.url + "/v1/messages", json=body, stream=True, timeout=120)
+    data = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+            if line.startswith("data: ")]
+    starts = {d["index"]: d["content_block"] for d in data if d["type"] == "content_block_start"}
+    assert starts[0]["type"] == "thinking" and {b["type"] for b in starts.values()} == {
+        "thinking", "tool_use"}
+    text = "".join(d["delta"].get("thinking", "") for d in data if d.get("index") == 0
+                   and d["type"] == "content_block_delta")
+    assert 0 < len(text) <= 24  # (a token decodes to at most one character here)
+    assert [d["delta"]["stop_reason"] for d in data if d["type"] == "message_delta"] == [
+        "tool_use"]
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    with a.messages.stream(**{k: v for k, v in body.items() if k != "stream"}) as s:
+        m = s.get_final_message()
+    assert m.stop_reason == "tool_use" and m.content[0].type == "thinking"
+    use, = [b for b in m.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, WEATHER)
+
+
+# -- what the answer says is what happened -------------------------------------------------------
+def test_anthropic_thinking_block_streams_a_signature_delta(srv):
+    """Before its content_block_stop, a thinking block gets a signature_delta
+    (empty: nothing signs a local model's thinking), which clients keeping
+    thinking blocks wait for."""
+    r = requests.post(srv.url + "/v1/messages", stream=True, timeout=120, json=dict(
+        model="local-model", max_tokens=20, messages=MSGS, stream=True,
+        thinking={"type": "enabled", "budget_tokens": 1024}))
+    data = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+            if line.startswith("data: ")]
+    block = [d for d in data if d.get("index") == 0]
+    assert block[0]["content_block"]["type"] == "thinking"
+    assert block[-2]["delta"] == {"type": "signature_delta", "signature": ""}
+    assert block[-1]["type"] == "content_block_stop"
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    with a.messages.stream(model="local-model", max_tokens=20, messages=MSGS,
+                           thinking={"type": "enabled", "budget_tokens": 1024}) as s:
+        m = s.get_final_message()
+    assert m.content[0].type == "thinking" and m.content[0].signature == ""
+
+
+# A tool-call block the parser cannot read: the grammar makes this model write
+# the markers inside a JSON string ("\n" escaped), around what is not JSON.
+NOT_A_CALL = "<tool_call>\nnot json\n</tool_call>"
+WRITES_NOT_A_CALL = {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+    "const": NOT_A_CALL}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_malformed_tool_call_is_text_and_the_finish_is_stop(srv, stream):
+    """(mlx_lm.server: finish_reason "tool_calls" with no calls, the text
+    between the markers gone)"""
+    kw = dict(model="any", messages=MSGS, max_tokens=60, temperature=0,
+              response_format=WRITES_NOT_A_CALL, extra_body=NO_THINKING)
+    if stream:
+        text, finish, calls = "", None, []
+        for chunk in client(srv).chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                text += delta.content or ""
+                calls += delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+    else:
+        r = client(srv).chat.completions.create(**kw)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        calls = r.choices[0].message.tool_calls or []
+    assert (text, finish, calls) == (json.dumps(NOT_A_CALL), "stop", [])
+    assert json.loads(text) == NOT_A_CALL
+
+
+def test_anthropic_malformed_tool_call_is_a_text_block(srv):
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    m = a.messages.create(model="local-model", max_tokens=60, messages=MSGS,
+                          thinking={"type": "disabled"}, output_config={"format": {
+                              "type": "json_schema", "schema": {"const": NOT_A_CALL}}})
+    assert m.stop_reason == "end_turn"
+    assert [(b.type, b.text) for b in m.content] == [("text", json.dumps(NOT_A_CALL))]
+
+
+ADD_ONLY = [t for t in TOOLS if t["function"]["name"] == "add"]
+
+
+def test_a_call_cut_by_max_tokens_is_length_and_stays_text(srv):
+    """Several calls allowed: this model writes call after call, and
+    max_tokens cuts one. OpenAI: "length", the whole calls as tool_calls, the
+    cut one as text; Anthropic: "max_tokens" (mlx_lm.server's: "tool_use")."""
+    r = client(srv).chat.completions.create(
+        model="any", messages=MSGS, max_tokens=100, temperature=0, tools=ADD_ONLY,
+        tool_choice="required", extra_body=NO_THINKING)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        valid(call.function.arguments, ADD)
+    cut = choice.message.content.strip()
+    assert cut.startswith("<tool_call>") and not cut.endswith("</tool_call>"), cut
+    a = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+    m = a.messages.create(model="local-model", max_tokens=100, messages=MSGS,
+                          thinking={"type": "disabled"}, tool_choice={"type": "any"},
+                          tools=[{"name": "add", "input_schema": ADD}])
+    assert m.stop_reason == "max_tokens"
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and all(jsonschema.validate(u.input, ADD) is None for u in uses)
+    assert m.content[-1].type == "text" and m.content[-1].text.strip().startswith("<tool_call>")
+
+
 # -- refusals ------------------------------------------------------------------------------------
+REPEATABLE_KEYS = {"type": "object", "patternProperties": {"^x_": {"type": "integer"}},
+                   "minProperties": 2, "maxProperties": 3}
+
+
 def _fmt(schema):
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
@@ -245,6 +393,9 @@ BAD = [  # (body fields, the param the 400 names, words of its message)
         "type": "object", "properties": {"x": {"not": {"type": "null"}}}}}}],
           tool_choice="required"), "tools.0.function.parameters", "not"),
     (dict(tool_choice="required"), "tool_choice", "no tools"),
+    # (the issue's: llguidance wrote {"x_origs": 0, "x_origs": 0, "x_origs": 1}, one key parsed)
+    (dict(response_format=_fmt(REPEATABLE_KEYS)), "response_format.json_schema.schema",
+     "minProperties"),
 ]
 
 
@@ -266,6 +417,8 @@ def test_bad_schemas_and_choices_are_400(srv, fields, param, words):
                                                                        "uniqueItems": True}}}),
      "uniqueItems"),
     (dict(output_config={"format": {"type": "yaml"}}), "output_config.format"),
+    (dict(output_config={"format": {"type": "json_schema", "schema": REPEATABLE_KEYS}}),
+     "minProperties"),
     (dict(tools=[{"name": "f", "input_schema": ADD}], tool_choice={"type": "tool", "name": "g"}),
      "'g' is not one of the request's tools"),
 ])

@@ -26,8 +26,9 @@ with three subclasses:
   protocol's error event; SIGTERM lets requests in flight finish within
   `--shutdown-grace` first.
 
-At temperature 0 the text equals mlx_lm.server's for the same request
-(tests/test_server.py runs both as processes). See docs/design.md, "Server".
+At temperature 0 the text equals mlx_lm.server's for the same request, up
+to where a stop string ends it (tests/test_server.py runs both as processes;
+README's table of differences). See docs/design.md, "Server".
 
 Under `mlx.launch` (a model sharded with `sharded_load`, `--pipeline` as in
 mlx_lm.server) rank 0 serves HTTP and every rank runs the generation loop in
@@ -37,7 +38,9 @@ lockstep; what only rank 0 knows reaches the others through `_tick`
 The package, module by module: `schemas.py` (request schemas, validation,
 `ApiError`), `anthropic.py` (the Messages API over the chat machinery),
 `generation.py` (the model provider, the generation thread, the shutdown),
-`lane.py` (the batch requests decode in), `handler.py` (HTTP), `logprobs.py`
+`lane.py` (the batch requests decode in), `stops.py` (stop strings on the
+text), `answer.py` (what an answer says and how it ended, for both APIs),
+`structured.py` (grammars, forced calls), `handler.py` (HTTP), `logprobs.py`
 (OpenAI's logprobs shape), `cli.py` (flags and `main`); `python -m
 mlx_mtp.server` runs `__main__.py`.
 """

@@ -1,10 +1,10 @@
 """The Anthropic Messages API (`POST /v1/messages`) over the chat machinery.
 
 `to_chat(body)` turns a Messages request into the chat messages, tools and
-settings mlx_lm's chat path takes; `Message` turns the generated text (split
-by mlx_lm's text state machine into reasoning / tool / normal segments) into
-Anthropic content blocks, as one response or as the stream of events
-(message_start, content_block_start/delta/stop, message_delta, message_stop).
+settings mlx_lm's chat path takes; `Message` turns the answer's parts
+(answer.py: reasoning, text, tool calls) into Anthropic content blocks, as
+one response or as the stream of events (message_start,
+content_block_start/delta/stop, message_delta, message_stop).
 Pure functions: the server does the I/O.
 """
 
@@ -38,7 +38,8 @@ REQUEST_SCHEMA = {
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
         "stream": {"type": "boolean"},
         "tools": {"type": "array", "items": {"type": "object", "required": ["name"]}},
-        "thinking": {"type": "object"},
+        "thinking": {"type": "object", "properties": {
+            "budget_tokens": {"type": "integer", "minimum": 1}}},
     },
     "additionalProperties": False,
 }
@@ -167,14 +168,11 @@ def error_body(kind: str, message: str) -> dict:
 
 
 class Message:
-    """Builds an assistant message from generated segments.
+    """Builds an assistant message from the answer's parts (answer.Part:
+    reasoning, text, tool calls), as one response or as its stream of
+    events: events() returns those so far, response() the whole message."""
 
-    feed(state, text) takes mlx_lm's text state machine segments ("reasoning",
-    "tool", "normal"); tool text is parsed by the tokenizer's tool parser when
-    its block closes. events() returns the stream events so far; response()
-    the whole message."""
-
-    def __init__(self, model: str, input_tokens: int, cached_tokens: int, tool_parser, tools):
+    def __init__(self, model: str, input_tokens: int, cached_tokens: int):
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.usage = {"input_tokens": input_tokens - cached_tokens, "output_tokens": 0,
@@ -182,9 +180,7 @@ class Message:
                       "cache_creation_input_tokens": 0}
         self.blocks: List[dict] = []
         self._open: Optional[str] = None  # kind of the block being streamed
-        self._tool_text = ""
         self._events: List[Tuple[str, dict]] = []
-        self._parser, self._tools = tool_parser, tools
 
     def _start(self, kind: str):
         self._stop()
@@ -197,22 +193,23 @@ class Message:
             "content_block": dict(block)}))
 
     def _stop(self):
-        if self._open is not None and self._open != "tool":
-            self._events.append(("content_block_stop", {"type": "content_block_stop",
-                                                        "index": len(self.blocks) - 1}))
+        if self._open is None:
+            return
+        index = len(self.blocks) - 1
+        if self._open == "reasoning":  # (a local model's thinking is not signed: empty, as
+            # other local servers send it; clients that keep blocks wait for the delta)
+            self._events.append(("content_block_delta", {
+                "type": "content_block_delta", "index": index,
+                "delta": {"type": "signature_delta", "signature": ""}}))
+        self._events.append(("content_block_stop", {"type": "content_block_stop",
+                                                    "index": index}))
         self._open = None
 
-    def _tool_calls(self):
-        text, self._tool_text = self._tool_text, ""
-        if not text.strip() or self._parser is None:
-            return
-        try:
-            parsed = self._parser(text, self._tools)
-        except (ValueError, json.JSONDecodeError):
-            return  # a call cut off by max_tokens
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            block = {"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
-                     "name": call["name"], "input": call.get("arguments") or {}}
+    def _tool_uses(self, calls):
+        self._stop()
+        for call in calls:
+            block = {"type": "tool_use", "id": call.id or f"toolu_{uuid.uuid4().hex}",
+                     "name": call.name, "input": call.arguments}
             self.blocks.append(block)
             i = len(self.blocks) - 1
             self._events += [
@@ -222,26 +219,20 @@ class Message:
                     "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}),
                 ("content_block_stop", {"type": "content_block_stop", "index": i})]
 
-    def feed(self, state: str, text: str):
-        if state == "tool":
-            if self._open != "tool":
-                self._stop()
-                self._open = "tool"
-            self._tool_text += text
+    def feed(self, part):
+        if part.kind == "calls":
+            return self._tool_uses(part.calls)
+        if not part.text:
             return
-        if self._open == "tool":
-            self._open = None
-            self._tool_calls()
-        if not text:
-            return
-        if self._open != state:
-            self._start(state)
+        if self._open != part.kind:
+            self._start(part.kind)
         block = self.blocks[-1]
-        key, delta = ("thinking", "thinking_delta") if state == "reasoning" else ("text", "text_delta")
-        block[key] += text
+        key, delta = ("thinking", "thinking_delta") if part.kind == "reasoning" \
+            else ("text", "text_delta")
+        block[key] += part.text
         self._events.append(("content_block_delta", {
             "type": "content_block_delta", "index": len(self.blocks) - 1,
-            "delta": {"type": delta, key: text}}))
+            "delta": {"type": delta, key: part.text}}))
 
     def start_event(self) -> Tuple[str, dict]:
         msg = self._message(None, None)
@@ -252,24 +243,15 @@ class Message:
         out, self._events = self._events, []
         return out
 
-    def finish(self, reason: str, stop_sequence: Optional[str], output_tokens: int):
-        """reason: mlx_lm's finish ("stop"/"length"); a stop word or a tool call refines it."""
-        if self._open == "tool":
-            self._open = None
-            self._tool_calls()
+    def finish(self, ending, output_tokens: int):
+        """ending: the answer's (answer.Finish: its stop_reason and stop string)."""
         self._stop()
         self.usage["output_tokens"] = output_tokens
-        if any(b["type"] == "tool_use" for b in self.blocks):
-            self.stop_reason = "tool_use"
-        elif reason == "length":
-            self.stop_reason = "max_tokens"
-        else:
-            self.stop_reason = "stop_sequence" if stop_sequence else "end_turn"
-        self.stop_sequence = stop_sequence
+        self.stop_reason, self.stop_sequence = ending.anthropic, ending.stop_sequence
         self._events += [
             ("message_delta", {"type": "message_delta",
                                "delta": {"stop_reason": self.stop_reason,
-                                         "stop_sequence": stop_sequence},
+                                         "stop_sequence": self.stop_sequence},
                                "usage": {"output_tokens": output_tokens}}),
             ("message_stop", {"type": "message_stop"})]
 

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     numeric ones are range-checked by the table in params.py (a bad value:
     one `error:` line, exit 2). See also `parse_args`."""
     flag = functools.partial(params.flag, surface="server")
-    p = argparse.ArgumentParser(prog="python -m mlx_mtp.server",
+    p = params.ArgumentParser(prog="python -m mlx_mtp.server",
                                 description="OpenAI/Anthropic-compatible server with MTP decoding")
     p.add_argument("--model", type=str, default=None,
                    help="model folder or Hugging Face repo (default: the embedded demo model)")

@@ -27,8 +27,9 @@ from urllib.parse import urlsplit
 from .. import checks
 from ..batch import MTPStats
 from ..mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, generation_arguments,
-                             hand_body_to, text_segments, validate_depth)
+                             hand_body_to, validate_depth)
 from . import anthropic, structured
+from .answer import Answer, openai_call
 from .generation import Refused
 from .logprobs import entries
 from .schemas import CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, parse_json, utf8, validate
@@ -234,9 +235,14 @@ class MTPAPIHandler(APIHandler):
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param="logit_bias") from None
         # response_format and a forcing tool_choice (compiled here: a bad schema is a 400)
-        self.wanted = structured.openai(body, mp.tokenizer, mp.model.vocab_size)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
-            self.response_generator.cli_args.max_tokens
+        wanted = structured.openai(body, mp.tokenizer, mp.model.vocab_size)
+        cli = self.response_generator.cli_args
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or cli.max_tokens
+        kwargs, self.wanted = structured.thinking_for_calls(
+            wanted, body.get("chat_template_kwargs") or {}, cli.chat_template_args,
+            mp.tokenizer.has_thinking, max_tokens)
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
         # (before mlx_lm's handler parses the body again: see preflight)
         self.response_generator.check_prompt_size(body.get("prompt"), body.get("messages", ()),
                                                   max_tokens)
@@ -347,7 +353,7 @@ class MTPAPIHandler(APIHandler):
             if not self.stream:  # (a streamed one finds out when a write fails)
                 held.callback(_ClientWatch(self.connection, request).close)
             try:
-                super().handle_completion(request, stop_words)
+                self._complete(request, stop_words)
             except Refused as r:  # before the answer began
                 self.send_api_error(r.error)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -359,6 +365,78 @@ class MTPAPIHandler(APIHandler):
                         500, f"the generation failed: {type(e).__name__}: {e}",
                         kind="server_error"))
                 self._end_in_protocol(e)
+
+    def _complete(self, request, stop_words):
+        """Generate and answer in OpenAI's shape, streamed or not: mlx_lm's
+        `handle_completion` with the answer read by `answer.Answer` (a tool
+        call the parser cannot read stays text, the finish reason is what
+        happened) and the generation's text taken as it comes (EOS and stop
+        strings already left out: lane.py)."""
+        rg = self.response_generator
+        args = generation_arguments(
+            model=self.requested_model, draft=self.requested_draft_model, adapter=self.adapter,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold,
+            logit_bias=self.logit_bias, repetition_penalty=self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+            presence_penalty=self.presence_penalty,
+            presence_context_size=self.presence_context_size,
+            frequency_penalty=self.frequency_penalty,
+            frequency_context_size=self.frequency_context_size, stop_words=stop_words,
+            max_tokens=self.max_tokens, num_draft_tokens=self.num_draft_tokens,
+            logprobs=self.logprobs, top_logprobs=self.top_logprobs, seed=self.seed,
+            chat_template_kwargs=self.chat_template_kwargs)
+
+        def keepalive(done, total):  # (a long prompt's prefill: the connection stays open)
+            logging.info("Prompt processing progress: %d/%d", done, total)
+            if self.stream:
+                self.wfile.write(f": keepalive {done}/{total}\n\n".encode())
+                self.wfile.flush()
+
+        ctx, responses = rg.generate(request, args, progress_callback=keepalive)
+        if self.stream:
+            self._set_stream_headers(200)
+            self.end_headers()
+        else:
+            self._set_completion_headers(200)
+        said = Answer(ctx, request.tools, rg.model_provider.tokenizer)
+        text, reasoning, calls = [], [], []  # (streamed: since the last chunk)
+        try:
+            for gen in responses:
+                for part in said.feed(gen):
+                    if part.kind == "calls":  # (a stream numbers its calls: `index`)
+                        first = said.calls - len(part.calls)
+                        calls += [openai_call(c, first + i if self.stream else None)
+                                  for i, c in enumerate(part.calls)]
+                    else:
+                        (reasoning if part.kind == "reasoning" else text).append(part.text)
+                if self.stream and (text or reasoning or calls) and gen.finish_reason is None:
+                    self._write_chunk(self.generate_response(
+                        "".join(text), None, tool_calls=calls, reasoning_text="".join(reasoning)))
+                    text, reasoning, calls = [], [], []
+            reason = said.finish().openai
+            if self.stream:
+                self._write_chunk(self.generate_response(
+                    "".join(text), reason, tool_calls=calls, reasoning_text="".join(reasoning)))
+                if self.stream_options is not None and self.stream_options.get("include_usage"):
+                    self._write_chunk(self.completion_usage_response(
+                        len(ctx.prompt), said.tokens, ctx.prompt_cache_count))
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            else:
+                body = json.dumps(self.generate_response(
+                    "".join(text), reason, len(ctx.prompt), said.tokens, ctx.prompt_cache_count,
+                    tool_calls=calls, reasoning_text="".join(reasoning))).encode()
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.wfile.flush()
+        finally:
+            ctx.stop()
+
+    def _write_chunk(self, chunk: dict):
+        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.flush()
 
     def handle_models_request(self):
         mp = self.response_generator.model_provider
@@ -414,9 +492,12 @@ class MTPAPIHandler(APIHandler):
             anthropic.check_tool_choice(body, mp.tokenizer.has_tool_calling)
         except anthropic.RequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
-        wanted = structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size)
-        request = CompletionRequest("chat", "", messages, tools, None)
         max_tokens = body.get("max_tokens", 1)
+        template_args, wanted = structured.thinking_for_calls(
+            structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size), template_args,
+            cli.chat_template_args, mp.tokenizer.has_thinking, max_tokens,
+            (body.get("thinking") or {}).get("budget_tokens"))
+        request = CompletionRequest("chat", "", messages, tools, None)
         prompt = rg.preflight(request, template_args, max_tokens)
         if count_only:
             return self._send_json(200, {"input_tokens": len(prompt)})
@@ -442,23 +523,16 @@ class MTPAPIHandler(APIHandler):
             if isinstance(e, Refused):
                 raise e.error from None
             raise
-        tokenizer = mp.tokenizer
-        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
-                                ctx.tool_parser if ctx.has_tool_calling else None, tools)
+        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0))
         if stream:
             self._set_stream_headers(200)
             self.end_headers()
             self._write_event(*msg.start_event())
-        state = ctx.text_sm.make_state(ctx.initial_state)
-        tokens, finish = [], "stop"
+        said = Answer(ctx, tools, mp.tokenizer)
         try:
             for gen in response:
-                state, segments = text_segments(state, gen.text, gen.finish_reason)
-                for kind, text in segments:
-                    msg.feed(kind, text)
-                tokens.append(gen.token)
-                if gen.finish_reason is not None:
-                    finish = gen.finish_reason
+                for part in said.feed(gen):
+                    msg.feed(part)
                 if stream:
                     for event in msg.events():
                         self._write_event(*event)
@@ -474,12 +548,7 @@ class MTPAPIHandler(APIHandler):
             ctx.stop()
             if watch is not None:
                 watch.close()
-        stop_sequence = None
-        if finish == "stop" and tokens and tokens[-1] not in tokenizer.eos_token_ids:
-            tail = tokenizer.decode(tokens)
-            stop_sequence = max((s for s in stop_words if tail.endswith(s)), key=len,
-                                default=None)
-        msg.finish(finish, stop_sequence, len(tokens))
+        msg.finish(said.finish(), said.tokens)
         if stream:
             for event in msg.events():
                 self._write_event(*event)
@@ -490,11 +559,15 @@ class MTPAPIHandler(APIHandler):
 def constrain(request, wanted: Optional[structured.Wanted], mp):
     """Give a request the grammar its output must follow (lane.py masks its
     row with it), once its prompt is rendered (`preflight`): where the
-    prompt leaves the model thinking, the grammar starts after the thinking."""
+    prompt leaves the model thinking, the grammar starts after the thinking,
+    and a reasoning budget (a forced call's) ends it in time."""
     if wanted is not None:
-        initial_state = request.mtp_tokenized[3]
+        prompt, _, _, initial_state, _ = request.mtp_tokenized
         request.mtp_constraint = structured.constraint(wanted, mp.tokenizer, mp.model.vocab_size,
                                                        initial_state)
+        if initial_state == "reasoning" and wanted.reasoning_budget is not None:
+            request.mtp_reasoning_budget = structured.ReasoningBudget(
+                mp.tokenizer, len(prompt), wanted.reasoning_budget)
 
 
 class _HTTPServer(ThreadingHTTPServer):

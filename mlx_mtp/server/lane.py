@@ -19,10 +19,12 @@ from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
 from .logprobs import top_logprobs
 from .schemas import ApiError
+from .stops import StopStrings, answered_tokens
 
 
 class MTPGenerationContext(GenerationContext):
     stats: Optional[MTPStats] = None  # filled as the generation runs
+    stop_sequence: Optional[str] = None  # the stop string that ended it (set before its end)
 
 
 def _sampler(args, tokenizer):
@@ -69,7 +71,7 @@ class _RowState:
     args: object
     cache: list
     key_tokens: list
-    matcher: object
+    stops: StopStrings  # its stop strings, on its text
     detokenizer: object
     left: bool = False  # its client went away (rank 0's word, `_tick`)
 
@@ -134,7 +136,8 @@ class _Lane:
         if tokenized is None or args.chat_template_kwargs != getattr(request, "mtp_kwargs", None):
             tokenized = gen._tokenize(tokenizer, request, args)
         prompt, segments, kinds, initial_state, _ = tokenized
-        stop_sequences, text_sm = gen._make_state_machine(key, tokenizer, args.stop_words)
+        # no stop words in mlx_lm's machines: they match ids and strip text; ours end the text
+        _, text_sm = gen._make_state_machine(key, tokenizer, ())
         # an exact stored prefix (GDN states cannot be cut back), leaving at
         # least the last prompt token to run
         cache, n = gen._fetch(key, prompt[:-1])
@@ -156,7 +159,10 @@ class _Lane:
                                           cache_type=kinds_at[done])
 
         processors = settings.processors
-        constraint = getattr(request, "mtp_constraint", None)  # (handler.py's `constrain`)
+        budget = getattr(request, "mtp_reasoning_budget", None)  # (handler.py's `constrain`)
+        if budget is not None:
+            processors = (*processors, budget)
+        constraint = getattr(request, "mtp_constraint", None)
         if constraint is not None:  # structured output: the grammar's mask, last (as the API's)
             from ..constraint import MaskingProcessor
 
@@ -170,7 +176,7 @@ class _Lane:
             feed_tail=False)  # the cache as it stands when the row leaves: no forward then
         r.stops, r.snapshot = stops, snapshot
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
-                          stop_sequences.matcher(), tokenizer.detokenizer)
+                          StopStrings(args.stop_words), tokenizer.detokenizer)
         return r, state
 
     def step(self):
@@ -191,32 +197,46 @@ class _Lane:
                 raise
 
     def _emit(self, event, state: _RowState):
-        """Send one token (as mlx_lm.server's responses are built). The batch
-        ends a row at EOS or max_tokens; a stop sequence or a client that left
-        ends it here."""
+        """Send one token (as mlx_lm.server's responses are built), its text
+        exactly the answer's: the batch ends a row at EOS or max_tokens; a
+        stop string (its text and what follows left out, `ctx.stop_sequence`
+        naming it) or a client that left ends it here. Text that may begin a
+        stop string waits for the next token (`StopStrings`)."""
         token, finish = event.token, event.finish
         if finish != "stop":  # EOS is not text
             state.detokenizer.add_token(token)
-        if state.matcher.advance(token):
-            finish = "stop"
         if finish is not None:
             state.detokenizer.finalize()
+        text = state.stops.feed(state.detokenizer.last_segment)
+        if state.stops.found is not None:
+            finish, state.ctx.stop_sequence = "stop", state.stops.found
+        elif finish is not None or state.left:
+            text += state.stops.flush()
         top = state.args.top_logprobs
         state.rqueue.put(Response(
-            state.detokenizer.last_segment, token, event.logprob, finish,
+            text, token, event.logprob, finish,
             top_logprobs(event.logprobs, top) if top > 0 else ()))  # (handler.py formats them)
         state.key_tokens.append(token)
         if finish is None and not state.left:
             return
         del self.rows[event.row]
-        state.rqueue.put(None)
-        if not event.row.done:
-            with mx.stream(generation_stream):
-                self.batch.finish(event.row)
-        model = self.gen.model_provider.model
-        held = trunk_length(state.cache, model)
-        self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
-                                           state.key_tokens[:held], state.cache)
+        try:  # (the request ends once its answer is stored: a next turn finds it)
+            if not event.row.done:
+                with mx.stream(generation_stream):
+                    self.batch.finish(event.row)
+            mp = self.gen.model_provider
+            held = trunk_length(state.cache, mp.model)
+            # the cache keeps what was answered: a stop string's tokens are not
+            # the answer, and a state past them cannot be cut back (GDN)
+            prompt = len(state.ctx.prompt)
+            answered = len(state.key_tokens) if state.stops.found is None else \
+                prompt + answered_tokens(state.key_tokens[prompt:], state.stops.found,
+                                         mp.tokenizer.decode)
+            if held <= answered:
+                self.gen.prompt_cache.insert_cache(mp.model_key, state.key_tokens[:held],
+                                                   state.cache)
+        finally:
+            state.rqueue.put(None)
 
     @staticmethod
     def _fail(rqueue, e: Exception):

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
-from ..constraint import Constraint, constrain, json_term, llg_tokenizer
+import mlx.core as mx
+
+from ..constraint import Constraint, constrain, json_term, llg_tokenizer, schema_dict
 from ..mlx_lm_compat import tool_call_format
 from .schemas import ApiError
 
@@ -41,15 +43,41 @@ TOOL_FORMATS = ("json_tools", "qwen3_coder")
 AFTER_THINKING = r"/\n{0,2}/"
 
 
+class ReasoningBudget:
+    """An mlx_lm logits processor that ends a reasoning once `budget` tokens
+    were generated: from there only the think-end's tokens are allowed, in
+    turn, until they are written (`thinking_for_calls`; the grammar's think
+    rule ends there). It reads the history alone, as the grammar's
+    MaskingProcessor does, so speculative decoding under it stays exact
+    (llguidance's own max_tokens= rules cannot roll back)."""
+
+    def __init__(self, tokenizer, prompt_tokens: int, budget: int):
+        self.tokenizer, self.prompt, self.budget = tokenizer, prompt_tokens, budget
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if tokens.size - self.prompt < self.budget:
+            return logits
+        generated = tokens[self.prompt:].tolist()
+        end = self.tokenizer.think_end_tokens
+        written = len(generated) - self.budget  # of `end`, forced since the budget ran out
+        if self.tokenizer.find_think_end(generated) >= 0 or written >= len(end):
+            return logits
+        allowed = mx.arange(logits.shape[-1]) == end[written]
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
 @dataclass(frozen=True)
 class Wanted:
     """What a request's output must be (after any reasoning): `answer`, the
     Lark rules of a JSON answer (response_format) or None; `calls`, those of
-    its tool calls or None; `forced`: calls only (else either)."""
+    its tool calls or None; `forced`: calls only (else either);
+    `reasoning_budget`: the tokens a reasoning before them may take (None:
+    unbounded; `thinking_for_calls`)."""
 
     answer: Optional[str] = None
     calls: Optional[str] = None
     forced: bool = False
+    reasoning_budget: Optional[int] = None
 
 
 # -- OpenAI ----------------------------------------------------------------------------------
@@ -59,6 +87,7 @@ def openai(body: dict, tokenizer, vocab_size: int) -> Optional[Wanted]:
     answer = _response_format(body.get("response_format"))
     choice = body.get("tool_choice")
     tools = body.get("tools") or []
+    functions = _openai_functions(tools)  # (checked whatever tool_choice is)
     forced = choice not in (None, "auto", "none")
     if forced:
         named = (isinstance(choice, dict) and choice.get("type") == "function"
@@ -73,7 +102,6 @@ def openai(body: dict, tokenizer, vocab_size: int) -> Optional[Wanted]:
     if not forced and (answer is None or not tools or choice == "none"
                        or not tokenizer.has_tool_calling):
         return None if answer is None else Wanted(answer=answer)
-    functions = _openai_functions(tools)
     if forced and choice != "required":
         functions = _only(functions, choice["function"]["name"], "tool_choice.function.name")
     several = choice in ("required", "auto", None) and body.get("parallel_tool_calls") is not False
@@ -149,17 +177,35 @@ def anthropic(body: dict, tools: Optional[Sequence[dict]], tokenizer,
     choice = body.get("tool_choice") or {}
     kind = choice.get("type")
     forced = kind in ("any", "tool")
+    functions = [(t["function"]["name"], _parameters(t["function"].get("parameters"),
+                                                      f"tools.{i}.input_schema"))
+                 for i, t in enumerate(tools or ())]  # (checked whatever tool_choice is)
     if not forced and (answer is None or not tools or kind == "none"
                        or not tokenizer.has_tool_calling):
         return None if answer is None else Wanted(answer=answer)
-    functions = [(t["function"]["name"], _parameters(t["function"].get("parameters"),
-                                                      f"tools.{i}.input_schema"))
-                 for i, t in enumerate(tools)]
     if kind == "tool":
         functions = _only(functions, choice["name"], "tool_choice.name")
     several = kind != "tool" and not choice.get("disable_parallel_tool_use", False)
     calls = _calls(tokenizer, vocab_size, functions, several, "tool_choice" if forced else "tools")
     return Wanted(answer=None if forced else answer, calls=calls, forced=forced)
+
+
+def thinking_for_calls(wanted: Optional[Wanted], template_args: dict, defaults: dict,
+                       has_thinking: bool, max_tokens: int,
+                       budget: Optional[int] = None) -> Tuple[dict, Optional[Wanted]]:
+    """(chat template arguments, what the output must be) of a request whose
+    call is forced, on a model that thinks: a reasoning could take all of
+    max_tokens and leave no call. Thinking is off (`enable_thinking: false`
+    to the template) unless the request, or the server's
+    --chat-template-args, sets `enable_thinking`; a reasoning still left
+    (asked for, or a template that thinks regardless) gets `budget` tokens
+    (Anthropic's `thinking.budget_tokens`; else half of max_tokens), then it
+    is ended (`ReasoningBudget`) and the call follows."""
+    if wanted is None or not wanted.forced or not has_thinking:
+        return template_args, wanted
+    if "enable_thinking" not in {**defaults, **template_args}:
+        template_args = {**template_args, "enable_thinking": False}
+    return template_args, replace(wanted, reasoning_budget=budget or max(1, max_tokens // 2))
 
 
 def check_forced(what: str, has_tools: bool, tool_calling: bool, param: str):
@@ -320,11 +366,21 @@ def _json(schema, param: str) -> str:
 
 
 def _parameters(schema, param: str) -> dict:
-    """A tool's parameters schema (none: no arguments, an empty object)."""
+    """A tool's parameters schema (none: no arguments, an empty object),
+    checked against JSON Schema's metaschema: an object schema (its `type`,
+    if given, "object"), as OpenAI and Anthropic require."""
     if schema is None:
         return {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(schema, dict):
-        raise ApiError(400, f"{param} must be a JSON schema (an object)", param=param)
+        raise ApiError(400, f"{param} must be a JSON schema (an object), not {_short(schema)}",
+                       param=param)
+    try:
+        schema_dict(schema)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param) from None
+    if schema.get("type", "object") != "object":
+        raise ApiError(400, f"{param} must be an object schema ('type': 'object'), not 'type': "
+                            f"{_short(schema['type'])}", param=param)
     return schema
 
 
