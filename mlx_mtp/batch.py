@@ -23,7 +23,7 @@ import dataclasses
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
@@ -33,88 +33,20 @@ from mlx.utils import tree_flatten
 from . import checks
 from .cache import cache_length, check_prompt_cache, entry_length, head_caches
 from .cycle import RING, DecodeState, Graphs, Spec, init_ring, is_host_side, unpack
-from .depth import DepthController
+from .depth import DepthController, cost_sample
 from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
 from .params import DecodeOptions
 from .prefill import feed, prefill
-from .rows import Finish, HeldCache, Request, Row, row_key
+from .rows import (Finish, HeldCache, Launched, Ledger, Lengths, MTPStats,  # noqa: F401
+                   Request, Row, row_key)  # (MTPStats: re-exported)
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
-                       bias_row, row_arrays, start_window)
+                       SamplerArrays, bias_row, start_window)
 
 
 def mtp_disabled_by_env() -> bool:
     return os.environ.get("MLX_MTP_DISABLE", "0") not in ("", "0", "false", "False")
 
-
-
-@dataclass
-class MTPStats:
-    """Counters of one generation. Acceptance at position i is the fraction of
-    cycles that drafted a token at position i and had it accepted."""
-
-    cycles: int = 0
-    emitted: int = 0
-    drafted_at: List[int] = field(default_factory=list)
-    accepted_at: List[int] = field(default_factory=list)
-
-    def record(self, depth: int, accepted: int):
-        self.cycles += 1
-        self.emitted += accepted + 1
-        while len(self.drafted_at) < depth:
-            self.drafted_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(depth):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += int(i < accepted)
-
-    def add(self, other: "MTPStats"):
-        """Add another generation's counters to these (benches pool runs)."""
-        self.cycles += other.cycles
-        self.emitted += other.emitted
-        for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
-            while len(self.drafted_at) <= i:
-                self.drafted_at.append(0)
-                self.accepted_at.append(0)
-            self.drafted_at[i] += d
-            self.accepted_at[i] += a
-
-    @property
-    def drafted(self) -> int:
-        return sum(self.drafted_at)
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.accepted_at)
-
-    @property
-    def acceptance(self) -> List[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
-
-    @property
-    def tokens_per_cycle(self) -> float:
-        return self.emitted / self.cycles if self.cycles else 0.0
-
-
-@dataclass
-class Lengths:
-    """A row's cache lengths and the pairs written to its ring since the head
-    caught up, as the host knows them (`batch.Ledger` keeps them)."""
-
-    trunk: int
-    head: int
-    ring: int = 0
-
-    def flushed(self) -> "Lengths":
-        """After the head caught up on the ring (its last RING pairs)."""
-        return Lengths(self.trunk, self.head + min(self.ring, RING), 0)
-
-    def after(self, k: int, accepted: int, ring: bool = True) -> "Lengths":
-        """After a cycle of depth k: a plain step writes a pair into the ring,
-        or (ring False: depth 0's graph, parked) drops the ring."""
-        if k == 0:
-            return Lengths(self.trunk + 1, self.head, self.ring + 1 if ring else 0)
-        return Lengths(self.trunk + accepted + 1, self.flushed().head + accepted + 1, 0)
 
 
 class Event(NamedTuple):
@@ -126,89 +58,6 @@ class Event(NamedTuple):
     logprob: float  # its own
     finish: Optional[str]  # "stop" (a stop token), "length" (max_tokens) or None
     from_draft: bool  # an accepted draft
-
-
-@dataclass
-class Launched:
-    k: int
-    out: object  # StepOutput
-    before: Optional[DecodeState]  # the state it started from, without KV buffers
-    traced: bool  # its launch traced a graph (slow: not a cost sample)
-    rows: list  # the batch's rows, in order, when it was launched
-    stamps: dict  # perf_counter times of its launch
-    flush_after: bool = False  # the head caught up right after it (rows joined)
-    cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
-    counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
-
-
-class Ledger:
-    """The host's copies of the device's counters, kept by one object
-    (docs/design.md, "One owner per fact"): each row's cache lengths and ring
-    pairs after the cycles read (`Row.lens`, exact), and the ring's count
-    after the cycles launched (`ring`, the same for every row). The batch
-    tells it each change it makes to those counters on the device: a launch,
-    a flush, a read. With MLX_MTP_CHECK_COUNTS=1 (the tests set it) each read
-    compares them with the device's own."""
-
-    def __init__(self):
-        self.ring = 0  # plain steps' pairs waiting for the head, as launched
-        self.checking = os.environ.get("MLX_MTP_CHECK_COUNTS", "0") not in ("", "0")
-
-    def launched(self, cycle: "Launched", use_head: bool, state: DecodeState):
-        """A cycle was queued, leaving the device in `state`."""
-        self.ring = 0 if cycle.k or cycle.cold else self.ring + int(use_head)
-        if self.checking:
-            cycle.counts = _device_counts(state)
-
-    def flushed(self, inflight: deque, rows: List[Row]):
-        """The head caught up on the ring (before rows join). The rows' lengths
-        count it once the cycles launched before it are read."""
-        self.ring = 0
-        if inflight:
-            inflight[-1].flush_after = True
-        else:
-            for r in rows:
-                r.lens = r.lens.flushed()
-
-    def read(self, row: Row, cycle: "Launched", index: int, accepted: int) -> Lengths:
-        """The row's lengths after a read cycle (returns those before it)."""
-        before = row.lens
-        after = before.after(cycle.k, accepted, ring=not cycle.cold)
-        if self.checking:
-            _compare(after, cycle.counts, index)
-        row.lens = after.flushed() if cycle.flush_after else after
-        return before
-
-    def bound(self, row: Row, inflight: Sequence["Launched"]) -> Lengths:
-        """The row's lengths after the launched cycles if each accepted every draft."""
-        lens = row.lens
-        for c in inflight:
-            if row in c.rows:
-                lens = lens.after(c.k, c.k, ring=not c.cold)
-                if c.flush_after:
-                    lens = lens.flushed()
-        return lens
-
-
-def _device_counts(state: DecodeState) -> dict:
-    """The device's counters the ledger mirrors (lazy: read with the cycle)."""
-    def lengths(caches):
-        for c in caches:
-            c = c.caches[0] if hasattr(c, "caches") else c
-            if hasattr(c, "lengths"):
-                return c.lengths
-        return None
-    return {"trunk": lengths(state.cache.trunk), "head": lengths(state.cache.head),
-            "ring": state.ring_n}
-
-
-def _compare(lens: Lengths, counts: dict, index: int):
-    device = {name: None if x is None else int(np.array(x).reshape(-1)[index if x.ndim else 0])
-              for name, x in counts.items()}
-    host = {"trunk": lens.trunk, "head": lens.head, "ring": lens.ring}
-    wrong = {n: (host[n], d) for n, d in device.items() if d is not None and d != host[n]}
-    if wrong:
-        raise AssertionError(f"host counters differ from the device's (host, device): {wrong}")
 
 
 def make_batch(model, options: Optional[DecodeOptions] = None, *,
@@ -344,8 +193,6 @@ class Batch:
         keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
         if prompt_cache is None:
             prompt_cache = model.make_cache()
-        else:
-            HeldCache.refuse_if_open(prompt_cache)
         head_layers = len(model.mtp.layers) if model.has_mtp else 0
         check_prompt_cache(prompt_cache, model.is_linear, head_layers, model.make_cache(),
                            model.mtp.make_cache() if head_layers else None)
@@ -514,16 +361,16 @@ class Batch:
         if self.state is None or spec.sampler is not None:
             return
         f = spec.filters
-        arrays = row_arrays([r.sampling for r in self.rows], dataclasses.replace(f, bias=False),
-                            spec.model.vocab_size)
-        if f.bias:
+        arrays = SamplerArrays.of([r.sampling for r in self.rows],
+                                  dataclasses.replace(f, bias=False), spec.model.vocab_size)
+        if f.bias:  # each row's bias row, built once when it joined
             zero = mx.zeros((spec.model.vocab_size,), mx.float32)
-            arrays["bias"] = mx.stack([r.bias if r.bias is not None else zero
-                                       for r in self.rows])
+            arrays = arrays.replace(bias=mx.stack([r.bias if r.bias is not None else zero
+                                                   for r in self.rows]))
         key = self.state.key
         if f.sampled and key is None:
             key = mx.zeros((len(self.rows), 2), mx.uint32)
-        self.state = self.state.replace(key=key if f.sampled else None, **arrays,
+        self.state = self.state.replace(key=key if f.sampled else None, sampling=arrays,
                                         window=self.state.window if any(f.penalties) else None)
 
     def limit_prefill(self, prompts: int):
@@ -677,21 +524,12 @@ class Batch:
             out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
         if ctl is not None and accepted:
             ctl.update_acceptance(k, accepted)
-            # the cost sample goes to the cycle the host waited on: on MLX's CPU
-            # backend async_eval itself runs most queued work (at most ~10 tasks
-            # in flight), so there it is the one just launched
-            launched = self.inflight[-1] if self.inflight else cycle
-            t0, t1 = launched.stamps["build0"], launched.stamps["queued"]
-            waited_on = launched if self.lookahead and t1 - t0 > toc - t1 else cycle
-            if self.spec.group is not None:  # which depth gets the sample must not differ by rank
-                waited_on = cycle
-            # the interval spans both cycles: a sample only when they ran the same
-            # rows, and when it held one launch (a batch's second read follows
-            # two: the lookahead's, and would count as a cycle twice as slow);
-            # not a batch's first read (its cycle also finishes the prompt's work)
-            if not (first or cycle.traced or launched.traced) \
-                    and len(launched.rows) == len(cycle.rows) and self._launched == 1:
-                ctl.update_cost(waited_on.k, toc - self._tic)
+            sample = cost_sample(cycle, self.inflight[-1] if self.inflight else cycle,
+                                 lookahead=bool(self.lookahead),
+                                 distributed=self.spec.group is not None, first=first,
+                                 launches=self._launched, since=self._tic, now=toc)
+            if sample is not None:
+                ctl.update_cost(*sample)
         self._tic, self._launched = toc, 0
         if self.timeline is not None:
             stamps = (self.inflight[-1] if self.inflight else cycle).stamps

@@ -54,12 +54,9 @@ import numpy as np
 from . import metal
 from .cache import CaptureCache, MTPCache
 from .distributed import share
-from .sampling import (Filters, accept_sampled_rows, advance_window, draft_rows, is_greedy,
-                       penalize_rows, sample_rows, split_rows)
+from .sampling import (Filters, SamplerArrays, accept_sampled_rows, advance_window, draft_rows,
+                       is_greedy, penalize_rows, sample_rows, split_rows)
 
-# the per-row sampler arrays of a DecodeState (sampling.row_arrays)
-ROW_ARRAYS = ("inv_temp", "top_p", "min_p_log", "inv_draft_temp", "bias", "penalty",
-              "penalty_n", "xtc_p", "xtc_threshold", "xtc_keep")
 RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
 
 
@@ -106,27 +103,20 @@ class DecodeState:
     ring_tok: Optional[mx.array] = None  # [B, RING]: ... paired with their tokens
     ring_n: Optional[mx.array] = None  # []: pairs written since the head caught up
     key: Optional[mx.array] = None  # [B, 2]: each row's random key (sampled rows)
-    inv_temp: Optional[mx.array] = None  # [B]: per-row sampler settings (sampling.py)
-    top_p: Optional[mx.array] = None
-    min_p_log: Optional[mx.array] = None
-    inv_draft_temp: Optional[mx.array] = None
-    bias: Optional[mx.array] = None  # [B, V]: logit bias
-    penalty: Optional[mx.array] = None  # [B, 3]: repetition, presence, frequency penalties
-    penalty_n: Optional[mx.array] = None  # [B, 3]: their context sizes (0: off)
+    sampling: SamplerArrays = SamplerArrays()  # each row's sampler settings
     window: Optional[mx.array] = None  # [B, W]: the tokens fed before y (sampling.py)
-    xtc_p: Optional[mx.array] = None  # [B]: XTC's probability, threshold and the
-    xtc_threshold: Optional[mx.array] = None  # ... tokens it never excludes [B, V]
-    xtc_keep: Optional[mx.array] = None
 
     def tree(self) -> dict:
         """Every field (caches as their `state`): a compiled step's inputs."""
-        return {f.name: self.cache.state if f.name == "cache" else getattr(self, f.name)
+        return {f.name: self.cache.state if f.name == "cache" else self.sampling.tree()
+                if f.name == "sampling" else getattr(self, f.name)
                 for f in dataclasses.fields(self)}
 
     @classmethod
     def from_tree(cls, tree: dict, layout: tuple) -> "DecodeState":
         """The state of cache `layout` holding `tree`'s arrays."""
-        return cls(**{**tree, "cache": MTPCache.from_state(tree["cache"], layout)})
+        return cls(**{**tree, "cache": MTPCache.from_state(tree["cache"], layout),
+                      "sampling": SamplerArrays(**tree["sampling"])})
 
     def replace(self, **kw) -> "DecodeState":
         return dataclasses.replace(self, **kw)
@@ -151,15 +141,17 @@ class DecodeState:
         return self.replace(cache=MTPCache(self.cache.trunk, other.cache.head), **head)
 
     def _rows(self) -> List[str]:
-        """The fields with a batch axis (the ring's count is the batch's)."""
-        return [f.name for f in dataclasses.fields(self) if f.name not in ("cache", "ring_n")]
+        """The array fields with a batch axis (the ring's count is the batch's)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in ("cache", "ring_n", "sampling")]
 
     def take_rows(self, rows) -> "DecodeState":
         """These batch rows only."""
         rows = mx.array(rows, dtype=mx.int32)
         picked = {n: None if getattr(self, n) is None else getattr(self, n)[rows]
                   for n in self._rows()}
-        return DecodeState(self.cache.take_rows(rows), ring_n=self.ring_n, **picked)
+        return DecodeState(self.cache.take_rows(rows), ring_n=self.ring_n,
+                           sampling=self.sampling.take_rows(rows), **picked)
 
     @staticmethod
     def concat(a: "DecodeState", b: "DecodeState") -> "DecodeState":
@@ -168,7 +160,8 @@ class DecodeState:
         fields exist (`Batch._settings`)."""
         joined = {n: None if getattr(a, n) is None or getattr(b, n) is None
                   else mx.concatenate([getattr(a, n), getattr(b, n)]) for n in a._rows()}
-        return DecodeState(MTPCache.concat(a.cache, b.cache), ring_n=a.ring_n, **joined)
+        return DecodeState(MTPCache.concat(a.cache, b.cache), ring_n=a.ring_n,
+                           sampling=SamplerArrays.concat(a.sampling, b.sampling), **joined)
 
 
 @dataclass
@@ -286,10 +279,6 @@ def _gather_rows(model, ids: mx.array) -> dict:
 
 
 # -- shared pieces ---------------------------------------------------------------------
-def _arrays(state: DecodeState) -> dict:
-    return {n: getattr(state, n) for n in ROW_ARRAYS}
-
-
 def _logprobs(spec: Spec, logits: mx.array, state: DecodeState, history: Optional[list],
               tokens: mx.array, offset: int = 0) -> mx.array:
     """Log-probs [B, T, V] of logits [B, T, V], with each row's logit bias and
@@ -297,10 +286,10 @@ def _logprobs(spec: Spec, logits: mx.array, state: DecodeState, history: Optiona
     processors see its history + tokens[b, : offset + i + 1] at position i
     (history: per row, (processors, token history) or None; rows without
     processors untouched)."""
-    if state.bias is not None:
-        logits = logits + state.bias[:, None].astype(logits.dtype)
+    if state.sampling.bias is not None:
+        logits = logits + state.sampling.bias[:, None].astype(logits.dtype)
     if state.window is not None:
-        logits = penalize_rows(logits, state.window, tokens, offset, _arrays(state), spec.filters)
+        logits = penalize_rows(logits, state.window, tokens, offset, state.sampling, spec.filters)
     if history is not None:
         rows = []
         for b, entry in enumerate(history):
@@ -384,14 +373,14 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
         drafts, q = drafter.propose(aux["drafter"], state, k, None, None)
         return drafts, q, 0
     drafts, qs = [], []
-    full = (spec.speculative or state.bias is not None or state.window is not None
+    full = (spec.speculative or state.sampling.bias is not None or state.window is not None
             or history is not None)
     for j in range(k):
         if j > 0:
             g = head_forward(model, g, drafts[-1][:, None], head_cache)
         if spec.speculative:  # each row with its own key
             lp = _draft_logprobs(spec, aux, state, g, history, drafts)
-            d, q = draft_rows(lp, _arrays(state), spec.filters, keys[:, j])
+            d, q = draft_rows(lp, state.sampling, spec.filters, keys[:, j])
             qs.append(q)
         elif full:  # greedy drafts from processed logits
             d = mx.argmax(_draft_logprobs(spec, aux, state, g, history, drafts), axis=-1)
@@ -465,7 +454,7 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
         out = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
         if spec.filters.sampled:  # sampled rows by Leviathan–Chen
-            accepted, out = accept_sampled_rows(logprobs, q, drafts, _arrays(state),
+            accepted, out = accept_sampled_rows(logprobs, q, drafts, state.sampling,
                                                 spec.filters, keys[:, k], accepted, out)
     packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
     accepted, raw = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
@@ -509,7 +498,7 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState,
         if spec.speculative:
             split = split_rows(key, 2)
             key, keys = split[:, 0], split[:, 1]
-        y = sample_rows(logprobs[:, 0], _arrays(state), spec.filters, keys)
+        y = sample_rows(logprobs[:, 0], state.sampling, spec.filters, keys)
     raw = spec.shared(y)
     y, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
     packed = _pack(mx.zeros_like(y), raw[:, None], y[:, None], logprobs, mx.zeros_like(y))

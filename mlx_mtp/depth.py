@@ -21,7 +21,10 @@ cheap look deeper).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+
+if TYPE_CHECKING:
+    from .rows import Launched
 
 
 class DepthController:
@@ -212,3 +215,26 @@ class DepthController:
         # the same tokens at the current depth would have cost
         worth = (1 + len(samples)) * e_new / e_cur * cur
         return int(max(0.0, spent - worth) / (self.PROBE_BUDGET * cur))
+
+
+def cost_sample(read: "Launched", newest: "Launched", *, lookahead: bool, distributed: bool,
+                first: bool, launches: int, since: float, now: float) -> Optional[Tuple[int, float]]:
+    """The (depth, seconds) that the time between two reads measured, or None
+    when it measured no one cycle. `read`: the cycle just read; `newest`: the
+    last one queued (`read` itself without lookahead); `since`: the previous
+    read's end; `launches`: cycles queued since then."""
+    # the sample goes to the cycle the host waited on: on MLX's CPU backend
+    # async_eval itself runs most queued work (at most ~10 tasks in flight),
+    # so there it is the one just launched
+    t0, t1 = newest.stamps["build0"], newest.stamps["queued"]
+    waited_on = newest if lookahead and t1 - t0 > now - t1 else read
+    if distributed:  # which depth gets the sample must not differ by rank
+        waited_on = read
+    # the interval spans both cycles: a sample only when they ran the same
+    # rows, and when it held one launch (a batch's second read follows
+    # two: the lookahead's, and would count as a cycle twice as slow);
+    # not a batch's first read (its cycle also finishes the prompt's work)
+    if first or read.traced or newest.traced or len(newest.rows) != len(read.rows) \
+            or launches != 1:
+        return None
+    return waited_on.k, now - since

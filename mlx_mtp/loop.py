@@ -15,10 +15,10 @@ from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .batch import Batch, Event, MTPStats, make_batch
+from .batch import Batch, Event, make_batch
 from .mlx_lm_compat import generation_stream
 from .params import DecodeOptions
-from .rows import HeldCache, Request
+from .rows import HeldCache, MTPStats, Request
 
 
 def generate_events(
@@ -48,7 +48,7 @@ def generate_events(
     owner = object()
     gen = _generate(batch, request, owner)
     if request.keep_cache:
-        HeldCache.hold(request.prompt_cache, owner, gen)
+        HeldCache.claim(request.prompt_cache, owner, gen)
     return gen
 
 

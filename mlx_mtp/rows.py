@@ -11,17 +11,21 @@ nothing drafted or rejected.
 
 from __future__ import annotations
 
+import os
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional
+from typing import Callable, FrozenSet, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import CacheList, KVCache
 
 from .cache import MTPCache, fill_empty, head_caches
-from .cycle import DecodeState, Spec, ring_order
+from .cycle import RING, DecodeState, Spec, ring_order
 from .prefill import catch_up, feed
 from .sampling import RowSampling
+
 
 
 def mix_seed(seed: int) -> int:
@@ -45,6 +49,75 @@ def row_key(sampling: Optional[RowSampling], seed: Optional[int]) -> Optional[mx
 
 
 @dataclass
+class MTPStats:
+    """Counters of one generation. Acceptance at position i is the fraction of
+    cycles that drafted a token at position i and had it accepted."""
+
+    cycles: int = 0
+    emitted: int = 0
+    drafted_at: List[int] = field(default_factory=list)
+    accepted_at: List[int] = field(default_factory=list)
+
+    def record(self, depth: int, accepted: int):
+        self.cycles += 1
+        self.emitted += accepted + 1
+        while len(self.drafted_at) < depth:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(depth):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+
+    def add(self, other: "MTPStats"):
+        """Add another generation's counters to these (benches pool runs)."""
+        self.cycles += other.cycles
+        self.emitted += other.emitted
+        for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
+            while len(self.drafted_at) <= i:
+                self.drafted_at.append(0)
+                self.accepted_at.append(0)
+            self.drafted_at[i] += d
+            self.accepted_at[i] += a
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.drafted_at)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_at)
+
+    @property
+    def acceptance(self) -> List[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return self.emitted / self.cycles if self.cycles else 0.0
+
+
+@dataclass
+class Lengths:
+    """A row's cache lengths and the pairs written to its ring since the head
+    caught up, as the host knows them (`Ledger` keeps them)."""
+
+    trunk: int
+    head: int
+    ring: int = 0
+
+    def flushed(self) -> "Lengths":
+        """After the head caught up on the ring (its last RING pairs)."""
+        return Lengths(self.trunk, self.head + min(self.ring, RING), 0)
+
+    def after(self, k: int, accepted: int, ring: bool = True) -> "Lengths":
+        """After a cycle of depth k: a plain step writes a pair into the ring,
+        or (ring False: depth 0's graph, parked) drops the ring."""
+        if k == 0:
+            return Lengths(self.trunk + 1, self.head, self.ring + 1 if ring else 0)
+        return Lengths(self.trunk + accepted + 1, self.flushed().head + accepted + 1, 0)
+
+
+@dataclass
 class Request:
     """One sequence for `Batch.add` (made by `Batch.prepare`, which checks it)."""
 
@@ -53,7 +126,7 @@ class Request:
     keep_cache: bool  # the caller holds the cache: write it back when the row finishes
     max_tokens: int  # -1: no limit
     key: Optional[mx.array]  # [1, 2]: a sampled row's key
-    stats: Any  # batch.MTPStats: its counters
+    stats: "MTPStats"  # its counters
     sampling: Optional[RowSampling] = field(default_factory=RowSampling)  # None: opaque
     processors: tuple = ()  # mlx_lm logits processors (this row only)
     progress: Optional[Callable[[int, int], None]] = None  # prompt tokens done, total
@@ -69,7 +142,7 @@ class Finish(NamedTuple):
 
     before: Optional[DecodeState]  # the state before its last read cycle (no KV buffers)
     index: int  # the row's index in `before`
-    lens: Any  # batch.Lengths: its lengths then
+    lens: "Lengths"  # its lengths then
     y: int  # its y then
     tokens: List[int]  # that cycle's tokens, of which the caller used `Row.used`
 
@@ -82,8 +155,8 @@ class Row:
     max_tokens: int  # -1: no limit
     stop_tokens: FrozenSet[int]
     feed_tail: bool
-    stats: Any  # batch.MTPStats
-    lens: Any  # batch.Lengths after the cycles read so far (exact; batch.Ledger writes it)
+    stats: "MTPStats"
+    lens: "Lengths"  # after the cycles read so far (exact; `Ledger` writes it)
     sampling: Optional[RowSampling]
     processors: tuple = ()
     landed: int = 0  # tokens read so far
@@ -94,6 +167,91 @@ class Row:
     bias: Optional[mx.array] = None  # [V]: its logit bias, built once
     done: bool = False
 
+
+
+@dataclass
+class Launched:
+    """A cycle queued on the device, until the host reads it."""
+
+    k: int
+    out: object  # StepOutput
+    before: Optional[DecodeState]  # the state it started from, without KV buffers
+    traced: bool  # its launch traced a graph (slow: not a cost sample)
+    rows: list  # the batch's rows, in order, when it was launched
+    stamps: dict  # perf_counter times of its launch
+    flush_after: bool = False  # the head caught up right after it (rows joined)
+    cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
+    counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
+
+
+class Ledger:
+    """The host's copies of the device's counters, kept by one object
+    (docs/design.md, "One owner per fact") for the batch (batch.py): each row's cache lengths and ring
+    pairs after the cycles read (`Row.lens`, exact), and the ring's count
+    after the cycles launched (`ring`, the same for every row). The batch
+    tells it each change it makes to those counters on the device: a launch,
+    a flush, a read. With MLX_MTP_CHECK_COUNTS=1 (the tests set it) each read
+    compares them with the device's own."""
+
+    def __init__(self):
+        self.ring = 0  # plain steps' pairs waiting for the head, as launched
+        self.checking = os.environ.get("MLX_MTP_CHECK_COUNTS", "0") not in ("", "0")
+
+    def launched(self, cycle: "Launched", use_head: bool, state: DecodeState):
+        """A cycle was queued, leaving the device in `state`."""
+        self.ring = 0 if cycle.k or cycle.cold else self.ring + int(use_head)
+        if self.checking:
+            cycle.counts = _device_counts(state)
+
+    def flushed(self, inflight: deque, rows: List[Row]):
+        """The head caught up on the ring (before rows join). The rows' lengths
+        count it once the cycles launched before it are read."""
+        self.ring = 0
+        if inflight:
+            inflight[-1].flush_after = True
+        else:
+            for r in rows:
+                r.lens = r.lens.flushed()
+
+    def read(self, row: Row, cycle: "Launched", index: int, accepted: int) -> Lengths:
+        """The row's lengths after a read cycle (returns those before it)."""
+        before = row.lens
+        after = before.after(cycle.k, accepted, ring=not cycle.cold)
+        if self.checking:
+            _compare(after, cycle.counts, index)
+        row.lens = after.flushed() if cycle.flush_after else after
+        return before
+
+    def bound(self, row: Row, inflight: Sequence["Launched"]) -> Lengths:
+        """The row's lengths after the launched cycles if each accepted every draft."""
+        lens = row.lens
+        for c in inflight:
+            if row in c.rows:
+                lens = lens.after(c.k, c.k, ring=not c.cold)
+                if c.flush_after:
+                    lens = lens.flushed()
+        return lens
+
+
+def _device_counts(state: DecodeState) -> dict:
+    """The device's counters the ledger mirrors (lazy: read with the cycle)."""
+    def lengths(caches):
+        for c in caches:
+            c = c.caches[0] if hasattr(c, "caches") else c
+            if hasattr(c, "lengths"):
+                return c.lengths
+        return None
+    return {"trunk": lengths(state.cache.trunk), "head": lengths(state.cache.head),
+            "ring": state.ring_n}
+
+
+def _compare(lens: Lengths, counts: dict, index: int):
+    device = {name: None if x is None else int(np.array(x).reshape(-1)[index if x.ndim else 0])
+              for name, x in counts.items()}
+    host = {"trunk": lens.trunk, "head": lens.head, "ring": lens.ring}
+    wrong = {n: (host[n], d) for n, d in device.items() if d is not None and d != host[n]}
+    if wrong:
+        raise AssertionError(f"host counters differ from the device's (host, device): {wrong}")
 
 
 def _let_go(caches: list):
@@ -116,7 +274,9 @@ class HeldCache:
     caller holds the cache (else nobody sees it and nothing is given back).
 
     One generation at a time may hold a caller's cache: two would each write
-    their own state into it. A second is refused while the first is open."""
+    their own state into it. A second is refused while the first is open
+    (`claim`; the caller's caches are only ever held by `loop.generate_events`:
+    batch_generate decodes on copies, the server on its own)."""
 
     # the open generation on each cache, keyed weakly by the cache's first
     # object (a cache its caller dropped drops its entry)
@@ -126,21 +286,20 @@ class HeldCache:
         self.prompt_cache, self.keep = prompt_cache, keep
 
     @classmethod
-    def hold(cls, prompt_cache: list, owner, gen):
+    def claim(cls, prompt_cache: list, owner, gen):
+        """`gen` holds the caller's cache until `release`: refused while
+        another generation that still lives holds it."""
+        entry = cls._open.get(prompt_cache[0])
+        if entry is not None and entry[1]() is not None:
+            raise ValueError("this prompt_cache is in use by a generation that is still open: "
+                             "finish iterating it or call its close() first (two generations "
+                             "on one cache would each write their own state into it)")
         cls._open[prompt_cache[0]] = (owner, weakref.ref(gen))
 
     @classmethod
     def release(cls, prompt_cache: list, owner):
         if cls._open.get(prompt_cache[0], (None,))[0] is owner:
             del cls._open[prompt_cache[0]]
-
-    @classmethod
-    def refuse_if_open(cls, prompt_cache: list):
-        entry = cls._open.get(prompt_cache[0]) if prompt_cache else None
-        if entry is not None and entry[1]() is not None:
-            raise ValueError("this prompt_cache is in use by a generation that is still open: "
-                             "finish iterating it or call its close() first (two generations "
-                             "on one cache would each write their own state into it)")
 
     def take(self, model, use_head: bool) -> MTPCache:
         """The decoding form of the cache; its objects let go of the arrays."""

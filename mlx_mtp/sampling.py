@@ -27,6 +27,7 @@ while equal to them), which is exact for any sampler but accepts less.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -412,42 +413,71 @@ def bias_row(logit_bias, vocab_size: int) -> List[float]:
     return row
 
 
-def row_arrays(rows: List[RowSampling], filters: Filters, vocab_size: int) -> dict:
-    """The per-row arrays of a batch's decode state (None where unused):
-    inverse temperatures, top-p, log(min-p), inverse draft temperatures
-    (0: greedy), logit bias [B, V], penalties [B, 3] and their context sizes
-    [B, 3] (0: off), XTC's probability, threshold and the tokens it keeps
-    [B, V]. Host arithmetic in double, as mlx_lm's scalar settings
-    are, so a row samples what mlx_lm's sampler would."""
-    out = dict(inv_temp=None, top_p=None, min_p_log=None, inv_draft_temp=None, bias=None,
-               penalty=None, penalty_n=None, xtc_p=None, xtc_threshold=None, xtc_keep=None)
-    if filters.sampled:
-        def inv(t):
-            return 0.0 if t == 0 else 1.0 / t
+@dataclass(frozen=True)
+class SamplerArrays:
+    """Each row's sampler settings as device arrays, batch axis first (None
+    where no row of the batch uses them): a `DecodeState`'s `sampling`."""
 
-        out["inv_temp"] = mx.array([inv(r.temp) for r in rows], dtype=mx.float32)
-        out["top_p"] = mx.array([r.top_p for r in rows], dtype=mx.float32)
-        out["min_p_log"] = mx.array([math.log(r.min_p) if r.min_p > 0 else -math.inf
-                                     for r in rows], dtype=mx.float32)
-        out["inv_draft_temp"] = mx.array(
-            [0.0 if r.greedy else inv(r.temp if r.draft_temp is None else r.draft_temp)
-             for r in rows], dtype=mx.float32)
-    if filters.bias:
-        out["bias"] = mx.array([bias_row(r.logit_bias, vocab_size) for r in rows],
-                               dtype=mx.float32)
-    if filters.xtc:
-        out["xtc_p"] = mx.array([r.xtc_probability for r in rows], dtype=mx.float32)
-        out["xtc_threshold"] = mx.array([r.xtc_threshold for r in rows], dtype=mx.float32)
-        keep = np.zeros((len(rows), vocab_size), bool)
-        for k, r in zip(keep, rows):
-            k[list(r.xtc_special)] = True
-        out["xtc_keep"] = mx.array(keep)
-    if any(filters.penalties):
-        kinds = [[getattr(r.penalties, kind, None) or (0.0, 0) for kind in PENALTY_KINDS]
-                 for r in rows]
-        out["penalty"] = mx.array([[p for p, _ in row] for row in kinds], dtype=mx.float32)
-        out["penalty_n"] = mx.array([[n for _, n in row] for row in kinds], dtype=mx.int32)
-    return out
+    inv_temp: Optional[mx.array] = None  # [B]: 1 / temperature (0: greedy)
+    top_p: Optional[mx.array] = None  # [B]
+    min_p_log: Optional[mx.array] = None  # [B]: log(min-p), -inf when off
+    inv_draft_temp: Optional[mx.array] = None  # [B]: the drafts' (0: greedy drafts)
+    bias: Optional[mx.array] = None  # [B, V]: logit bias
+    penalty: Optional[mx.array] = None  # [B, 3]: repetition, presence, frequency penalties
+    penalty_n: Optional[mx.array] = None  # [B, 3]: their context sizes (0: off)
+    xtc_p: Optional[mx.array] = None  # [B]: XTC's probability, threshold and the
+    xtc_threshold: Optional[mx.array] = None  # ... tokens it never excludes [B, V]
+    xtc_keep: Optional[mx.array] = None
+
+    @classmethod
+    def of(cls, rows: List[RowSampling], filters: Filters, vocab_size: int) -> "SamplerArrays":
+        """The arrays the filters need, for these rows. Host arithmetic in
+        double, as mlx_lm's scalar settings are, so a row samples what
+        mlx_lm's sampler would."""
+        out = {}
+        if filters.sampled:
+            def inv(t):
+                return 0.0 if t == 0 else 1.0 / t
+
+            out["inv_temp"] = mx.array([inv(r.temp) for r in rows], dtype=mx.float32)
+            out["top_p"] = mx.array([r.top_p for r in rows], dtype=mx.float32)
+            out["min_p_log"] = mx.array([math.log(r.min_p) if r.min_p > 0 else -math.inf
+                                         for r in rows], dtype=mx.float32)
+            out["inv_draft_temp"] = mx.array(
+                [0.0 if r.greedy else inv(r.temp if r.draft_temp is None else r.draft_temp)
+                 for r in rows], dtype=mx.float32)
+        if filters.bias:
+            out["bias"] = mx.array([bias_row(r.logit_bias, vocab_size) for r in rows],
+                                   dtype=mx.float32)
+        if filters.xtc:
+            out["xtc_p"] = mx.array([r.xtc_probability for r in rows], dtype=mx.float32)
+            out["xtc_threshold"] = mx.array([r.xtc_threshold for r in rows], dtype=mx.float32)
+            keep = np.zeros((len(rows), vocab_size), bool)
+            for k, r in zip(keep, rows):
+                k[list(r.xtc_special)] = True
+            out["xtc_keep"] = mx.array(keep)
+        if any(filters.penalties):
+            kinds = [[getattr(r.penalties, kind, None) or (0.0, 0) for kind in PENALTY_KINDS]
+                     for r in rows]
+            out["penalty"] = mx.array([[p for p, _ in row] for row in kinds], dtype=mx.float32)
+            out["penalty_n"] = mx.array([[n for _, n in row] for row in kinds], dtype=mx.int32)
+        return cls(**out)
+
+    def tree(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **kw) -> "SamplerArrays":
+        return dataclasses.replace(self, **kw)
+
+    def take_rows(self, rows: mx.array) -> "SamplerArrays":
+        return SamplerArrays(**{n: None if x is None else x[rows] for n, x in self.tree().items()})
+
+    @staticmethod
+    def concat(a: "SamplerArrays", b: "SamplerArrays") -> "SamplerArrays":
+        """a's rows, then b's; a setting only one side has is dropped (the
+        batch's settings decide which exist)."""
+        return SamplerArrays(**{n: None if x is None or y is None else mx.concatenate([x, y])
+                                for (n, x), y in zip(a.tree().items(), b.tree().values())})
 
 
 # -- penalties over a window of each row's last tokens ----------------------------------------
@@ -470,7 +500,7 @@ def advance_window(window: mx.array, tokens: mx.array, fed: mx.array) -> mx.arra
 
 
 def penalize_rows(logits: mx.array, window: mx.array, tokens: mx.array, offset: int,
-                  arrays: dict, f: Filters) -> mx.array:
+                  arrays: SamplerArrays, f: Filters) -> mx.array:
     """mlx_lm's repetition, presence and frequency processors, in its order
     and arithmetic, each row with its own penalties and context sizes, over
     logits [B, T, V]: position i sees the window, then tokens[:, : offset + i + 1].
@@ -485,9 +515,9 @@ def penalize_rows(logits: mx.array, window: mx.array, tokens: mx.array, offset: 
     for j, kind in enumerate(PENALTY_KINDS):
         if not f.penalties[j]:
             continue
-        counted = (context >= 0) & (age < arrays["penalty_n"][:, j, None, None])
+        counted = (context >= 0) & (age < arrays.penalty_n[:, j, None, None])
         ids = mx.where(counted, context, 0)
-        p = arrays["penalty"][:, j, None, None].astype(logits.dtype)
+        p = arrays.penalty[:, j, None, None].astype(logits.dtype)
         if kind == "frequency":  # x + (-0.0) is x: uncounted entries change nothing
             logits = logits.at[b, t, ids].add(mx.where(counted, -p, mx.array(-0.0, p.dtype)))
             continue
@@ -504,16 +534,16 @@ def _per_row(x: mx.array, like: mx.array) -> mx.array:
     return x.reshape(x.shape + (1,) * (like.ndim - 1))
 
 
-def filter_rows(logprobs: mx.array, arrays: dict, f: Filters, top_k: bool = True) -> mx.array:
+def filter_rows(logprobs: mx.array, arrays: SamplerArrays, f: Filters, top_k: bool = True) -> mx.array:
     """Each sampled row's top-p, min-p and the shared top-k, in mlx_lm's
     order, over [B, ..., V]; removed tokens get -inf (a row whose setting
     is off keeps its log-probs unchanged)."""
     if f.top_p:
-        p = _per_row(arrays["top_p"], logprobs)
+        p = _per_row(arrays.top_p, logprobs)
         logprobs = mx.where((p > 0) & (p < 1), apply_top_p(logprobs, p), logprobs)
     if f.min_p:  # mlx_lm's apply_min_p with a threshold per row
         top = mx.max(logprobs, axis=-1, keepdims=True)
-        remove = logprobs < top + _per_row(arrays["min_p_log"], logprobs)
+        remove = logprobs < top + _per_row(arrays.min_p_log, logprobs)
         if f.min_keep > 1:
             keep = mx.argpartition(logprobs, kth=-f.min_keep, axis=-1)[..., -f.min_keep:]
             remove = mx.put_along_axis(remove, keep, mx.array(False), axis=-1)
@@ -521,14 +551,14 @@ def filter_rows(logprobs: mx.array, arrays: dict, f: Filters, top_k: bool = True
     return _top_k(logprobs, f) if top_k else logprobs
 
 
-def _xtc_excluded(logprobs: mx.array, arrays: dict) -> mx.array:
+def _xtc_excluded(logprobs: mx.array, arrays: SamplerArrays) -> mx.array:
     """mlx_lm's `apply_xtc` when its coin says apply: every token more probable
     than the least probable one above the row's threshold removed (special
     tokens kept)."""
     probs = mx.softmax(logprobs, -1)
-    threshold = _per_row(arrays["xtc_threshold"], probs)
+    threshold = _per_row(arrays.xtc_threshold, probs)
     least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
-    keep = arrays["xtc_keep"] if probs.ndim == 2 else arrays["xtc_keep"][:, None]
+    keep = arrays.xtc_keep if probs.ndim == 2 else arrays.xtc_keep[:, None]
     return mx.where((probs > least) & ~keep, -mx.inf, logprobs)
 
 
@@ -536,14 +566,14 @@ def _top_k(logprobs: mx.array, f: Filters) -> mx.array:
     return apply_top_k(logprobs, f.top_k) if f.top_k > 0 else logprobs
 
 
-def target_rows(logprobs: mx.array, arrays: dict, f: Filters, inv_t: mx.array) -> mx.array:
+def target_rows(logprobs: mx.array, arrays: SamplerArrays, f: Filters, inv_t: mx.array) -> mx.array:
     """Logits [B, ..., V] whose softmax is each row's sampling distribution
     at inverse temperature inv_t: mlx_lm's filters in its order (top-p,
     min-p, XTC, top-k), then the temperature."""
     return _target_of_kept(filter_rows(logprobs, arrays, f, top_k=False), arrays, f, inv_t)
 
 
-def _target_of_kept(kept: mx.array, arrays: dict, f: Filters, inv_t: mx.array) -> mx.array:
+def _target_of_kept(kept: mx.array, arrays: SamplerArrays, f: Filters, inv_t: mx.array) -> mx.array:
     """`target_rows` from log-probs already through top-p and min-p. XTC
     applies with probability xtc_p on mlx_lm's coin: as one distribution,
     the mixture xtc_p * p(excluded) + (1 - xtc_p) * p(kept), which
@@ -553,7 +583,7 @@ def _target_of_kept(kept: mx.array, arrays: dict, f: Filters, inv_t: mx.array) -
     if not f.xtc:
         return plain
     excluded = _scaled(_top_k(_xtc_excluded(kept, arrays), f), inv_t)
-    w = _per_row(arrays["xtc_p"], plain)
+    w = _per_row(arrays.xtc_p, plain)
     mixture = w * mx.softmax(excluded.astype(mx.float32), axis=-1) + (1 - w) * mx.softmax(
         plain.astype(mx.float32), axis=-1)
     return mx.where(w > 0, mx.log(mixture), plain)
@@ -565,38 +595,38 @@ def _scaled(logits: mx.array, inv_t: mx.array) -> mx.array:
     return logits * mx.where(inv_t > 0, inv_t, 1.0)
 
 
-def sample_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> mx.array:
+def sample_rows(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -> mx.array:
     """One token per row of [B, V]: greedy rows arg-max, sampled rows a draw
     from their target distribution with their key."""
     greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
     if not f.sampled:
         return greedy
-    target = target_rows(logprobs, arrays, f, arrays["inv_temp"])
+    target = target_rows(logprobs, arrays, f, arrays.inv_temp)
     drawn = categorical_rows(target, keys).astype(mx.int32)
-    return mx.where(arrays["inv_temp"] > 0, drawn, greedy)
+    return mx.where(arrays.inv_temp > 0, drawn, greedy)
 
 
-def draft_rows(logprobs: mx.array, arrays: dict, f: Filters, keys) -> Tuple[mx.array, mx.array]:
+def draft_rows(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -> Tuple[mx.array, mx.array]:
     """Each row's draft from the head's log-probs [B, V] and the distribution
     q [B, V] it was drawn from (one-hot for greedy drafts)."""
     kept = filter_rows(logprobs, arrays, f, top_k=False)  # once, for both kinds of draft
     greedy = mx.argmax(_top_k(kept, f), axis=-1).astype(mx.int32)
-    logits = _target_of_kept(kept.astype(mx.float32), arrays, f, arrays["inv_draft_temp"])
+    logits = _target_of_kept(kept.astype(mx.float32), arrays, f, arrays.inv_draft_temp)
     drawn = categorical_rows(logits, keys).astype(mx.int32)
-    sampled = arrays["inv_draft_temp"] > 0
+    sampled = arrays.inv_draft_temp > 0
     tok = mx.where(sampled, drawn, greedy)
     one_hot = (mx.arange(logprobs.shape[-1]) == greedy[:, None]).astype(mx.float32)
     return tok, mx.where(sampled[:, None], mx.softmax(logits, axis=-1), one_hot)
 
 
-def accept_sampled_rows(logprobs: mx.array, q: mx.array, drafts: mx.array, arrays: dict,
+def accept_sampled_rows(logprobs: mx.array, q: mx.array, drafts: mx.array, arrays: SamplerArrays,
                         f: Filters, keys, greedy_accepted: mx.array,
                         greedy: mx.array) -> Tuple[mx.array, mx.array]:
     """A batch's sampled rows by Leviathan–Chen, beside its greedy rows
     (their acceptance, by arg-max match, is the cycle's: cycle.py).
     logprobs [B, k+1, V] (processed); returns (accepted [B], tokens [B, k+1])."""
-    target = target_rows(logprobs, arrays, f, arrays["inv_temp"])
+    target = target_rows(logprobs, arrays, f, arrays.inv_temp)
     acc_s, out_s = speculative_sample_rows(target, q, drafts, keys)
-    sampled = arrays["inv_temp"] > 0
+    sampled = arrays.inv_temp > 0
     return (mx.where(sampled, acc_s, greedy_accepted.astype(mx.int32)),
             mx.where(sampled[:, None], out_s, greedy))

@@ -7,7 +7,7 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# every read cycle compares the host's counters with the device's (batch.Ledger);
+# every read cycle compares the host's counters with the device's (rows.Ledger);
 # child processes (servers, ranks) inherit it
 os.environ.setdefault("MLX_MTP_CHECK_COUNTS", "1")
 # A shell that starts the suite in the background (`cmd &` without job control)

