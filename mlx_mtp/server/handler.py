@@ -523,7 +523,8 @@ class MTPAPIHandler(APIHandler):
             if isinstance(e, Refused):
                 raise e.error from None
             raise
-        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0))
+        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
+                                ctx.prompt_cache_created)
         if stream:
             self._set_stream_headers(200)
             self.end_headers()

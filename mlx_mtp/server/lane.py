@@ -17,14 +17,24 @@ from ..batch import MTPStats
 from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
                              logits_processors_for, xtc_special_tokens)
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
+from .answer import Answer
 from .logprobs import top_logprobs
 from .schemas import ApiError
 from .stops import StopStrings, answered_tokens
+
+# a next turn's prefix is prefilled ahead (`_Lane.prefill_next_turns`) only
+# when it costs at most the answer's tokens and this many more (the chat
+# template's closing tokens; a reasoning block re-rendered): never a whole
+# conversation a template renders differently next time
+NEXT_TURN_SLACK = 64
 
 
 class MTPGenerationContext(GenerationContext):
     stats: Optional[MTPStats] = None  # filled as the generation runs
     stop_sequence: Optional[str] = None  # the stop string that ended it (set before its end)
+    # prompt tokens it adds to the prefix cache, past the `prompt_cache_count`
+    # read from it: all but the last, which its answer's entry holds
+    prompt_cache_created: int = 0
 
 
 def _sampler(args, tokenizer):
@@ -73,6 +83,8 @@ class _RowState:
     key_tokens: list
     stops: StopStrings  # its stop strings, on its text
     detokenizer: object
+    request: object  # mlx_lm's CompletionRequest (its messages and tools)
+    answer: Optional[Answer]  # what it said, read as its client reads it (chat requests)
     left: bool = False  # its client went away (rank 0's word, `_tick`)
 
 
@@ -90,6 +102,9 @@ class _Lane:
         self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
+        # (prefix tokens, most tokens worth prefilling) of next turns, once
+        # their rows finished (`prefill_next_turns`)
+        self.next_turns: list = []
 
     def accepts(self, settings: _Settings, joining: int, width: int) -> bool:
         """A request with these settings can join now (`joining` already will)."""
@@ -145,6 +160,7 @@ class _Lane:
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm,
             initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
+        ctx.prompt_cache_created = max(0, len(prompt) - 1 - n)
         stats = getattr(request, "mtp_stats", None)  # the handler's (`handle_completion`)
         ctx.stats = MTPStats() if stats is None else stats
         request.mtp_ctx = ctx  # (a non-streamed request's client may leave: _ClientWatch)
@@ -154,9 +170,10 @@ class _Lane:
         stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
                                            gen.cli_args.prompt_snapshots)
 
-        def snapshot(done):
+        def snapshot(done):  # (the end of a system prompt is what many conversations share)
             gen.prompt_cache.insert_cache(key, prompt[:n + done], copy.deepcopy(cache),
-                                          cache_type=kinds_at[done])
+                                          cache_type=kinds_at[done],
+                                          persist=kinds_at[done] == "system")
 
         processors = settings.processors
         budget = getattr(request, "mtp_reasoning_budget", None)  # (handler.py's `constrain`)
@@ -175,8 +192,10 @@ class _Lane:
             stop_tokens=tokenizer.eos_token_ids,
             feed_tail=False)  # the cache as it stands when the row leaves: no forward then
         r.stops, r.snapshot = stops, snapshot
+        chat = request.request_type == "chat" and tokenizer.has_chat_template
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
-                          StopStrings(args.stop_words), tokenizer.detokenizer)
+                          StopStrings(args.stop_words), tokenizer.detokenizer, request,
+                          Answer(ctx, request.tools, tokenizer) if chat else None)
         return r, state
 
     def step(self):
@@ -213,9 +232,11 @@ class _Lane:
         elif finish is not None or state.left:
             text += state.stops.flush()
         top = state.args.top_logprobs
-        state.rqueue.put(Response(
-            text, token, event.logprob, finish,
-            top_logprobs(event.logprobs, top) if top > 0 else ()))  # (handler.py formats them)
+        response = Response(text, token, event.logprob, finish,
+                            top_logprobs(event.logprobs, top) if top > 0 else ())
+        state.rqueue.put(response)  # (handler.py formats the logprobs)
+        if state.answer is not None:
+            state.answer.feed(response)
         state.key_tokens.append(token)
         if finish is None and not state.left:
             return
@@ -232,11 +253,59 @@ class _Lane:
             answered = len(state.key_tokens) if state.stops.found is None else \
                 prompt + answered_tokens(state.key_tokens[prompt:], state.stops.found,
                                          mp.tokenizer.decode)
-            if held <= answered:
+            next_turn = self._next_turn(state, answered - prompt)
+            if held <= answered:  # (on disk too, unless the next turn's prefix will be)
                 self.gen.prompt_cache.insert_cache(mp.model_key, state.key_tokens[:held],
-                                                   state.cache)
+                                                   state.cache, persist=next_turn is None)
+            if next_turn is not None:
+                self.next_turns.append(next_turn)
         finally:
             state.rqueue.put(None)
+
+    def _next_turn(self, state: _RowState, answered: int):
+        """(tokens, most) for `prefill_next_turns`: the prefix every next turn
+        of this chat starts with (`next_turn_prefix`), and the most new
+        tokens worth prefilling for it; None where there is none to predict
+        (not a chat, its client left, sharded ranks: each would have to
+        agree on it)."""
+        gen = self.gen
+        if state.answer is None or state.left or gen._is_distributed:
+            return None
+        try:
+            tokens = gen.next_turn_prefix(state.request, state.args, state.answer.message())
+        except Exception as e:  # (a template that refuses the history: no prefix then)
+            logging.info("no next-turn prefix: the chat template refused the answer: %s: %s",
+                         type(e).__name__, e)
+            return None
+        return None if tokens is None else (tokens, answered + NEXT_TURN_SLACK)
+
+    def prefill_next_turns(self):
+        """Prefill the next turn's prefix of each chat that finished: the
+        chat template re-tokenizes an answer's text its own way (the ids
+        generated were '\\n', '   ' where it writes '\\n   '), so the answer's
+        stored state does not start the next turn; this one does, exactly
+        as a cold prefill of that turn would reach it, and on disk too. Runs
+        between cycles, after the client has its answer and before the next
+        request is taken, from the longest stored prefix (the answer's state
+        where the tokens agree)."""
+        turns, self.next_turns = self.next_turns, []
+        gen, mp = self.gen, self.gen.model_provider
+        for tokens, most in turns:
+            if self.batch is None or gen._stop:
+                return
+            if len(tokens) >= mp.context_length:
+                continue
+            try:
+                cache, n = gen._fetch(mp.model_key, tokens)
+                if n == len(tokens) or len(tokens) - n > most:
+                    continue
+                cache = cache if cache is not None else mp.model.make_cache()
+                with mx.stream(generation_stream):
+                    self.batch.add([self.batch.prepare(tokens[n:], cache, 0)])
+                gen.prompt_cache.insert_cache(mp.model_key, tokens, cache, persist=True)
+            except Exception as e:  # (the next turn then prefills it itself)
+                logging.warning("the next turn's prefix was not prefilled: %s: %s",
+                                type(e).__name__, e)
 
     @staticmethod
     def _fail(rqueue, e: Exception):
