@@ -21,7 +21,7 @@ from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import BigramDrafter
 from mlx_mtp.batch import make_batch
 from mlx_mtp.loop import decode_rows, generate_tokens
-from util import LONG, SHORT, reference, row_tokens
+from util import LONG, SHORT, reference, row_tokens, slow
 
 PROMPTS = [SHORT, LONG, "hello world, this is", "a", "x = [1, 2, 3]\nprint(", LONG * 2,
            "The quick brown fox", "if __name__ == '__main__':\n    "]
@@ -43,7 +43,7 @@ def run_batch(model, ids, max_tokens, width, k, drafter=None, sampler=None, seed
     return got, reasons, [r.stats for r in requests]
 
 
-@pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe", "q4"])
+@pytest.mark.parametrize("name", ["dense", slow("dense_bf16"), "moe", "q4"])
 def test_rows_equal_alone_greedy(loaded, name):
     """B = 1, 2, 3, 8 and a batch narrower than its prompts (rows join as
     others leave), each row with its own max_tokens, fixed depths and auto."""

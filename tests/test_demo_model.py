@@ -95,6 +95,7 @@ def test_demo_is_the_default_and_small(demo):
     assert size <= 42 * 2**20
 
 
+@pytest.mark.slow  # ~25 s; test_greedy_parity_with_mlx_lm_and_code drafts with the head by default
 def test_head_is_trained(demo):
     model, tok = demo
     tokens = tok.encode(HELDOUT)
@@ -164,6 +165,7 @@ def test_completes_code_without_chat_template(demo):
     assert_python_looking("def fibonacci(n):" + text)
 
 
+@pytest.mark.slow  # a guard for the server tests' own inputs, which fail too if it breaks
 def test_the_server_tests_long_requests_run_long(demo):
     """tests/serving.py's LONG_MESSAGES and LONG_PROMPT, which the server tests
     use for a request still decoding when they act, run 600 tokens (greedy)

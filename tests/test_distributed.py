@@ -30,7 +30,7 @@ from mlx_mtp.loader import CheckpointError
 from mlx_mtp.testing.synthetic import write_checkpoint, write_qwen4_exp_checkpoint
 from distributed_worker import mixed_turns
 from serving import chat_text, free_port, stopped_chat_text
-from util import reference
+from util import reference, slow
 
 LAUNCH = shutil.which("mlx.launch")
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -97,8 +97,9 @@ def one_process(path):
     return greedy, sampled, turns
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-@pytest.mark.parametrize("kind", ["dense", "moe", "qwen4_exp"])
+@pytest.mark.parametrize("kind,mode", [  # the default tier's dense model shards in the server's test
+    ("qwen4_exp", "pipeline"), slow("qwen4_exp", "tensor"), slow("dense", "tensor"),
+    slow("dense", "pipeline"), slow("moe", "tensor"), slow("moe", "pipeline")])
 def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
     path = checkpoints[kind]
     greedy, sampled, turns = one_process(path)
@@ -125,6 +126,7 @@ def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
     assert got["turns"] == turns
 
 
+@pytest.mark.slow
 def test_pipeline_stage_without_attention(tmp_path):
     """Layers 0-2 GDN, layer 3 attention, over two pipeline stages: rank 1
     runs layers 0-1 and holds no attention layer, so no KV offset to count
@@ -241,6 +243,7 @@ def test_a_rank_checks_its_share(tmp_path):
         sharded_load(small, pipeline_group=_Stage(1))
 
 
+@pytest.mark.slow
 def test_cli_and_a_failing_rank(checkpoints, tmp_path):
     """`mlx.launch ... -m mlx_mtp.generate --model M` prints rank 0's text once;
     a rank that cannot load its share (a weight file only its pipeline stage
@@ -333,7 +336,7 @@ def one_process_servers(checkpoints, tmp_path_factory):
             s.close()
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+@pytest.mark.parametrize("mode", ["tensor", slow("pipeline")])
 def test_server_over_two_ranks(checkpoints, one_process_servers, tmp_path, mode):
     """`mlx.launch ... -m mlx_mtp.server --model M [--pipeline]`: rank 0 serves
     HTTP, rank 1 follows. Concurrent requests (rows joining and leaving the

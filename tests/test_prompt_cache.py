@@ -20,7 +20,8 @@ import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import OracleDrafter
 from mlx_mtp.batch import MTPStats
-from util import LONG, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference, row_tokens
+from util import (LONG, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference,
+                  row_tokens, slow)
 
 TURNS = [LONG, "    def ham(self):\n        return", "\nclass Eggs(Spam):\n"]
 MAX_TOKENS = [9, 5, 17]
@@ -42,7 +43,7 @@ def turns_ahead(ref_model, turns, max_tokens=MAX_TOKENS, extra=8):
     return out
 
 
-@pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe", "q4"])
+@pytest.mark.parametrize("name", ["dense", slow("dense_bf16"), "moe", "q4"])
 def test_multi_turn_greedy(loaded, name):
     model, ref_model, tok = loaded(name)
     turns = [tok.encode(t) for t in TURNS]

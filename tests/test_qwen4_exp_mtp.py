@@ -315,6 +315,7 @@ def test_4bit_greedy_equals_plain(tmp_path):
     _rows_equal_alone(model, BATCH, [N, 9, 14, 17], want, [(4, 4)], [2])
 
 
+@pytest.mark.slow  # the first geometry's tests prove the claim; this one varies the shapes
 def test_second_geometry_greedy_equals_plain(tmp_path):
     """A GDN layer without PLE (ArraysCache(2)), silu gate, 4 streams,
     4-grams, 3-token QSA blocks: greedy MTP == plain decoding, with states

@@ -4,12 +4,19 @@ import itertools
 import os
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import mlx_mtp
 from mlx_mtp.cache import head_caches
 from mlx_mtp.loop import generate_tokens
+
+def slow(*values, id=None):
+    """A parametrize case for the slow tier (pytest -m slow): it repeats a
+    claim another, default case proves."""
+    return pytest.param(*values, marks=pytest.mark.slow, id=id)
+
 
 SHORT = "def f(x):"
 LONG = "import os\nclass Spam(object):\n    def eggs(self, n):\n        return [i * n for i in range(n)]\n"
