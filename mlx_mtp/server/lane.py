@@ -88,6 +88,15 @@ class _RowState:
     left: bool = False  # its client went away (rank 0's word, `_tick`)
 
 
+@dataclass
+class _NextTurn:
+    """A chat that finished, for `_Lane.prefill_next_turns`."""
+
+    state: _RowState
+    answered: int  # tokens of its answer (up to a stop string)
+    stored: int  # the length of its answer's entry in the prefix cache (0: none)
+
+
 class _Lane:
     """The batch requests decode in (see `_generate`); a new one starts when a
     request cannot share the present one and it has drained."""
@@ -102,9 +111,7 @@ class _Lane:
         self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
-        # (prefix tokens, most tokens worth prefilling) of next turns, once
-        # their rows finished (`prefill_next_turns`)
-        self.next_turns: list = []
+        self.next_turns: list = []  # chats that finished (`prefill_next_turns`)
 
     def accepts(self, settings: _Settings, joining: int, width: int) -> bool:
         """A request with these settings can join now (`joining` already will)."""
@@ -253,56 +260,55 @@ class _Lane:
             answered = len(state.key_tokens) if state.stops.found is None else \
                 prompt + answered_tokens(state.key_tokens[prompt:], state.stops.found,
                                          mp.tokenizer.decode)
-            next_turn = self._next_turn(state, answered - prompt)
-            if held <= answered:  # (on disk too, unless the next turn's prefix will be)
+            # a chat's next turn starts from its prefix (`prefill_next_turns`,
+            # which also writes it to disk), rendered once this request has ended
+            ahead = state.answer is not None and not state.left and not self.gen._is_distributed
+            stored = held <= answered
+            if stored:
                 self.gen.prompt_cache.insert_cache(mp.model_key, state.key_tokens[:held],
-                                                   state.cache, persist=next_turn is None)
-            if next_turn is not None:
-                self.next_turns.append(next_turn)
+                                                   state.cache, persist=not ahead)
+            if ahead:
+                self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
         finally:
             state.rqueue.put(None)
 
-    def _next_turn(self, state: _RowState, answered: int):
-        """(tokens, most) for `prefill_next_turns`: the prefix every next turn
-        of this chat starts with (`next_turn_prefix`), and the most new
-        tokens worth prefilling for it; None where there is none to predict
-        (not a chat, its client left, sharded ranks: each would have to
-        agree on it)."""
-        gen = self.gen
-        if state.answer is None or state.left or gen._is_distributed:
-            return None
-        try:
-            tokens = gen.next_turn_prefix(state.request, state.args, state.answer.message())
-        except Exception as e:  # (a template that refuses the history: no prefix then)
-            logging.info("no next-turn prefix: the chat template refused the answer: %s: %s",
-                         type(e).__name__, e)
-            return None
-        return None if tokens is None else (tokens, answered + NEXT_TURN_SLACK)
-
     def prefill_next_turns(self):
-        """Prefill the next turn's prefix of each chat that finished: the
-        chat template re-tokenizes an answer's text its own way (the ids
-        generated were '\\n', '   ' where it writes '\\n   '), so the answer's
-        stored state does not start the next turn; this one does, exactly
-        as a cold prefill of that turn would reach it, and on disk too. Runs
-        between cycles, after the client has its answer and before the next
-        request is taken, from the longest stored prefix (the answer's state
-        where the tokens agree)."""
+        """Prefill the prefix every next turn of each chat that finished
+        starts with (`next_turn_prefix`): the chat template re-tokenizes an
+        answer's text its own way (the demo generates '\\n   ' where it writes
+        '\\n', '   '), so the answer's stored state does not start the next
+        turn; this one does, as a cold prefill of that turn reaches it, and
+        goes to disk too. Runs between cycles once the clients have their
+        answers, before the next request is taken, from the longest stored
+        prefix (the answer's state where the tokens agree), when that costs
+        at most the answer's tokens and NEXT_TURN_SLACK; where there is no
+        prefix, the answer's own state goes to disk instead."""
         turns, self.next_turns = self.next_turns, []
         gen, mp = self.gen, self.gen.model_provider
-        for tokens, most in turns:
+        key = mp.model_key
+        for turn in turns:
             if self.batch is None or gen._stop:
                 return
-            if len(tokens) >= mp.context_length:
+            state = turn.state
+            try:
+                tokens = gen.next_turn_prefix(state.request, state.args, state.answer.message())
+            except Exception as e:  # (a template that refuses the history: no prefix then)
+                logging.info("no next-turn prefix: the chat template refused the answer: "
+                             "%s: %s", type(e).__name__, e)
+                tokens = None
+            if tokens is None or len(tokens) >= mp.context_length:
+                if turn.stored:
+                    gen.prompt_cache.insert_cache(key, state.key_tokens[:turn.stored],
+                                                  state.cache, persist=True)
                 continue
             try:
-                cache, n = gen._fetch(mp.model_key, tokens)
-                if n == len(tokens) or len(tokens) - n > most:
+                cache, n = gen._fetch(key, tokens)
+                if n == len(tokens) or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
                     continue
                 cache = cache if cache is not None else mp.model.make_cache()
                 with mx.stream(generation_stream):
                     self.batch.add([self.batch.prepare(tokens[n:], cache, 0)])
-                gen.prompt_cache.insert_cache(mp.model_key, tokens, cache, persist=True)
+                gen.prompt_cache.insert_cache(key, tokens, cache, persist=True)
             except Exception as e:  # (the next turn then prefills it itself)
                 logging.warning("the next turn's prefix was not prefilled: %s: %s",
                                 type(e).__name__, e)
