@@ -175,11 +175,32 @@ TURN1 = [{"role": "system", "content": "Answer in Python."},
          {"role": "user", "content": "def fibonacci(n):"}]
 
 
-def _conversation(server, depth=2):
-    """Turn 1 (greedy, 12 tokens), and turn 2's messages."""
-    _, _, text, _ = greedy(server, TURN1, 12, num_draft_tokens=depth)
-    return TURN1 + [{"role": "assistant", "content": text},
-                    {"role": "user", "content": "and in C?"}]
+def _two_turns(checkpoint, tmp_path):
+    """A server with a --prompt-cache-dir (depth 2) answers turn 1 (12
+    tokens) and turn 2 (16, from the RAM cache), then stops: (its argv,
+    turn 2's messages, turn 2's `greedy`)."""
+    argv = ["mlx_mtp.server", "--model", str(checkpoint), "--prompt-cache-dir",
+            str(tmp_path / "cache"), "--draft-tokens", "2"]
+    s = Server(argv, tmp_path / "before.log")
+    try:
+        text = greedy(s, TURN1, 12)[2]
+        messages = TURN1 + [{"role": "assistant", "content": text},
+                            {"role": "user", "content": "and in C?"}]
+        warm = greedy(s, messages, 16)
+    finally:
+        s.close()
+    assert s.code == 0
+    return argv, messages, warm
+
+
+def _cold(checkpoint, messages, max_tokens):
+    """Plain greedy decoding's ids of the messages (mlx_lm's generate_step),
+    in this process, no cache."""
+    import mlx_mtp
+
+    model, tok = mlx_mtp.load(checkpoint, quiet=True)  # (mlx_lm has no qwen4_exp)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return greedy_until_eos(model, prompt, max_tokens, set(tok.eos_token_ids))
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, indirect=True)
@@ -188,18 +209,7 @@ def test_a_restarted_server_prefills_only_the_new_tokens(checkpoint, tmp_path):
     says how many tokens), and the tokens are those of the warm RAM cache
     before the restart (their logprobs bit for bit) and of plain greedy
     decoding without a cache, at MTP depths 0 to 3."""
-    import mlx_lm
-
-    folder = tmp_path / "cache"
-    argv = ["mlx_mtp.server", "--model", str(checkpoint), "--prompt-cache-dir", str(folder),
-            "--draft-tokens", "2"]
-    s = Server(argv, tmp_path / "before.log")
-    try:
-        messages = _conversation(s)
-        warm = greedy(s, messages, 16)
-    finally:
-        s.close()
-    assert s.code == 0
+    argv, messages, warm = _two_turns(checkpoint, tmp_path)
     assert cached(warm[3]) > len(TURN1)  # (the RAM hit: the first turn's prompt and more)
     s = Server(argv, tmp_path / "after.log")
     try:
@@ -210,10 +220,7 @@ def test_a_restarted_server_prefills_only_the_new_tokens(checkpoint, tmp_path):
     assert f"prompt cache: {cached(warm[3])} tokens restored from " in s.text()
     assert cached(after[0][3]) == cached(warm[3])  # only the new tokens prefilled
     assert after[0][:2] == warm[:2]  # the same state: the same logprobs, bit for bit
-    model, tok = mlx_lm.load(str(checkpoint))
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-    want = greedy_until_eos(model, prompt, 16, set(tok.eos_token_ids))
-    assert [ids for ids, *_ in after] == [want] * 4
+    assert [ids for ids, *_ in after] == [_cold(checkpoint, messages, 16)] * 4
 
 
 def test_bad_files_cost_a_log_line_and_a_cold_prefill(dense_ckpt, tmp_path):
@@ -222,17 +229,8 @@ def test_bad_files_cost_a_log_line_and_a_cold_prefill(dense_ckpt, tmp_path):
     another model's own: the restarted server logs one line for each bad one
     (removing it; the corrupt one when a lookup reads it), leaves the other
     model's alone, and answers as a cold prefill does."""
-    import mlx_lm
-
+    argv, messages, warm = _two_turns(dense_ckpt, tmp_path)
     folder = tmp_path / "cache"
-    argv = ["mlx_mtp.server", "--model", str(dense_ckpt), "--prompt-cache-dir", str(folder),
-            "--draft-tokens", "2"]
-    s = Server(argv, tmp_path / "before.log")
-    try:
-        messages = _conversation(s)
-        warm = greedy(s, messages, 16)
-    finally:
-        s.close()
     # the system prompt's end, and the next-turn prefixes of turns 1 and 2
     system, middle, longest = sorted(folder.iterdir(), key=lambda p: p.stat().st_size)
     data = bytearray(longest.read_bytes())
@@ -254,10 +252,7 @@ def test_bad_files_cost_a_log_line_and_a_cold_prefill(dense_ckpt, tmp_path):
     assert sorted(line.split("prompt cache: ")[1].split()[0] for line in lines) == sorted(
         p.name for p in (system, middle, longest)), lines
     assert theirs.exists()  # (this model's entries were written again: whole)
-    assert cached(cold[3]) == 0 and cold[0] == warm[0]
-    model, tok = mlx_lm.load(str(dense_ckpt))
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-    assert cold[0] == greedy_until_eos(model, prompt, 16, set(tok.eos_token_ids))
+    assert cached(cold[3]) == 0 and cold[0] == warm[0] == _cold(dense_ckpt, messages, 16)
 
 
 @pytest.mark.parametrize("requests_", [60, pytest.param(200, marks=pytest.mark.slow)])
