@@ -152,6 +152,80 @@ def test_openai_stream_usage_counts_cached_tokens(demo):
     assert cached(usages[1]) == usages[1]["prompt_tokens"] - 1 > cached(usages[0])
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}},
+           "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                           "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_an_agents_tool_loop_finds_its_history_cached(tmp_path):
+    """An agent's turn: a (forced) tool call, then the tool's result sent
+    back. OpenAI without thinking: the result's turn finds the call's prompt
+    and answer cached (all but 4 tokens at most), however the template
+    writes the call's JSON. Anthropic with thinking (Claude Code's way: the
+    thinking and tool_use blocks sent back, the template dropping the
+    reasoning): only the tool result's message is prefilled. Both answer as
+    a cold prefill does."""
+    from mlx_mtp.testing.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "ck", tools="json", thinking=True, seed=7)
+    s = Server(["mlx_mtp.server", "--model", str(path)], tmp_path / "server.log")
+    try:
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        r1 = requests.post(s.url + "/v1/chat/completions", timeout=300, json=dict(
+            messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0,
+            **off)).json()
+        call = r1["choices"][0]["message"]["tool_calls"][0]
+        messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
+        ids, _, _, usage = greedy(s, messages, 12, tools=TOOLS, **off)
+        assert cached(usage) >= (r1["usage"]["prompt_tokens"] + r1["usage"]["completion_tokens"]
+                                 - 4)
+        client = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0,
+                                     timeout=300)
+        tools = [{"name": "get_weather", "input_schema": WEATHER}]
+        thinking = {"type": "enabled", "budget_tokens": 16}
+        a1 = client.messages.create(model="m", max_tokens=120, messages=ASK, tools=tools,
+                                    tool_choice={"type": "any"}, thinking=thinking)
+        use = next(b for b in a1.content if b.type == "tool_use")
+        assert any(b.type == "thinking" for b in a1.content)
+        history = ASK + [{"role": "assistant", "content": [b.model_dump() for b in a1.content]},
+                         {"role": "user", "content": [{"type": "tool_result",
+                                                       "tool_use_id": use.id,
+                                                       "content": "sunny"}]}]
+        a2 = client.messages.create(model="m", max_tokens=12, messages=history, tools=tools,
+                                    thinking=thinking)
+    finally:
+        s.close()
+    fresh = Server(["mlx_mtp.server", "--model", str(path)], tmp_path / "fresh.log")
+    try:  # the same request on an empty cache: a cold prefill
+        cold = anthropic.Anthropic(base_url=fresh.url, api_key="none", max_retries=0,
+                                   timeout=300).messages.create(
+            model="m", max_tokens=12, messages=history, tools=tools, thinking=thinking)
+    finally:
+        fresh.close()
+    assert cold.usage.cache_read_input_tokens == 0
+    assert [b.model_dump() for b in a2.content] == [b.model_dump() for b in cold.content]
+    import mlx_mtp
+
+    model, tok = mlx_mtp.load(path, quiet=True)
+    call["function"]["arguments"] = json.loads(call["function"]["arguments"])  # (as mlx_lm's)
+    prompt = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
+                                     enable_thinking=False)
+    assert usage["prompt_tokens"] == len(prompt)
+    assert ids == greedy_until_eos(model, prompt, 12, set(tok.eos_token_ids))
+    # Anthropic: what is prefilled is the tool result's message, from its <|im_start|> on
+    chat = ASK + [{"role": "assistant", "content": "", "tool_calls": [{
+        "type": "function", "function": {"name": use.name, "arguments": use.input}}]},
+        {"role": "tool", "content": "sunny"}]
+    text = tok.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True,
+                                   tokenize=False)
+    tail = text[text.rindex("<|im_start|>user\n<tool_response>") + len("<|im_start|>"):]
+    u = a2.usage
+    assert u.input_tokens + u.cache_creation_input_tokens == len(tok.encode(tail))
+
+
 # -- items 1 and 2: the disk tier across restarts --------------------------------------------
 CHECKPOINTS = ["dense", "q4", pytest.param("moe", marks=pytest.mark.slow),
                pytest.param("next", marks=pytest.mark.slow),

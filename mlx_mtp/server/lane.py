@@ -286,6 +286,7 @@ class _Lane:
         turns, self.next_turns = self.next_turns, []
         gen, mp = self.gen, self.gen.model_provider
         key = mp.model_key
+        prefixes = []  # (tokens, the Request prefilling them) of every turn that has one
         for turn in turns:
             if self.batch is None or gen._stop:
                 return
@@ -306,12 +307,21 @@ class _Lane:
                 if n == len(tokens) or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
                     continue
                 cache = cache if cache is not None else mp.model.make_cache()
-                with mx.stream(generation_stream):
-                    self.batch.add([self.batch.prepare(tokens[n:], cache, 0)])
-                gen.prompt_cache.insert_cache(key, tokens, cache, persist=True)
-            except Exception as e:  # (the next turn then prefills it itself)
-                logging.warning("the next turn's prefix was not prefilled: %s: %s",
+                prefixes.append((tokens, self.batch.prepare(tokens[n:], cache, 0)))
+            except Exception as e:  # (its next turn then prefills it itself)
+                logging.warning("a next turn's prefix was not prefilled: %s: %s",
                                 type(e).__name__, e)
+        if not prefixes:
+            return
+        try:  # (together, as requests arriving at once are)
+            with mx.stream(generation_stream):
+                self.batch.add([r for _, r in prefixes])
+        except Exception as e:  # (the next turns then prefill them themselves)
+            logging.warning("next turns' prefixes were not prefilled: %s: %s",
+                            type(e).__name__, e)
+            return
+        for tokens, r in prefixes:
+            gen.prompt_cache.insert_cache(key, tokens, r.prompt_cache, persist=True)
 
     @staticmethod
     def _fail(rqueue, e: Exception):
