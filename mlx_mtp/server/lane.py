@@ -262,7 +262,7 @@ class _Lane:
                                          mp.tokenizer.decode)
             # a chat's next turn starts from its prefix (`prefill_next_turns`,
             # which also writes it to disk), rendered once this request has ended
-            ahead = state.answer is not None and not state.left and not self.gen._is_distributed
+            ahead = state.answer is not None and not state.left
             stored = held <= answered
             if stored:
                 self.gen.prompt_cache.insert_cache(mp.model_key, state.key_tokens[:held],
@@ -286,17 +286,17 @@ class _Lane:
         turns, self.next_turns = self.next_turns, []
         gen, mp = self.gen, self.gen.model_provider
         key = mp.model_key
+        if not turns or self.batch is None or gen._stop:
+            return
+        collectives = gen._is_distributed
+        # rendered on rank 0 and shared: every rank prefills the same tokens
+        # (a template reading the clock could render differently on another)
+        rendered = gen._share_object([self._next_turn_prefix(t) for t in turns]
+                                     if gen._rank == 0 else None) if collectives else \
+            [self._next_turn_prefix(t) for t in turns]
         prefixes = []  # (tokens, the Request prefilling them) of every turn that has one
-        for turn in turns:
-            if self.batch is None or gen._stop:
-                return
+        for turn, tokens in zip(turns, rendered):
             state = turn.state
-            try:
-                tokens = gen.next_turn_prefix(state.request, state.args, state.answer.message())
-            except Exception as e:  # (a template that refuses the history: no prefix then)
-                logging.info("no next-turn prefix: the chat template refused the answer: "
-                             "%s: %s", type(e).__name__, e)
-                tokens = None
             if tokens is None or len(tokens) >= mp.context_length:
                 if turn.stored:
                     gen.prompt_cache.insert_cache(key, state.key_tokens[:turn.stored],
@@ -309,6 +309,8 @@ class _Lane:
                 cache = cache if cache is not None else mp.model.make_cache()
                 prefixes.append((tokens, self.batch.prepare(tokens[n:], cache, 0)))
             except Exception as e:  # (its next turn then prefills it itself)
+                if collectives:  # this rank may have left the others inside a collective
+                    raise
                 logging.warning("a next turn's prefix was not prefilled: %s: %s",
                                 type(e).__name__, e)
         if not prefixes:
@@ -317,11 +319,22 @@ class _Lane:
             with mx.stream(generation_stream):
                 self.batch.add([r for _, r in prefixes])
         except Exception as e:  # (the next turns then prefill them themselves)
+            if collectives:
+                raise
             logging.warning("next turns' prefixes were not prefilled: %s: %s",
                             type(e).__name__, e)
             return
         for tokens, r in prefixes:
             gen.prompt_cache.insert_cache(key, tokens, r.prompt_cache, persist=True)
+
+    def _next_turn_prefix(self, turn: _NextTurn) -> Optional[list]:
+        state = turn.state
+        try:
+            return self.gen.next_turn_prefix(state.request, state.args, state.answer.message())
+        except Exception as e:  # (a template that refuses the history: no prefix then)
+            logging.info("no next-turn prefix: the chat template refused the answer: %s: %s",
+                         type(e).__name__, e)
+            return None
 
     @staticmethod
     def _fail(rqueue, e: Exception):
