@@ -286,9 +286,10 @@ class _Lane:
         turns, self.next_turns = self.next_turns, []
         gen, mp = self.gen, self.gen.model_provider
         key = mp.model_key
-        if not turns or self.batch is None or gen._stop:
-            return
         collectives = gen._is_distributed
+        # (sharded, only what every rank knows decides: rank 0's word to halt)
+        if not turns or self.batch is None or (gen._halted if collectives else gen._stop):
+            return
         # rendered on rank 0 and shared: every rank prefills the same tokens
         # (a template reading the clock could render differently on another)
         rendered = gen._share_object([self._next_turn_prefix(t) for t in turns]
@@ -297,14 +298,15 @@ class _Lane:
         prefixes = []  # (tokens, the Request prefilling them) of every turn that has one
         for turn, tokens in zip(turns, rendered):
             state = turn.state
-            if tokens is None or len(tokens) >= mp.context_length:
-                if turn.stored:
-                    gen.prompt_cache.insert_cache(key, state.key_tokens[:turn.stored],
-                                                  state.cache, persist=True)
-                continue
             try:
-                cache, n = gen._fetch(key, tokens)
-                if n == len(tokens) or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
+                usable = tokens is not None and len(tokens) < mp.context_length
+                cache, n = gen._fetch(key, tokens) if usable else (None, 0)
+                if usable and n == len(tokens):
+                    continue  # (stored already)
+                if not usable or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
+                    if turn.stored:  # no prefix worth it: the answer's own state to disk
+                        gen.prompt_cache.insert_cache(key, state.key_tokens[:turn.stored],
+                                                      state.cache, persist=True)
                     continue
                 cache = cache if cache is not None else mp.model.make_cache()
                 prefixes.append((tokens, self.batch.prepare(tokens[n:], cache, 0)))
