@@ -139,6 +139,21 @@ def _warm_structured(tokenizer, vocab_size: int):
 
 
 # -- generation ---------------------------------------------------------------------------------
+class Slot:
+    """A request's place among those generated or waiting: given back once
+    its generation ended (`release`, once), before its answer is written, so
+    a client that sends its next request as soon as it reads the answer (an
+    agent) finds the place free."""
+
+    def __init__(self, slots: threading.Semaphore):
+        self._slots, self._held = slots, True
+
+    def release(self):
+        if self._held:
+            self._held = False
+            self._slots.release()
+
+
 class MTPResponseGenerator(ResponseGenerator):
     """mlx_lm's generation thread, decoding requests in MTP batches (`_Lane`)."""
 
@@ -215,14 +230,16 @@ class MTPResponseGenerator(ResponseGenerator):
 
     @contextlib.contextmanager
     def slot(self):
-        """One of the requests being answered or waiting; 503 past the bound."""
+        """One of the requests being generated or waiting (a `Slot`); 503
+        past the bound."""
         if not self._slots.acquire(blocking=False):
             raise ApiError(503, "the server is busy: too many requests are waiting; retry "
                                 "later", kind="server_error", code="overloaded")
+        held = Slot(self._slots)
         try:
-            yield
+            yield held
         finally:
-            self._slots.release()
+            held.release()
 
     def preflight(self, request, chat_template_kwargs, max_tokens: int) -> list:
         """Checks made in the request's own thread before it is queued: the
