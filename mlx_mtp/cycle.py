@@ -25,6 +25,11 @@ Each step is a function state -> (state, output) with nothing kept elsewhere:
                     Parked with no probe due, the loop runs depth 0's own graph
                     instead: no pair is written and the ring is dropped (a gap).
 
+A drafted cycle is three stages with typed seams between them: `propose`
+(catch up, draft) -> `Proposals`; `verify` (the trunk's forward, each GDN
+layer's `Capture` taken out of its cache) -> `Verified`; `settle` (accept,
+commit). `drafted_cycle` runs the three in one graph.
+
 Feeding mlx_lm's own caches (the prompt, the tokens a finished generation
 leaves) is `prefill.py`'s: nothing here mutates a prompt cache.
 
@@ -52,7 +57,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import metal
-from .cache import CaptureCache, MTPCache
+from .cache import Capture, CaptureCache, MTPCache
 from .distributed import share
 from .sampling import (Filters, SamplerArrays, accept_sampled_rows, advance_window, draft_rows,
                        is_greedy, penalize_rows, sample_rows, split_rows)
@@ -394,12 +399,12 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
     return drafts, q, k - 1
 
 
-def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
+def commit_gdn(trunk: list, captures: List[Capture], consumed: mx.array, conv_kernel: int):
     """Every GDN layer takes the state and conv window after `consumed` [B]
-    verify tokens (chosen by index on the device)."""
+    verify tokens (chosen by index on the device) from its capture."""
     gdn = [c for c in trunk if isinstance(c, CaptureCache)]
-    states = [c.captured_states for c in gdn]
-    inputs = [c.captured_conv_input for c in gdn]
+    states = [c.states for c in captures]
+    inputs = [c.conv_input for c in captures]
     if consumed.shape[0] == 1:
         picked = metal.commit(states, inputs, consumed[0], conv_kernel)
     else:  # one index per row
@@ -408,8 +413,8 @@ def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
         picked = [(mx.take_along_axis(ci, rows, axis=1),
                    mx.take_along_axis(st, (n - 1)[:, None, None, None, None], axis=1)[:, 0])
                   for st, ci in zip(states, inputs)]
-    for c, (window, st) in zip(gdn, picked):
-        c.commit(window, st, consumed)
+    for c, capture, (window, st) in zip(gdn, captures, picked):
+        c.commit(window, st, consumed, capture)
 
 
 def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
@@ -422,31 +427,93 @@ def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
 
 
 # -- the steps ----------------------------------------------------------------------------
-def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
-                  history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
-    """(Catch up,) draft k tokens, verify them in one trunk forward, accept, commit."""
+@dataclass
+class Proposals:
+    """What drafting leaves for the verify: k drafts per row (in the
+    vocabulary; `bad_drafts` counts those that were not), the distributions
+    they were drawn from (sampled rows), the keys the verify's acceptance and
+    the next cycle use, and how many entries the head's chain added."""
+
+    drafts: mx.array  # [B, k] int32
+    q: Optional[mx.array]  # [B, k, V]
+    bad_drafts: mx.array  # [B]
+    keys: Optional[mx.array]  # [B, k+1, 2]: the drafts' keys, then the acceptance's
+    chained: int  # a static count: part of a graph's key
+
+    def tree(self) -> dict:
+        return {"drafts": self.drafts, "q": self.q, "bad_drafts": self.bad_drafts,
+                "keys": self.keys}
+
+    @classmethod
+    def from_tree(cls, tree: dict, chained: int) -> "Proposals":
+        return cls(chained=chained, **tree)
+
+
+@dataclass
+class Verified:
+    """The trunk's forward over [y, d1..dk]: its hiddens, its raw logits (no
+    bias, penalty or mask yet) and each GDN layer's capture."""
+
+    tokens: mx.array  # [B, k+1]
+    h: mx.array  # [B, k+1, H]
+    logits: mx.array  # [B, k+1, V]
+    captures: List[Capture]
+
+    def tree(self) -> dict:
+        return {"tokens": self.tokens, "h": self.h, "logits": self.logits,
+                "captures": [c.tree() for c in self.captures]}
+
+    @classmethod
+    def from_tree(cls, tree: dict) -> "Verified":
+        return cls(tree["tokens"], tree["h"], tree["logits"],
+                   [Capture.from_tree(c) for c in tree["captures"]])
+
+
+def propose(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
+            history: Optional[list] = None) -> Tuple[DecodeState, Proposals]:
+    """(Catch the head up,) draft k tokens. The state returned holds the
+    head's cache after its chain and the next cycle's key."""
     model = spec.model
     cache = state.cache.copy()
     key, keys = state.key, None
     if spec.speculative:  # per row: k draft keys and one for the acceptance
         split = split_rows(state.key, k + 2)
         key, keys = split[:, 0], split[:, 1:]
-
-    # 0. the head takes the pairs it missed while the batch decoded plainly
+    # the head takes the pairs it missed while the batch decoded plainly
     g = catch_up_ring(model, state, cache.head) if catch_up else state.g
-
-    # 1. draft
     drafts, q, chained = draft(spec, aux, state, g, cache.head, k, keys, history)
     drafts, bad_drafts = in_vocab(spec.verified_drafts(drafts), model.vocab_size)
+    new = state.replace(cache=cache, key=key)
+    if catch_up:
+        new = new.replace(ring_n=mx.zeros_like(state.ring_n))
+    return new, Proposals(drafts, q, bad_drafts, keys, chained)
 
-    # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
-    tokens = mx.concatenate([state.y[:, None], drafts], axis=1)  # [B, k+1]
+
+def verify(spec: Spec, state: DecodeState, proposals: Proposals) -> Tuple[DecodeState, Verified]:
+    """The trunk over [y, d1..dk] in one forward, every GDN layer capturing
+    its state after each position."""
+    model = spec.model
+    cache = state.cache.copy()
+    tokens = mx.concatenate([state.y[:, None], proposals.drafts], axis=1)  # [B, k+1]
     CaptureCache.start(cache.trunk)
     h = model.trunk_hidden(tokens, cache.trunk)  # [B, k+1, H]
-    drafts = spec.verified_drafts(drafts, h)
-    logprobs = _logprobs(spec, model.logits_from_hidden(h), state, history, tokens)
+    captures = CaptureCache.take_all(cache.trunk)
+    return state.replace(cache=cache), Verified(tokens, h, model.logits_from_hidden(h), captures)
 
-    # 3. accept: `accepted` drafts, then out[accepted] after them
+
+def settle(spec: Spec, state: DecodeState, proposals: Proposals, verified: Verified,
+           history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
+    """Accept drafts against the verify's distributions, then commit: the
+    trunk keeps [y, d1..da]; the head drops its drafting entries and is
+    rewritten from the trunk's verified hiddens paired with the emitted
+    tokens, which yields the next cycle's hidden. Emits a+1 tokens."""
+    model, k = spec.model, proposals.drafts.shape[1]
+    cache = state.cache.copy()
+    tokens, keys = verified.tokens, proposals.keys
+    drafts = spec.verified_drafts(proposals.drafts, verified.h)
+    logprobs = _logprobs(spec, verified.logits, state, history, tokens)
+
+    # accept: `accepted` drafts, then out[accepted] after them
     if spec.sampler is not None:  # opaque: keep drafts while they equal its choice
         out = _sample_opaque(spec.sampler, logprobs)  # [B, k+1]
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
@@ -454,32 +521,38 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
         out = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
         if spec.filters.sampled:  # sampled rows by Leviathan–Chen
-            accepted, out = accept_sampled_rows(logprobs, q, drafts, state.sampling,
+            accepted, out = accept_sampled_rows(logprobs, proposals.q, drafts, state.sampling,
                                                 spec.filters, keys[:, k], accepted, out)
     packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
     accepted, raw = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
     out, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
 
-    # 4. commit: the trunk keeps [y, d1..da]; the head drops its drafting
-    #    entries and is rewritten from the trunk's verified hiddens paired
-    #    with the emitted tokens, which yields the next cycle's hidden
-    commit_gdn(cache.trunk, accepted + 1, model.text_args.linear_conv_kernel_dim)
+    # commit
+    commit_gdn(cache.trunk, verified.captures, accepted + 1,
+               model.text_args.linear_conv_kernel_dim)
     for c in cache.trunk:
         if not isinstance(c, CaptureCache):  # attention: KV (and a family's other KV) by length
             c.trim(k - accepted)
     for c in cache.head:
-        c.trim(chained)
-    G = head_forward(model, h, out, cache.head)  # [B, k+1, H]
+        c.trim(proposals.chained)
+    G = head_forward(model, verified.h, out, cache.head)  # [B, k+1, H]
     for c in cache.head:
         c.trim(k - accepted)
     new = state.replace(cache=cache, y=mx.take_along_axis(out, accepted[:, None], axis=1)[:, 0],
                         emitted=state.emitted + accepted + 1,
-                        g=mx.take_along_axis(G, accepted[:, None, None], axis=1), key=key)
+                        g=mx.take_along_axis(G, accepted[:, None, None], axis=1))
     if state.window is not None:
         new = new.replace(window=advance_window(state.window, tokens, accepted + 1))
-    if catch_up:
-        new = new.replace(ring_n=mx.zeros_like(state.ring_n))
-    return new, StepOutput(_pack(accepted, raw, out, logprobs, bad_drafts), logprobs)
+    return new, StepOutput(_pack(accepted, raw, out, logprobs, proposals.bad_drafts), logprobs)
+
+
+def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
+                  history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
+    """(Catch up,) draft k tokens, verify them in one trunk forward, accept,
+    commit: the three stages in one graph."""
+    state, proposals = propose(spec, aux, state, k, catch_up, history)
+    state, verified = verify(spec, state, proposals)
+    return settle(spec, state, proposals, verified, history)
 
 
 def plain_step(spec: Spec, aux: dict, state: DecodeState,
