@@ -67,6 +67,27 @@ class Constraint:
         return Matcher(self, tokenizer, vocab_size)
 
 
+def check(constraint, tokenizer) -> None:
+    """One line for a constraint that is not `constrain`'s, or one without
+    the tokenizer it needs."""
+    if not isinstance(constraint, Constraint):
+        raise TypeError("constraint must be made by mlx_mtp.constrain(...), not "
+                        f"{type(constraint).__name__}")
+    if tokenizer is None:
+        raise ValueError("a constraint needs the tokenizer: pass tokenizer=")
+
+
+def row_matcher(constraint: Constraint, tokenizer, vocab_size: int) -> "Matcher":
+    """A row's grammar for the decoder (Batch.prepare): a matcher as wide as
+    the model's logits."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    check(constraint, tokenizer)
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    return constraint.matcher(tokenizer, vocab_size)
+
+
 def constrain(json_schema: Any = None, *, json_object: bool = False, regex: Optional[str] = None,
               grammar: Optional[str] = None) -> Constraint:
     """A constraint for structured output; give exactly one of:
