@@ -209,7 +209,8 @@ class Batch:
         if constraint is not None:
             from .constraint import row_matcher
 
-            matcher = row_matcher(constraint, tokenizer, model.vocab_size)
+            matcher = row_matcher(constraint, tokenizer, model.vocab_size,
+                                  context=[*cached_tokens, *ids])
             if self.spec.group is not None:  # sharded: the grammar stays a host processor
                 from .constraint import MaskingProcessor
 
