@@ -165,7 +165,7 @@ class Batch:
         (`mlx_mtp.constrain(...)`, with the tokenizer): every token the row
         emits is one its grammar allows; the grammar belongs to the row (a
         matcher the batch advances as it reads), and the batch stays compiled
-        (docs/design.md, "Structured output: the split cycle")."""
+        (docs/design.md, "In the engine: the grammar belongs to the row")."""
         model = self.spec.model
         ids = checks.token_ids("prompt", prompt, model.vocab_size)
         if not ids:

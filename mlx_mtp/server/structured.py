@@ -1,9 +1,9 @@
 """Structured output in the server: OpenAI's `response_format` (json_object,
 json_schema), Anthropic's `output_config.format`, and forced tool calls
 (OpenAI's `tool_choice` "required" or a named function, Anthropic's
-{"type": "any"} / {"type": "tool"}) become one grammar per request, and its
-row's logits are masked to it (constraint.MaskingProcessor, last among the
-row's host processors: lane.py). docs/design.md, "Structured output".
+{"type": "any"} / {"type": "tool"}) become one grammar per request, which
+its row holds (Batch.prepare's constraint: lane.py). docs/design.md,
+"Structured output".
 
 `openai(body, tokenizer)` / `anthropic(body, tools, tokenizer)` read and
 check a request (ApiError 400 naming the field: a schema that is invalid or
@@ -19,9 +19,10 @@ parser reads, per the parser mlx_lm chose for the tokenizer:
 value\\n</parameter>\\n...</function>\\n</tool_call>`, each value as that
 parser converts it back (a string raw, anything else JSON). Several calls
 (OpenAI "required", Anthropic "any", unless parallel calls are off) are
-separated by a newline. Where the rendered prompt leaves the model inside
-its thinking block (mlx_lm's initial state "reasoning"), the reasoning is
-free up to the model's think-end text and the grammar applies after it.
+separated by a newline. Thinking follows the one rule of
+`constraint.thinking_args` (off unless asked for); where the rendered prompt
+still leaves the model inside its thinking block, the reasoning is free up
+to the model's think-end and the grammar applies after it (`row_matcher`).
 """
 
 from __future__ import annotations
