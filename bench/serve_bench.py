@@ -29,6 +29,11 @@ Run only when named (--workloads):
              64 tokens, streamed
   xtc        1 client, 4 chats sampling with XTC (temperature 0.8,
              xtc_probability 0.5, xtc_threshold 0.1, seeded), 96 tokens each
+  json1free3 the mixed grammar workload: 1 client asks for JSON (2 chats, up
+             to 256 tokens) while 3 free clients chat greedily (3 chats each,
+             64 tokens; compared with mlx_lm.server's answers); with same4 in
+             the same run it prints the free clients' tok/s per client beside
+             same4's, on each server (a constrained row must not slow them)
   json       4 concurrent clients, each with its own JSON schema
              (bench/schemas/*.json) as `response_format`, 2 chats each, up to
              256 tokens, greedy: prints how many answers are complete JSON
@@ -48,7 +53,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import signal
 import socket
 import statistics
@@ -163,6 +167,7 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
     if finish is None:  # a server that fails after the headers ends the stream early
         return {"error": "the answer ended without a finish_reason"}
     return {"text": text, "tokens": usage.get("completion_tokens", 0), "finish": finish,
+            "start": t0, "end": end,
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
             "prompt_tokens": usage.get("prompt_tokens", 0),
             "ttft": (first or end) - t0 if stream else end - t0}
@@ -240,9 +245,9 @@ def valid_json(text: str, schema: dict) -> bool:
         return False
 
 
-def json_clients(url, rnd: int, per_client: int = 2, max_tokens: int = 256):
-    """4 concurrent clients, each asking for its own schema's JSON."""
-    names = list(SCHEMAS)[:4]
+def json_clients(url, rnd: int, per_client: int = 2, max_tokens: int = 256, names=None):
+    """4 concurrent clients (or one per name), each asking for its own schema's JSON."""
+    names = names or list(SCHEMAS)[:4]
 
     def client(c):
         out = []
@@ -263,6 +268,14 @@ def json_clients(url, rnd: int, per_client: int = 2, max_tokens: int = 256):
         return [r for rs in pool.map(client, range(len(names))) for r in rs]
 
 
+def json1free3(url, rnd: int):
+    """One client under a JSON schema beside three free greedy ones."""
+    with ThreadPoolExecutor(2) as pool:
+        constrained = pool.submit(lambda: json_clients(url, rnd, names=["weather"]))
+        free = clients(url, 3, 3, 64, rnd)
+        return constrained.result() + [dict(r, free=True) for r in free]
+
+
 WORKLOADS = {
     "single": lambda url, rnd: clients(url, 1, 4, 96, rnd),
     "same4": lambda url, rnd: clients(url, 4, 3, 64, rnd),
@@ -280,6 +293,7 @@ WORKLOADS.update({
     "xtc": lambda url, rnd: clients(url, 1, 4, 96, rnd, fields=[{
         "temperature": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.1, "seed": 4}]),
     "json": json_clients,
+    "json1free3": json1free3,
 })
 
 
@@ -289,7 +303,11 @@ def run(workload: str, url: str, rnd: int) -> dict:
     wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["tokens"] for r in ok)
-    return {"tps": tokens / wall, "wall": wall, "tokens": tokens,
+    # each free client's tok/s (workloads of free greedy chats: all their requests)
+    free = [r for r in ok if r.get("free") or (workload != "json1free3" and r["greedy"])]
+    per_client = (sum(r["tokens"] for r in free) / (max(r["end"] for r in free) - t0)
+                  / (3 if workload == "json1free3" else 4)) if free else float("nan")
+    return {"tps": tokens / wall, "wall": wall, "tokens": tokens, "free_client_tps": per_client,
             "errors": [r["error"] for r in results if "error" in r],
             "valid": [r["valid"] for r in ok if "valid" in r],
             "ttft": [r["ttft"] for r in ok],
@@ -385,6 +403,14 @@ def main(argv=None):
               f"| {mtp['ttft_p50']:.2f} / {mtp['ttft_p95']:.2f} s{note} "
               f"| {lm['errors'] + mtp['errors']} "
               f"| {('yes' if row['equal'] else 'NO') if row['compared'] else 'n/a'} |")
+    if "json1free3" in rounds and "same4" in rounds:
+        for name in servers:
+            mixed = [r[name]["free_client_tps"] for r in rounds["json1free3"]]
+            alone = [r[name]["free_client_tps"] for r in rounds["same4"]]
+            print(f"{name}: a free client's tok/s beside one JSON client / among four free ones "
+                  f"(same4), median over rounds: {statistics.median(mixed):.1f} / "
+                  f"{statistics.median(alone):.1f} = "
+                  f"{statistics.median(m / a for m, a in zip(mixed, alone)):.2f}x")
     for w, row in summary.items():
         if row["mlx_mtp"]["checked"]:
             print(f"{w}: complete JSON valid under the request's schema: " + ", ".join(
@@ -397,7 +423,7 @@ def main(argv=None):
                        if x != y), min(len(d["mlx_lm"] or ""), len(d["mlx_mtp"] or "")))
             print(f"{w}: round {d['round']} request {d['request']}: greedy answers differ "
                   f"from character {at} (both texts in the JSON)")
-    print(f"peak RSS: " + ", ".join(f"{n} {v:.0f} MB" for n, v in rss.items()))
+    print("peak RSS: " + ", ".join(f"{n} {v:.0f} MB" for n, v in rss.items()))
     out.write_text(json.dumps({"machine": machine_info(), "args": vars(args),
                                "command": " ".join([sys.executable] + sys.argv),
                                "summary": summary, "peak_rss_mb": rss,

@@ -72,24 +72,6 @@ def _lookahead(lookahead: bool, pipeline: Optional[bool]) -> bool:
     return pipeline
 
 
-def _constrained(processors, constraint, tokenizer) -> Optional[list]:
-    """A row's logits processors with its constraint's mask last, as mlx_lm
-    applies processors before the sampler (docs/design.md, "Structured
-    output"). Nothing is imported without a constraint."""
-    if constraint is None:
-        return processors
-    from .constraint import Constraint, MaskingProcessor
-
-    if not isinstance(constraint, Constraint):
-        raise TypeError("constraint must be made by mlx_mtp.constrain(...), not "
-                        f"{type(constraint).__name__}")
-    if tokenizer is None:
-        raise ValueError("a constraint needs the tokenizer: pass tokenizer=")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    return [*(processors or ()), MaskingProcessor(constraint, tokenizer)]
-
-
 def generate_step(
     prompt: mx.array,
     model,
@@ -151,9 +133,12 @@ def generate_step(
                             max_draft_tokens=max_draft_tokens, prefill_step_size=prefill_step_size,
                             lookahead=_lookahead(lookahead, pipeline), compiled=compiled,
                             draft_vocab=draft_vocab)
-    if constraint is not None:
-        logits_processors = _constrained(logits_processors, constraint, tokenizer)
-        kwargs["stop_tokens"] = _wrapped(tokenizer).eos_token_ids
+    if constraint is not None:  # the row's grammar (Batch.prepare); it ends after EOS
+        from .constraint import check
+
+        check(constraint, tokenizer)
+        kwargs.update(constraint=constraint, tokenizer=_wrapped(tokenizer),
+                      stop_tokens=_wrapped(tokenizer).eos_token_ids)
     for token, logprobs, _ in generate_tokens(
             prompt, model, options, max_tokens=max_tokens, sampler=sampler,
             logits_processors=logits_processors, prompt_cache=prompt_cache,
@@ -181,8 +166,8 @@ def stream_generate(
     draft_tokens = checks.depth(kwargs["draft_tokens"])
     kwargs.pop("stream", None)
     tokenizer = _wrapped(tokenizer)
-    kwargs["logits_processors"] = _constrained(kwargs.get("logits_processors"),
-                                               kwargs.pop("constraint", None), tokenizer)
+    if kwargs.get("constraint") is not None:
+        kwargs["tokenizer"] = tokenizer
     prompt = _encode(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     stats = kwargs.pop("stats", None) or MTPStats()
@@ -303,7 +288,6 @@ def batch_generate(
                          ("logits_processors", processors), ("constraint", constraints)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
-    processors = [_constrained(p, c, tokenizer) for p, c in zip(processors, constraints)]
     checks.check("completion_batch_size", completion_batch_size)
     opaque = [s for s in samplers if s is not None and RowSampling.of(s) is None]
     if opaque and any(s is not opaque[0] for s in samplers):
@@ -323,7 +307,8 @@ def batch_generate(
         request = batch.prepare(prompt, cache, max_tokens[i], seeds[i],
                                 sampler=None if opaque else samplers[i],
                                 logits_processors=processors[i],
-                                stop_tokens=tokenizer.eos_token_ids)
+                                stop_tokens=tokenizer.eos_token_ids,
+                                constraint=constraints[i], tokenizer=tokenizer)
         if request.max_tokens == 0:  # (prepare takes 0: the prefill only)
             checks.check("max_tokens", 0, f"max_tokens[{i}]")
         requests.append(request)

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 
 from . import checks
 from .cache import cache_length, check_model_cache, entry_length, head_caches
-from .cycle import RING, DecodeState, Graphs, Spec, init_ring, is_host_side, unpack
+from .cycle import RING, DecodeState, Graphs, Guidance, Spec, init_ring, is_host_side, unpack
 from .depth import DepthController, cost_sample
 from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
@@ -133,6 +133,7 @@ class Batch:
         self._tic = time.perf_counter()
         self._launched = 0  # cycles launched since the last read
         self._starting = True  # no cycle read since the batch was last empty
+        self.reads = 0  # host reads of device results (cycles, and a guided cycle's drafts)
         self._settings()
 
     # -- rows join and leave ---------------------------------------------------------------
@@ -151,7 +152,8 @@ class Batch:
                 penalties: Optional[Penalties] = None,
                 logits_processors=None, stats: Optional[MTPStats] = None,
                 progress=None, cached_tokens: Sequence[int] = (),
-                stop_tokens: Sequence[int] = (), feed_tail: bool = True) -> Request:
+                stop_tokens: Sequence[int] = (), feed_tail: bool = True,
+                constraint=None, tokenizer=None) -> Request:
         """Check one row's arguments against this batch's model: a Request.
         sampler: the row's own (default: the batch's; a RowSampling too);
         logit_bias and penalties are applied in-graph (mlx_lm's processors'
@@ -159,7 +161,11 @@ class Batch:
         history: `cached_tokens` (those the prompt cache already holds, as
         mlx_lm.server's batch passes them: `all_tokens`), the prompt, and the
         tokens emitted. The row ends with the first of `stop_tokens` it emits
-        or its max_tokens-th token; feed_tail: see `finish`."""
+        or its max_tokens-th token; feed_tail: see `finish`. constraint
+        (`mlx_mtp.constrain(...)`, with the tokenizer): every token the row
+        emits is one its grammar allows; the grammar belongs to the row (a
+        matcher the batch advances as it reads), and the batch stays compiled
+        (docs/design.md, "In the engine: the grammar belongs to the row")."""
         model = self.spec.model
         ids = checks.token_ids("prompt", prompt, model.vocab_size)
         if not ids:
@@ -197,11 +203,22 @@ class Batch:
         context = getattr(model.text_args, "max_position_embeddings", None)
         checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
                              id(model))
+        matcher = None
+        if constraint is not None:
+            from .constraint import row_matcher
+
+            matcher = row_matcher(constraint, tokenizer, model.vocab_size,
+                                  context=[*cached_tokens, *ids])
+            if self.spec.group is not None:  # sharded: the grammar stays a host processor
+                from .constraint import MaskingProcessor
+
+                processors, matcher = (*processors, MaskingProcessor(constraint, tokenizer)), None
         return Request(ids, prompt_cache, keep_cache, max_tokens, row_key(sampling, seed),
                        stats if stats is not None else MTPStats(), sampling, processors,
                        progress, cached_tokens=tuple(cached_tokens) if (
                            processors or (sampling is not None and sampling.penalties)) else (),
-                       stop_tokens=frozenset(int(t) for t in stop_tokens), feed_tail=feed_tail)
+                       stop_tokens=frozenset(int(t) for t in stop_tokens), feed_tail=feed_tail,
+                       matcher=matcher)
 
     def add(self, requests: List[Request]) -> List[Optional[Row]]:
         """Prefill new rows (short prompts together, long ones alone) and merge
@@ -278,7 +295,7 @@ class Batch:
                     (1, 1, model.hidden_width), mx.float32)
                 state = init_ring(state.replace(g=g))
             row = Row(held, r.max_tokens, r.stop_tokens, r.feed_tail, r.stats, lens, r.sampling,
-                      r.processors)
+                      r.processors, matcher=r.matcher)
             row.last = Finish(state.without_buffers() if held.keep else None, len(states),
                               lens, y, [])
             if r.processors:
@@ -354,8 +371,10 @@ class Batch:
             self.spec = spec = dataclasses.replace(spec, filters=filters, processors=processors)
             self.graphs.use(spec)
             self._parked_graphs = None
+        # a grammar's masks for a cycle need the cycle before it read
+        self.guided = any(r.matcher is not None for r in self.rows)
         self.lookahead = 1 if (self.may_look_ahead and not spec.host_history
-                               and spec.trusted_sampler) else 0
+                               and spec.trusted_sampler and not self.guided) else 0
         if self.state is None or spec.sampler is not None:
             return
         f = spec.filters
@@ -446,14 +465,15 @@ class Batch:
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
                        for r in self.rows]
+        guidance, masks = self._guidance(k) if self.guided else (None, None)
         keep = any(r.held.keep for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
         if cold is not None:
-            new, out = cold.step(self.state.without_head(), 0, False, history)
+            new, out = cold.step(self.state.without_head(), 0, False, history, guidance)
             self.state = new.with_head_of(self.state)
         else:
-            self.state, out = self.graphs.step(self.state, k, catch_up, history)
+            self.state, out = self.graphs.step(self.state, k, catch_up, history, guidance, masks)
         built = time.perf_counter()
         mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
         t1 = time.perf_counter()
@@ -462,6 +482,38 @@ class Batch:
         self.ledger.launched(launched, spec.use_head, self.state)
         self.inflight.append(launched)
         self._launched += 1
+
+    def _guidance(self, k: int):
+        """The rows' grammars before a cycle of depth k: the mask of the next
+        position and the drafts each grammar forces (Guidance), and the
+        function that gives the masks after each draft prefix once the drafts
+        are read (rows without a grammar: every token)."""
+        from .constraint import batch_masks
+
+        guided = [(i, r.matcher) for i, r in enumerate(self.rows) if r.matcher is not None]
+        at = [i for i, _ in guided]
+        width = guided[0][1].words
+        first = np.full((len(self.rows), width), -1, np.int32)
+        words, _ = batch_masks([(m, ()) for _, m in guided], 1)
+        first[at] = words[:, 0].view(np.int32)
+        forced = None
+        if k:
+            forced = np.full((len(self.rows), k), -1, np.int32)
+            for i, m in guided:
+                run = m.forced(limit=k)
+                forced[i, :len(run)] = run
+                self.rows[i].stats.forced += len(run)
+        forced_all = forced is not None and bool((forced >= 0).all())
+
+        def masks(drafts: np.ndarray) -> mx.array:
+            self.reads += 1
+            out = np.full((len(self.rows), k + 1, width), -1, np.int32)
+            words, _ = batch_masks([(m, drafts[i].tolist()) for i, m in guided], k + 1)
+            out[at] = words.view(np.int32)
+            return mx.array(out)
+
+        return Guidance(mx.array(first), None if forced is None else mx.array(forced),
+                        forced_all), masks
 
     def step(self) -> Iterator[Event]:
         """Queue cycles up to the lookahead, read the oldest one, and yield its
@@ -494,6 +546,7 @@ class Batch:
             return []
         cycle = self.inflight.popleft()
         first, self._starting = self._starting, False
+        self.reads += 1
         wait0 = time.perf_counter()
         accepted_all, tokens_all, lps_all, bad_drafts = unpack(np.array(cycle.out.packed),
                                                                cycle.k)
@@ -514,6 +567,8 @@ class Batch:
             row.last, row.used = Finish(cycle.before, i, before_lens, y, tokens), 0
             row.landed += len(tokens)
             row.stats.record(k, a)
+            if row.matcher is not None:  # (tokens past a stop token are never emitted)
+                row.matcher.advance(tokens[:row.matcher.allowed_drafts(tokens)])
             accepted.append(a)
             if row.history is not None:
                 row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])

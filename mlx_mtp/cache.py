@@ -31,7 +31,8 @@ layer with PLE; docs/qwen4_exp.md): a CacheList of KVCaches decodes as a
 
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
@@ -205,13 +206,32 @@ class PaddedCacheList(_BaseCache):
             c.write_to(dst, length)
 
 
+@dataclass
+class Capture:
+    """What one GDN layer's verify forward keeps for the commit: the state
+    after every position [B, T, Hv, Dv, Dk], the conv input [B, K-1+T, C], and
+    a family's own (qwen4_exp's PLE conv input and n-gram ids)."""
+
+    states: mx.array
+    conv_input: mx.array
+    ple: Optional[Tuple[mx.array, mx.array]] = None
+
+    def tree(self) -> dict:
+        return {"states": self.states, "conv_input": self.conv_input,
+                "ple": None if self.ple is None else list(self.ple)}
+
+    @classmethod
+    def from_tree(cls, tree: dict) -> "Capture":
+        return cls(tree["states"], tree["conv_input"],
+                   None if tree["ple"] is None else tuple(tree["ple"]))
+
+
 class CaptureCache(ArraysCache):
     """A GDN layer's ArraysCache ([conv window, recurrent state], and any
-    entries a family adds after them) that can hold what a verify forward
-    captured: the state after every position and the conv input (the GDN
-    layer of the model fills them when `capturing`), and a family's own
-    (`captured_ple`: qwen4_exp's PLE conv input and token history). The
-    captured arrays live within one cycle; `state` is mlx_lm's."""
+    entries a family adds after them) whose verify forward captures what the
+    commit needs: the model's GDN layer fills `captured_*` while `capturing`
+    (the one way out of mlx_lm's forward), and the cycle takes them at once
+    as a `Capture` (`take`). `state` is mlx_lm's."""
 
     def __init__(self, conv=None, state=None, *extra):
         super().__init__(size=2 + len(extra))
@@ -229,33 +249,45 @@ class CaptureCache(ArraysCache):
     def state(self, v):
         cache, self.left_padding, self.lengths = v
         self.cache = list(cache)
+        self._clear()
+
+    def _clear(self):
         self.capturing = False
         self.captured_states = self.captured_conv_input = self.captured_ple = None
 
-    def commit(self, window: mx.array, state: mx.array, consumed: mx.array):
+    def take(self) -> Capture:
+        """What the verify forward captured (the layer forgets it)."""
+        capture = Capture(self.captured_states, self.captured_conv_input, self.captured_ple)
+        self._clear()
+        return capture
+
+    def commit(self, window: mx.array, state: mx.array, consumed: mx.array, capture: Capture):
         """Keep the state after `consumed` [B] verify tokens: the GDN's conv
         window and state (picked by the cycle), and a PLE layer's conv window
         and n-gram context, cut from what its verify captured at the same
         place (the last S / n-1 entries of the first S+consumed / n-1+consumed)."""
         self.cache[0], self.cache[1] = window, state
-        if self.captured_ple is not None:
+        if capture.ple is not None:
             n = consumed.astype(mx.int32)[:, None]
-            for slot, full in zip((2, 3), self.captured_ple):
+            for slot, full in zip((2, 3), capture.ple):
                 width = self.cache[slot].shape[1]
                 at = n + mx.arange(width, dtype=mx.int32)
                 if full.ndim == 3:
                     at = at[..., None]
                 self.cache[slot] = mx.take_along_axis(full, at, axis=1)
-        self.capturing = False
-        self.captured_states = self.captured_conv_input = self.captured_ple = None
 
     @staticmethod
     def start(trunk: list):
-        """The next trunk forward is a verify: its GDN layers keep what `commit`
-        needs (which then clears it)."""
+        """The next trunk forward is a verify: its GDN layers capture what the
+        commit needs."""
         for c in trunk:
             if isinstance(c, CaptureCache):
                 c.capturing = True
+
+    @staticmethod
+    def take_all(trunk: list) -> List[Capture]:
+        """Every GDN layer's capture, in layer order."""
+        return [c.take() for c in trunk if isinstance(c, CaptureCache)]
 
     @classmethod
     def from_arrays_cache(cls, cache: ArraysCache) -> "CaptureCache":

@@ -173,13 +173,15 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
             messages.append({"role": "system", "content": args.system_prompt})
         messages.append({"role": "user", "content": prompt})
         kwargs = dict(args.chat_template_config or {})
-        if getattr(args, "constraint", None) is not None and tokenizer.has_thinking and (
-                "enable_thinking" not in kwargs):
-            # the grammar covers the whole output: a think block would have to follow it
-            kwargs["enable_thinking"] = False
-            print("mlx_mtp: thinking is off under --json-schema/--regex/--grammar (the output "
-                  "follows it from its first token); --chat-template-config "
-                  "'{\"enable_thinking\": true}' keeps it", file=sys.stderr)
+        if getattr(args, "constraint", None) is not None:
+            from .constraint import thinking_args
+
+            off = thinking_args(kwargs, {}, tokenizer.has_thinking)
+            if off != kwargs:
+                kwargs = off
+                print("mlx_mtp: thinking is off under --json-schema/--regex/--grammar; "
+                      "--chat-template-config '{\"enable_thinking\": true}' keeps it (the "
+                      "grammar then applies after the reasoning)", file=sys.stderr)
         prompt = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
         )

@@ -67,6 +67,84 @@ class Constraint:
         return Matcher(self, tokenizer, vocab_size)
 
 
+def check(constraint, tokenizer) -> None:
+    """One line for a constraint that is not `constrain`'s, or one without
+    the tokenizer it needs."""
+    if not isinstance(constraint, Constraint):
+        raise TypeError("constraint must be made by mlx_mtp.constrain(...), not "
+                        f"{type(constraint).__name__}")
+    if tokenizer is None:
+        raise ValueError("a constraint needs the tokenizer: pass tokenizer=")
+
+
+def row_matcher(constraint: Constraint, tokenizer, vocab_size: int,
+                context: Sequence[int] = ()) -> "Matcher":
+    """A row's grammar for the decoder (Batch.prepare): a matcher as wide as
+    the model's logits. A prompt (`context`: its tokens, the cached ones
+    first) that leaves the model inside its think block gets the grammar
+    after the reasoning (`after_thinking`)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    check(constraint, tokenizer)
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if in_thinking(tokenizer, context):
+        constraint = after_thinking(constraint, tokenizer, vocab_size)
+    return constraint.matcher(tokenizer, vocab_size)
+
+
+# -- thinking under a grammar: one rule for the API, the CLI and the server ----------------
+# between the end of the reasoning and the answer (Qwen's templates write "\n\n")
+AFTER_THINKING = r"/\n{0,2}/"
+
+
+def thinking_args(template_args: dict, defaults: dict, has_thinking: bool) -> dict:
+    """The chat template's arguments for an output under a grammar, on a model
+    that thinks: thinking is off (`enable_thinking: false`) unless the caller
+    (or the server's --chat-template-args, `defaults`) sets `enable_thinking`.
+    A reasoning still there (asked for, or a template that always thinks) is
+    free, and the grammar applies after it (`row_matcher`)."""
+    if not has_thinking or "enable_thinking" in {**defaults, **template_args}:
+        return template_args
+    return {**template_args, "enable_thinking": False}
+
+
+def in_thinking(tokenizer, tokens: Sequence[int]) -> bool:
+    """Whether a prompt leaves the model inside its think block (mlx_lm's
+    server's rule: a think-start after the last think-end)."""
+    if not getattr(tokenizer, "has_thinking", False) or not len(tokens):
+        return False
+    tokens = list(tokens)
+    state = getattr(tokenizer, "response_initial_state", None)
+    if state is not None:
+        return state == "reasoning"
+    return tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens)
+
+
+def special_term(tokenizer, vocab_size: int, text: str) -> Optional[str]:
+    """`<[id]>`, the Lark term of `text` where the tokenizer has it as one
+    added token (llguidance treats those as special: text cannot match one,
+    a grammar must name the token), else None."""
+    llg = llg_tokenizer(tokenizer, vocab_size)
+    ids = llg.tokenize_str(text)
+    return f"<[{ids[0]}]>" if len(ids) == 1 and llg.is_special_token(ids[0]) else None
+
+
+def after_thinking(constraint: Constraint, tokenizer, vocab_size: int) -> Constraint:
+    """`constraint` after a free reasoning: the think block runs on to the
+    model's think-end, then the grammar applies."""
+    if constraint.kind in ("json_schema", "json_object"):
+        body = "body: " + json_term(json.loads(constraint.source))
+    elif constraint.kind == "regex":
+        body = "body: /" + constraint.source.replace("/", "\\/") + "/"
+    else:  # a Lark grammar: its start rule becomes the body
+        body = re.sub(r"^(\s*)start(\s*:)", r"\1body\2", constraint.source, count=1, flags=re.M)
+    end = special_term(tokenizer, vocab_size, tokenizer.think_end)
+    think = (f"think: /(?s:.*)/ {end}" if end else
+             "think[lazy]: /(?s:.*)" + re.escape(tokenizer.think_end).replace("/", "\\/") + "/")
+    return constrain(grammar=f"start: think {AFTER_THINKING} body\n{think}\n{body}\n")
+
+
 def constrain(json_schema: Any = None, *, json_object: bool = False, regex: Optional[str] = None,
               grammar: Optional[str] = None) -> Constraint:
     """A constraint for structured output; give exactly one of:

@@ -25,6 +25,11 @@ Each step is a function state -> (state, output) with nothing kept elsewhere:
                     Parked with no probe due, the loop runs depth 0's own graph
                     instead: no pair is written and the ring is dropped (a gap).
 
+A drafted cycle is three stages with typed seams between them: `propose`
+(catch up, draft) -> `Proposals`; `verify` (the trunk's forward, each GDN
+layer's `Capture` taken out of its cache) -> `Verified`; `settle` (accept,
+commit). `drafted_cycle` runs the three in one graph.
+
 Feeding mlx_lm's own caches (the prompt, the tokens a finished generation
 leaves) is `prefill.py`'s: nothing here mutates a prompt cache.
 
@@ -52,8 +57,9 @@ import mlx.core as mx
 import numpy as np
 
 from . import metal
-from .cache import CaptureCache, MTPCache
+from .cache import Capture, CaptureCache, MTPCache
 from .distributed import share
+from .constraint import apply_bitmask
 from .sampling import (Filters, SamplerArrays, accept_sampled_rows, advance_window, draft_rows,
                        is_greedy, penalize_rows, sample_rows, split_rows)
 
@@ -162,6 +168,26 @@ class DecodeState:
                   else mx.concatenate([getattr(a, n), getattr(b, n)]) for n in a._rows()}
         return DecodeState(MTPCache.concat(a.cache, b.cache), ring_n=a.ring_n,
                            sampling=SamplerArrays.concat(a.sampling, b.sampling), **joined)
+
+
+@dataclass
+class Guidance:
+    """What the rows' grammars say before a cycle (constrained batches; a row
+    without a grammar allows everything): the tokens allowed at the next
+    position, which both the draft d1 and the verify's first position are
+    sampled at, and the drafts the grammar forces (each the only token its
+    position allows), which take the head's place."""
+
+    first: mx.array  # [B, W] int32: packed mask (-1: every token)
+    forced: Optional[mx.array] = None  # [B, k] int32: forced drafts, -1 where the head drafts
+    forced_all: bool = False  # every row's k drafts forced: the head does not draft (static)
+
+    def tree(self) -> dict:
+        return {"first": self.first, "forced": self.forced}
+
+    @classmethod
+    def from_tree(cls, tree: dict, forced_all: bool) -> "Guidance":
+        return cls(tree["first"], tree["forced"], forced_all)
 
 
 @dataclass
@@ -280,12 +306,13 @@ def _gather_rows(model, ids: mx.array) -> dict:
 
 # -- shared pieces ---------------------------------------------------------------------
 def _logprobs(spec: Spec, logits: mx.array, state: DecodeState, history: Optional[list],
-              tokens: mx.array, offset: int = 0) -> mx.array:
+              tokens: mx.array, offset: int = 0, words: Optional[mx.array] = None) -> mx.array:
     """Log-probs [B, T, V] of logits [B, T, V], with each row's logit bias and
     penalties, processed as plain decoding would at each position: row b's
     processors see its history + tokens[b, : offset + i + 1] at position i
     (history: per row, (processors, token history) or None; rows without
-    processors untouched)."""
+    processors untouched), then each row's grammar mask at each position
+    (words [B, T, W] packed, -1: every token), last, as a masking processor."""
     if state.sampling.bias is not None:
         logits = logits + state.sampling.bias[:, None].astype(logits.dtype)
     if state.window is not None:
@@ -306,6 +333,8 @@ def _logprobs(spec: Spec, logits: mx.array, state: DecodeState, history: Optiona
                 row = mx.stack(cols, axis=1)
             rows.append(row)
         logits = mx.concatenate(rows)
+    if words is not None:
+        logits = apply_bitmask(logits, words)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
@@ -342,7 +371,7 @@ def head_forward(model, hidden: mx.array, tokens: mx.array, cache: list) -> mx.a
 
 
 def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, history,
-                    drafts: list) -> mx.array:
+                    drafts: list, words: Optional[mx.array] = None) -> mx.array:
     """The head's processed log-probs [B, V] at hidden g [B, 1, H]. With a
     trimmed draft vocabulary only its rows are projected (the rest get -inf:
     q = 0 there, still exact since Leviathan–Chen's residual covers them)."""
@@ -361,32 +390,53 @@ def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, hist
         logits[:, aux["vocab"]] = sub
     seen = mx.stack(drafts, axis=1) if drafts else mx.zeros((g.shape[0], 0), mx.int32)
     tokens = mx.concatenate([state.y[:, None], seen], axis=1)
-    return _logprobs(spec, logits[:, None], state, history, tokens, len(drafts))[:, 0]
+    return _logprobs(spec, logits[:, None], state, history, tokens, len(drafts),
+                     None if words is None else words[:, None])[:, 0]
 
 
 def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: list, k: int,
-          keys: Optional[mx.array], history) -> Tuple[mx.array, Optional[mx.array], int]:
+          keys: Optional[mx.array], history,
+          guidance: Optional[Guidance] = None) -> Tuple[mx.array, Optional[mx.array], int]:
     """Drafts [B, k], their distributions q [B, k, V] (sampling; None when
-    greedy) and how many entries the chain added to the head's cache."""
+    greedy) and how many entries the chain added to the head's cache. Under
+    guidance, d1 is drawn from the head's distribution masked by the grammar
+    (the others unmasked: a draft the grammar refuses is rejected at its own
+    verify position), and a draft the grammar forces replaces the head's
+    (q one-hot there: Leviathan–Chen then keeps it with probability 1)."""
     model, drafter = spec.model, spec.drafter
     if drafter is not None and drafter.replaces_head:
         drafts, q = drafter.propose(aux["drafter"], state, k, None, None)
         return drafts, q, 0
+    if guidance is not None and guidance.forced_all:  # the grammar drafts alone
+        drafts = guidance.forced
+        q = (mx.arange(model.vocab_size) == drafts[..., None]).astype(mx.float32) \
+            if spec.speculative else None
+        return drafts, q, 0
     drafts, qs = [], []
     full = (spec.speculative or state.sampling.bias is not None or state.window is not None
-            or history is not None)
+            or history is not None or guidance is not None)
     for j in range(k):
         if j > 0:
             g = head_forward(model, g, drafts[-1][:, None], head_cache)
+        words = guidance.first if guidance is not None and j == 0 else None
         if spec.speculative:  # each row with its own key
-            lp = _draft_logprobs(spec, aux, state, g, history, drafts)
+            lp = _draft_logprobs(spec, aux, state, g, history, drafts, words)
             d, q = draft_rows(lp, state.sampling, spec.filters, keys[:, j])
-            qs.append(q)
         elif full:  # greedy drafts from processed logits
-            d = mx.argmax(_draft_logprobs(spec, aux, state, g, history, drafts), axis=-1)
+            d, q = mx.argmax(_draft_logprobs(spec, aux, state, g, history, drafts, words),
+                             axis=-1), None
         else:
-            d = model.draft_tokens_from_hidden(g[:, -1], aux["vocab"])
-        drafts.append(d.astype(mx.int32))
+            d, q = model.draft_tokens_from_hidden(g[:, -1], aux["vocab"]), None
+        d = d.astype(mx.int32)
+        if guidance is not None and guidance.forced is not None:
+            f = guidance.forced[:, j]
+            if q is not None:
+                one_hot = (mx.arange(q.shape[-1]) == f[:, None]).astype(q.dtype)
+                q = mx.where((f >= 0)[:, None], one_hot, q)
+            d = mx.where(f >= 0, f, d)
+        if q is not None:
+            qs.append(q)
+        drafts.append(d)
     drafts = mx.stack(drafts, axis=1)
     q = mx.stack(qs, axis=1) if qs else None
     if drafter is not None:  # replaces the proposals; the head's chain still ran
@@ -394,12 +444,12 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
     return drafts, q, k - 1
 
 
-def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
+def commit_gdn(trunk: list, captures: List[Capture], consumed: mx.array, conv_kernel: int):
     """Every GDN layer takes the state and conv window after `consumed` [B]
-    verify tokens (chosen by index on the device)."""
+    verify tokens (chosen by index on the device) from its capture."""
     gdn = [c for c in trunk if isinstance(c, CaptureCache)]
-    states = [c.captured_states for c in gdn]
-    inputs = [c.captured_conv_input for c in gdn]
+    states = [c.states for c in captures]
+    inputs = [c.conv_input for c in captures]
     if consumed.shape[0] == 1:
         picked = metal.commit(states, inputs, consumed[0], conv_kernel)
     else:  # one index per row
@@ -408,8 +458,8 @@ def commit_gdn(trunk: list, consumed: mx.array, conv_kernel: int):
         picked = [(mx.take_along_axis(ci, rows, axis=1),
                    mx.take_along_axis(st, (n - 1)[:, None, None, None, None], axis=1)[:, 0])
                   for st, ci in zip(states, inputs)]
-    for c, (window, st) in zip(gdn, picked):
-        c.commit(window, st, consumed)
+    for c, capture, (window, st) in zip(gdn, captures, picked):
+        c.commit(window, st, consumed, capture)
 
 
 def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
@@ -422,31 +472,96 @@ def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
 
 
 # -- the steps ----------------------------------------------------------------------------
-def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
-                  history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
-    """(Catch up,) draft k tokens, verify them in one trunk forward, accept, commit."""
+@dataclass
+class Proposals:
+    """What drafting leaves for the verify: k drafts per row (in the
+    vocabulary; `bad_drafts` counts those that were not), the distributions
+    they were drawn from (sampled rows), the keys the verify's acceptance and
+    the next cycle use, and how many entries the head's chain added."""
+
+    drafts: mx.array  # [B, k] int32
+    q: Optional[mx.array]  # [B, k, V]
+    bad_drafts: mx.array  # [B]
+    keys: Optional[mx.array]  # [B, k+1, 2]: the drafts' keys, then the acceptance's
+    chained: int  # a static count: part of a graph's key
+
+    def tree(self) -> dict:
+        return {"drafts": self.drafts, "q": self.q, "bad_drafts": self.bad_drafts,
+                "keys": self.keys}
+
+    @classmethod
+    def from_tree(cls, tree: dict, chained: int) -> "Proposals":
+        return cls(chained=chained, **tree)
+
+
+@dataclass
+class Verified:
+    """The trunk's forward over [y, d1..dk]: its hiddens, its raw logits (no
+    bias, penalty or mask yet) and each GDN layer's capture."""
+
+    tokens: mx.array  # [B, k+1]
+    h: mx.array  # [B, k+1, H]
+    logits: mx.array  # [B, k+1, V]
+    captures: List[Capture]
+
+    def tree(self) -> dict:
+        return {"tokens": self.tokens, "h": self.h, "logits": self.logits,
+                "captures": [c.tree() for c in self.captures]}
+
+    @classmethod
+    def from_tree(cls, tree: dict) -> "Verified":
+        return cls(tree["tokens"], tree["h"], tree["logits"],
+                   [Capture.from_tree(c) for c in tree["captures"]])
+
+
+def propose(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
+            history: Optional[list] = None,
+            guidance: Optional[Guidance] = None) -> Tuple[DecodeState, Proposals]:
+    """(Catch the head up,) draft k tokens. The state returned holds the
+    head's cache after its chain and the next cycle's key."""
     model = spec.model
     cache = state.cache.copy()
     key, keys = state.key, None
     if spec.speculative:  # per row: k draft keys and one for the acceptance
         split = split_rows(state.key, k + 2)
         key, keys = split[:, 0], split[:, 1:]
-
-    # 0. the head takes the pairs it missed while the batch decoded plainly
+    # the head takes the pairs it missed while the batch decoded plainly
     g = catch_up_ring(model, state, cache.head) if catch_up else state.g
-
-    # 1. draft
-    drafts, q, chained = draft(spec, aux, state, g, cache.head, k, keys, history)
+    drafts, q, chained = draft(spec, aux, state, g, cache.head, k, keys, history, guidance)
     drafts, bad_drafts = in_vocab(spec.verified_drafts(drafts), model.vocab_size)
+    new = state.replace(cache=cache, key=key)
+    if catch_up:
+        new = new.replace(ring_n=mx.zeros_like(state.ring_n))
+    return new, Proposals(drafts, q, bad_drafts, keys, chained)
 
-    # 2. verify [y, d1..dk] in one trunk forward, capturing GDN states
-    tokens = mx.concatenate([state.y[:, None], drafts], axis=1)  # [B, k+1]
+
+def verify(spec: Spec, state: DecodeState, proposals: Proposals) -> Tuple[DecodeState, Verified]:
+    """The trunk over [y, d1..dk] in one forward, every GDN layer capturing
+    its state after each position."""
+    model = spec.model
+    cache = state.cache.copy()
+    tokens = mx.concatenate([state.y[:, None], proposals.drafts], axis=1)  # [B, k+1]
     CaptureCache.start(cache.trunk)
     h = model.trunk_hidden(tokens, cache.trunk)  # [B, k+1, H]
-    drafts = spec.verified_drafts(drafts, h)
-    logprobs = _logprobs(spec, model.logits_from_hidden(h), state, history, tokens)
+    captures = CaptureCache.take_all(cache.trunk)
+    return state.replace(cache=cache), Verified(tokens, h, model.logits_from_hidden(h), captures)
 
-    # 3. accept: `accepted` drafts, then out[accepted] after them
+
+def settle(spec: Spec, state: DecodeState, proposals: Proposals, verified: Verified,
+           history: Optional[list] = None,
+           words: Optional[mx.array] = None) -> Tuple[DecodeState, StepOutput]:
+    """Accept drafts against the verify's distributions (masked by `words`
+    [B, k+1, W], the rows' grammars after each draft prefix), then commit:
+    the trunk keeps [y, d1..da]; the head drops its drafting entries and is
+    rewritten from the trunk's verified hiddens paired with the emitted
+    tokens, which yields the next cycle's hidden. Emits a+1 tokens."""
+    model, k = spec.model, proposals.drafts.shape[1]
+    cache = state.cache.copy()
+    tokens, keys = verified.tokens, proposals.keys
+    drafts = spec.verified_drafts(proposals.drafts, verified.h)
+    logprobs = _logprobs(spec, verified.logits, state, history, tokens, words=words)
+
+    # accept: `accepted` drafts, then out[accepted] after them
     if spec.sampler is not None:  # opaque: keep drafts while they equal its choice
         out = _sample_opaque(spec.sampler, logprobs)  # [B, k+1]
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
@@ -454,42 +569,49 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
         out = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
         if spec.filters.sampled:  # sampled rows by Leviathan–Chen
-            accepted, out = accept_sampled_rows(logprobs, q, drafts, state.sampling,
+            accepted, out = accept_sampled_rows(logprobs, proposals.q, drafts, state.sampling,
                                                 spec.filters, keys[:, k], accepted, out)
     packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
     accepted, raw = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
     out, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
 
-    # 4. commit: the trunk keeps [y, d1..da]; the head drops its drafting
-    #    entries and is rewritten from the trunk's verified hiddens paired
-    #    with the emitted tokens, which yields the next cycle's hidden
-    commit_gdn(cache.trunk, accepted + 1, model.text_args.linear_conv_kernel_dim)
+    # commit
+    commit_gdn(cache.trunk, verified.captures, accepted + 1,
+               model.text_args.linear_conv_kernel_dim)
     for c in cache.trunk:
         if not isinstance(c, CaptureCache):  # attention: KV (and a family's other KV) by length
             c.trim(k - accepted)
     for c in cache.head:
-        c.trim(chained)
-    G = head_forward(model, h, out, cache.head)  # [B, k+1, H]
+        c.trim(proposals.chained)
+    G = head_forward(model, verified.h, out, cache.head)  # [B, k+1, H]
     for c in cache.head:
         c.trim(k - accepted)
     new = state.replace(cache=cache, y=mx.take_along_axis(out, accepted[:, None], axis=1)[:, 0],
                         emitted=state.emitted + accepted + 1,
-                        g=mx.take_along_axis(G, accepted[:, None, None], axis=1), key=key)
+                        g=mx.take_along_axis(G, accepted[:, None, None], axis=1))
     if state.window is not None:
         new = new.replace(window=advance_window(state.window, tokens, accepted + 1))
-    if catch_up:
-        new = new.replace(ring_n=mx.zeros_like(state.ring_n))
-    return new, StepOutput(_pack(accepted, raw, out, logprobs, bad_drafts), logprobs)
+    return new, StepOutput(_pack(accepted, raw, out, logprobs, proposals.bad_drafts), logprobs)
 
 
-def plain_step(spec: Spec, aux: dict, state: DecodeState,
-               history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
+def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
+                  history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
+    """(Catch up,) draft k tokens, verify them in one trunk forward, accept,
+    commit: the three stages in one graph."""
+    state, proposals = propose(spec, aux, state, k, catch_up, history)
+    state, verified = verify(spec, state, proposals)
+    return settle(spec, state, proposals, verified, history)
+
+
+def plain_step(spec: Spec, aux: dict, state: DecodeState, history: Optional[list] = None,
+               guidance: Optional[Guidance] = None) -> Tuple[DecodeState, StepOutput]:
     """One token without drafting; the head does not run (it catches up on
     the last pair before it drafts again)."""
     model = spec.model
     cache = state.cache.copy()
     h = model.trunk_hidden(state.y[:, None], cache.trunk)  # [B, 1, H]
-    logprobs = _logprobs(spec, model.logits_from_hidden(h), state, history, state.y[:, None])
+    logprobs = _logprobs(spec, model.logits_from_hidden(h), state, history, state.y[:, None],
+                         words=None if guidance is None else guidance.first[:, None])
     key = state.key
     if spec.sampler is not None:
         y = _sample_opaque(spec.sampler, logprobs)[:, 0]
@@ -574,47 +696,89 @@ class Graphs:
     def traces(self) -> int:
         return sum(self.runtime.traces.values())
 
-    def _fn(self, k: int, catch_up: bool, layout: tuple):
-        fn = self._fns.get((k, catch_up, layout))
+    def _fn(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool = False):
+        key = (name, k, catch_up, layout, forced_all)
+        fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[(k, catch_up, layout)] = self._build(k, catch_up, layout)
+            fn = self._fns[key] = self._build(name, k, catch_up, layout, forced_all)
         return fn
 
-    def _build(self, k: int, catch_up: bool, layout: tuple):
-        name = "flush" if k < 0 else "cycle" if k else "plain"
-        key = (name, max(k, 0), catch_up, layout) + self.spec.graph_key()
+    def _build(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool):
+        """One of the graphs: "cycle" (a drafted cycle), "plain", "flush",
+        "guided-plain" (a plain step under the grammars' masks), or a guided
+        cycle's two halves, "propose" (propose and verify) and "settle",
+        between which the host reads the drafts."""
+        key = (name, k, catch_up, layout, forced_all) + self.spec.graph_key()
         # the graph keeps only what its key describes (no arrays of this call)
         spec, runtime = self.spec.static(), self.runtime
+        chained = 0 if forced_all or (spec.drafter is not None and spec.drafter.replaces_head) \
+            else k - 1
 
-        def run(tree, aux):
+        def run(tree, aux, *rest):
             runtime.traces[key] = runtime.traces.get(key, 0) + 1
             state = DecodeState.from_tree(tree, layout)
-            if k < 0:
+            guidance = Guidance.from_tree(rest[0], forced_all) \
+                if name in ("propose", "guided-plain") else None
+            if name == "flush":
                 return flush_ring(spec, aux, state).tree()
-            if k:
+            if name == "propose":
+                state, proposals = propose(spec, aux, state, k, catch_up, None, guidance)
+                state, verified = verify(spec, state, proposals)
+                return state.tree(), proposals.tree(), verified.tree()
+            if name == "settle":
+                proposals = Proposals.from_tree(rest[0], chained)
+                verified, words = Verified.from_tree(rest[1]), rest[2]
+                new, out = settle(spec, state, proposals, verified, None, words)
+            elif name == "cycle":
                 new, out = drafted_cycle(spec, aux, state, k, catch_up)
             else:
-                new, out = plain_step(spec, aux, state)
+                new, out = plain_step(spec, aux, state, None, guidance)
             return new.tree(), out.packed, out.logprobs
 
         # the weights are inputs, read at every call: a graph never runs with
         # weights the model no longer has (and keeps none alive)
         return runtime.graph(key, lambda: mx.compile(run, inputs=spec.model.state))
 
-    def step(self, state: DecodeState, k: int, catch_up: bool = False,
-             history=None) -> Tuple[DecodeState, StepOutput]:
+    def step(self, state: DecodeState, k: int, catch_up: bool = False, history=None,
+             guidance: Optional[Guidance] = None,
+             masks: Optional[Callable[[np.ndarray], mx.array]] = None
+             ) -> Tuple[DecodeState, StepOutput]:
         """A drafted cycle of depth k (catching the head up first), or a plain
-        step (k == 0)."""
-        if not (self.compiled and self.spec.compilable):
+        step (k == 0). With guidance (rows with grammars) a drafted cycle runs
+        as two graphs: propose and verify, then the host reads the drafts and
+        `masks(drafts)` gives the grammars' masks after each draft prefix
+        ([B, k+1, W]), then settle: one host round trip besides the cycle's read."""
+        compiled = self.compiled and self.spec.compilable
+        if guidance is not None and k:
+            if compiled:
+                layout = state.cache.layout
+                tree, ptree, vtree = self._fn("propose", k, catch_up, layout, guidance.forced_all)(
+                    state.tree(), self.aux, guidance.tree())
+                words = masks(np.array(ptree["drafts"]))
+                tree, packed, logprobs = self._fn("settle", k, catch_up, layout,
+                                                  guidance.forced_all)(
+                    tree, self.aux, ptree, vtree, words)
+                return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
+            state, proposals = propose(self.spec, self.aux, state, k, catch_up, history, guidance)
+            state, verified = verify(self.spec, state, proposals)
+            words = masks(np.array(proposals.drafts))
+            return settle(self.spec, state, proposals, verified, history, words)
+        if not compiled:
             if k == 0:
-                return plain_step(self.spec, self.aux, state, history)
+                return plain_step(self.spec, self.aux, state, history, guidance)
             return drafted_cycle(self.spec, self.aux, state, k, catch_up, history)
         layout = state.cache.layout
-        tree, packed, logprobs = self._fn(k, catch_up, layout)(state.tree(), self.aux)
+        if guidance is not None:  # (k == 0)
+            tree, packed, logprobs = self._fn("guided-plain", 0, False, layout)(
+                state.tree(), self.aux, guidance.tree())
+        else:
+            tree, packed, logprobs = self._fn("cycle" if k else "plain", k, catch_up, layout)(
+                state.tree(), self.aux)
         return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
 
     def flush(self, state: DecodeState) -> DecodeState:
         if not (self.compiled and self.spec.compilable):
             return flush_ring(self.spec, self.aux, state)
         layout = state.cache.layout
-        return DecodeState.from_tree(self._fn(-1, True, layout)(state.tree(), self.aux), layout)
+        return DecodeState.from_tree(self._fn("flush", 0, True, layout)(state.tree(), self.aux),
+                                     layout)

@@ -15,7 +15,7 @@ import os
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, FrozenSet, List, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, FrozenSet, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +25,9 @@ from .cache import MTPCache, fill_empty, head_caches
 from .cycle import RING, DecodeState, Spec, ring_order
 from .prefill import catch_up, feed
 from .sampling import RowSampling
+
+if TYPE_CHECKING:
+    from .constraint import Matcher
 
 
 
@@ -57,6 +60,7 @@ class MTPStats:
     emitted: int = 0
     drafted_at: List[int] = field(default_factory=list)
     accepted_at: List[int] = field(default_factory=list)
+    forced: int = 0  # drafts a grammar forced (they take the head's place)
 
     def record(self, depth: int, accepted: int):
         self.cycles += 1
@@ -72,6 +76,7 @@ class MTPStats:
         """Add another generation's counters to these (benches pool runs)."""
         self.cycles += other.cycles
         self.emitted += other.emitted
+        self.forced += other.forced
         for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
             while len(self.drafted_at) <= i:
                 self.drafted_at.append(0)
@@ -135,6 +140,7 @@ class Request:
     cached_tokens: tuple = ()  # tokens before `prompt` (cached) that the processors see first
     stop_tokens: FrozenSet[int] = frozenset()  # a row ends with the first of these
     feed_tail: bool = True  # see `Batch.finish`
+    matcher: Optional["Matcher"] = None  # the row's grammar (constraint.py), at its start
 
 
 class Finish(NamedTuple):
@@ -165,6 +171,7 @@ class Row:
     used: int = 0  # of its last read cycle's tokens, those handed out
     history: Optional[mx.array] = None  # the row's tokens (logits processors)
     bias: Optional[mx.array] = None  # [V]: its logit bias, built once
+    matcher: Optional["Matcher"] = None  # its grammar, at the tokens read so far
     done: bool = False
 
 

@@ -372,8 +372,8 @@ def test_parked_steps_run_depth_zeros_graph(loaded, monkeypatch, drafted, compil
     want = [reference(ref_model, i, 60) for i in ids]
     steps, rings = [], []
     step, catch_up_ring = cycle.Graphs.step, cycle.catch_up_ring
-    monkeypatch.setattr(cycle.Graphs, "step", lambda self, state, k, catch_up=False, history=None: (
-        steps.append((self.spec.use_head, k, catch_up)), step(self, state, k, catch_up, history))[1])
+    monkeypatch.setattr(cycle.Graphs, "step", lambda self, state, k, catch_up=False, *rest: (
+        steps.append((self.spec.use_head, k, catch_up)), step(self, state, k, catch_up, *rest))[1])
     monkeypatch.setattr(cycle, "catch_up_ring", lambda model_, state, head: (
         rings.append(state.ring_n), catch_up_ring(model_, state, head))[1])
     drafter = BigramDrafter(want, model.vocab_size) if drafted == "bigram" else None

@@ -368,6 +368,24 @@ def test_chi2_detects_wrong_q(trunk_logits, cfg, lie):
     assert chi2_pvalue(samples, joint) < ALPHA
 
 
+@pytest.mark.parametrize("cfg,k", [("rep", 2), ("top_k", 3)])
+def test_the_end_to_end_sample_size_has_power(trunk_logits, cfg, k):
+    """The power of the end-to-end χ² below, which runs 800 samples: at that
+    size, on the decoder's own acceptance kernel, it rejects the naive
+    "accept what the head sampled" bug (q claimed = p) and a drafter that
+    reports another drafter's q in at least 19 of 20 seeded runs each
+    (measured: 20 of 20, both cases, both lies)."""
+    p, joint = exact_tables(trunk_logits, cfg)
+    q = _draft_table(p, seed=3)
+    naive = sum(chi2_pvalue(simulate(p, q, k, 800, seed=s, claimed=p), joint) < ALPHA
+                for s in range(20))
+    other = _draft_table(p, seed=4)
+    subtle = sum(chi2_pvalue(simulate(p, q, k, 800, seed=s, claimed=other), joint) < ALPHA
+                 for s in range(20))
+    print(f"{cfg} depth {k}: naive bug rejected {naive}/20, another q {subtle}/20")
+    assert naive >= 19 and subtle >= 19
+
+
 def test_kernel_accept_rates():
     """q == p accepts everything; disjoint q rejects everything and the
     residual is then p itself."""
@@ -430,8 +448,9 @@ if SLOW:  # every setting at every depth
 def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     """The real decoder, with the real head's sampled drafts or with a
     DistributionDrafter whose q overlaps p (accepts and rejections): joint of
-    the first 3 tokens. 10^4 samples with MLX_MTP_SLOW_TESTS=1, else 800
-    (a sanity check; the 2·10^4-sample proofs are the kernel tests above)."""
+    the first 3 tokens. 10^4 samples with MLX_MTP_SLOW_TESTS=1, else 800, at
+    which the test has power (test_the_end_to_end_sample_size_has_power; the
+    2·10^4-sample proofs per setting are the kernel tests above)."""
     model = models[0]
     n = 10000 if SLOW else 800
     _, joint = exact_tables(trunk_logits, cfg)

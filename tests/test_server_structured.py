@@ -491,8 +491,7 @@ def test_xml_tool_calls_parse_to_valid_arguments(xml_model, choice, k):
     prompt = tok.apply_chat_template(MSGS, tools=XML_TOOLS, add_generation_prompt=True,
                                      enable_thinking=False)
     text = mlx_mtp.generate(model, tok, prompt, max_tokens=300, draft_tokens=k,
-                            constraint=structured.constraint(wanted, tok, model.vocab_size,
-                                                             "normal"))
+                            constraint=structured.constraint(wanted))
     calls = _tool_texts(tok, text)
     assert len(calls) == 1, text
     call = tok.tool_parser(calls[0], XML_TOOLS)  # mlx_lm's own parser

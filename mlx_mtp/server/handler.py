@@ -238,7 +238,7 @@ class MTPAPIHandler(APIHandler):
         wanted = structured.openai(body, mp.tokenizer, mp.model.vocab_size)
         cli = self.response_generator.cli_args
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or cli.max_tokens
-        kwargs, self.wanted = structured.thinking_for_calls(
+        kwargs, self.wanted = structured.thinking_for_grammar(
             wanted, body.get("chat_template_kwargs") or {}, cli.chat_template_args,
             mp.tokenizer.has_thinking, max_tokens)
         if kwargs:
@@ -495,7 +495,7 @@ class MTPAPIHandler(APIHandler):
         except anthropic.RequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
         max_tokens = body.get("max_tokens", 1)
-        template_args, wanted = structured.thinking_for_calls(
+        template_args, wanted = structured.thinking_for_grammar(
             structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size), template_args,
             cli.chat_template_args, mp.tokenizer.has_thinking, max_tokens,
             (body.get("thinking") or {}).get("budget_tokens"))
@@ -567,8 +567,7 @@ def constrain(request, wanted: Optional[structured.Wanted], mp):
     and a reasoning budget (a forced call's) ends it in time."""
     if wanted is not None:
         prompt, _, _, initial_state, _ = request.mtp_tokenized
-        request.mtp_constraint = structured.constraint(wanted, mp.tokenizer, mp.model.vocab_size,
-                                                       initial_state)
+        request.mtp_constraint = structured.constraint(wanted)
         if initial_state == "reasoning" and wanted.reasoning_budget is not None:
             request.mtp_reasoning_budget = structured.ReasoningBudget(
                 mp.tokenizer, len(prompt), wanted.reasoning_budget)

@@ -186,18 +186,15 @@ class _Lane:
         budget = getattr(request, "mtp_reasoning_budget", None)  # (handler.py's `constrain`)
         if budget is not None:
             processors = (*processors, budget)
-        constraint = getattr(request, "mtp_constraint", None)
-        if constraint is not None:  # structured output: the grammar's mask, last (as the API's)
-            from ..constraint import MaskingProcessor
-
-            processors = (*processors, MaskingProcessor(constraint, tokenizer))
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed,
             sampler=settings.sampling, logits_processors=processors, stats=ctx.stats,
             progress=lambda done, total: rqueue.put((n + done, n + total)),
             cached_tokens=prompt[:n],  # penalties count the cached prefix, as mlx_lm.server's
             stop_tokens=tokenizer.eos_token_ids,
-            feed_tail=False)  # the cache as it stands when the row leaves: no forward then
+            feed_tail=False,  # the cache as it stands when the row leaves: no forward then
+            # structured output: the row's grammar (handler.py's `constrain`)
+            constraint=getattr(request, "mtp_constraint", None), tokenizer=tokenizer)
         r.stops, r.snapshot = stops, snapshot
         chat = request.request_type == "chat" and tokenizer.has_chat_template
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],

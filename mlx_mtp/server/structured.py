@@ -1,9 +1,9 @@
 """Structured output in the server: OpenAI's `response_format` (json_object,
 json_schema), Anthropic's `output_config.format`, and forced tool calls
 (OpenAI's `tool_choice` "required" or a named function, Anthropic's
-{"type": "any"} / {"type": "tool"}) become one grammar per request, and its
-row's logits are masked to it (constraint.MaskingProcessor, last among the
-row's host processors: lane.py). docs/design.md, "Structured output".
+{"type": "any"} / {"type": "tool"}) become one grammar per request, which
+its row holds (Batch.prepare's constraint: lane.py). docs/design.md,
+"Structured output".
 
 `openai(body, tokenizer)` / `anthropic(body, tools, tokenizer)` read and
 check a request (ApiError 400 naming the field: a schema that is invalid or
@@ -19,9 +19,10 @@ parser reads, per the parser mlx_lm chose for the tokenizer:
 value\\n</parameter>\\n...</function>\\n</tool_call>`, each value as that
 parser converts it back (a string raw, anything else JSON). Several calls
 (OpenAI "required", Anthropic "any", unless parallel calls are off) are
-separated by a newline. Where the rendered prompt leaves the model inside
-its thinking block (mlx_lm's initial state "reasoning"), the reasoning is
-free up to the model's think-end text and the grammar applies after it.
+separated by a newline. Thinking follows the one rule of
+`constraint.thinking_args` (off unless asked for); where the rendered prompt
+still leaves the model inside its thinking block, the reasoning is free up
+to the model's think-end and the grammar applies after it (`row_matcher`).
 """
 
 from __future__ import annotations
@@ -33,20 +34,19 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..constraint import Constraint, constrain, json_term, llg_tokenizer, schema_dict
+from ..constraint import (Constraint, constrain, json_term, schema_dict, special_term,
+                          thinking_args)
 from ..mlx_lm_compat import tool_call_format
 from .schemas import ApiError
 
 # mlx_lm's tool parsers whose calls can be constrained (`tool_call_format`)
 TOOL_FORMATS = ("json_tools", "qwen3_coder")
-# between the end of the reasoning and the answer (Qwen's templates write "\n\n")
-AFTER_THINKING = r"/\n{0,2}/"
 
 
 class ReasoningBudget:
     """An mlx_lm logits processor that ends a reasoning once `budget` tokens
     were generated: from there only the think-end's tokens are allowed, in
-    turn, until they are written (`thinking_for_calls`; the grammar's think
+    turn, until they are written (`thinking_for_grammar`; the grammar's think
     rule ends there). It reads the history alone, as the grammar's
     MaskingProcessor does, so speculative decoding under it stays exact
     (llguidance's own max_tokens= rules cannot roll back)."""
@@ -72,7 +72,7 @@ class Wanted:
     Lark rules of a JSON answer (response_format) or None; `calls`, those of
     its tool calls or None; `forced`: calls only (else either);
     `reasoning_budget`: the tokens a reasoning before them may take (None:
-    unbounded; `thinking_for_calls`)."""
+    unbounded; `thinking_for_grammar`)."""
 
     answer: Optional[str] = None
     calls: Optional[str] = None
@@ -190,21 +190,21 @@ def anthropic(body: dict, tools: Optional[Sequence[dict]], tokenizer,
     return Wanted(answer=None if forced else answer, calls=calls, forced=forced)
 
 
-def thinking_for_calls(wanted: Optional[Wanted], template_args: dict, defaults: dict,
-                       has_thinking: bool, max_tokens: int,
-                       budget: Optional[int] = None) -> Tuple[dict, Optional[Wanted]]:
-    """(chat template arguments, what the output must be) of a request whose
-    call is forced, on a model that thinks: a reasoning could take all of
-    max_tokens and leave no call. Thinking is off (`enable_thinking: false`
-    to the template) unless the request, or the server's
-    --chat-template-args, sets `enable_thinking`; a reasoning still left
-    (asked for, or a template that thinks regardless) gets `budget` tokens
-    (Anthropic's `thinking.budget_tokens`; else half of max_tokens), then it
-    is ended (`ReasoningBudget`) and the call follows."""
-    if wanted is None or not wanted.forced or not has_thinking:
+def thinking_for_grammar(wanted: Optional[Wanted], template_args: dict, defaults: dict,
+                         has_thinking: bool, max_tokens: int,
+                         budget: Optional[int] = None) -> Tuple[dict, Optional[Wanted]]:
+    """(chat template arguments, what the output must be) of a request with a
+    grammar, on a model that thinks: thinking is off unless asked for, the
+    rule the API and the CLI follow too (`constraint.thinking_args`); a
+    reasoning still left runs free before the grammar. A forced call's
+    reasoning gets `budget` tokens (Anthropic's `thinking.budget_tokens`;
+    else half of max_tokens), then it is ended (`ReasoningBudget`) and the
+    call follows: a reasoning could otherwise take all of max_tokens."""
+    if wanted is None or not has_thinking:
         return template_args, wanted
-    if "enable_thinking" not in {**defaults, **template_args}:
-        template_args = {**template_args, "enable_thinking": False}
+    template_args = thinking_args(template_args, defaults, has_thinking)
+    if not wanted.forced:
+        return template_args, wanted
     return template_args, replace(wanted, reasoning_budget=budget or max(1, max_tokens // 2))
 
 
@@ -221,23 +221,15 @@ def check_forced(what: str, has_tools: bool, tool_calling: bool, param: str):
 
 
 # -- the grammar ------------------------------------------------------------------------------
-def constraint(wanted: Wanted, tokenizer, vocab_size: int, initial_state: str) -> Constraint:
-    """The request's grammar, for a prompt that leaves the model in
-    `initial_state` (mlx_lm's: "reasoning" inside a think block)."""
+def constraint(wanted: Wanted) -> Constraint:
+    """The request's grammar (where its prompt leaves the model thinking, the
+    row's matcher starts it after the reasoning: `constraint.row_matcher`)."""
     if wanted.forced:
         body = "calls"
     else:
         body = " | ".join(name for name, rules in (("answer", wanted.answer),
                                                    ("calls", wanted.calls)) if rules)
-    lines = []
-    if initial_state == "reasoning" and tokenizer.has_thinking:
-        end = _Markers(tokenizer, vocab_size).token(tokenizer.think_end)
-        lines += [f"start: think {AFTER_THINKING} ({body})",
-                  f"think: /(?s:.*)/ {end}" if end else
-                  f"think[lazy]: /(?s:.*){_regex(tokenizer.think_end)}/"]
-    else:
-        lines.append(f"start: {body}")
-    grammar = "\n".join(lines) + "\n" + (wanted.answer or "") + (wanted.calls or "")
+    grammar = f"start: {body}\n" + (wanted.answer or "") + (wanted.calls or "")
     try:
         return constrain(grammar=grammar)
     except ValueError as e:  # (each part compiled on its own already: not the request's fault)
@@ -404,25 +396,14 @@ class _Markers:
     the model writes it so), since text cannot match it."""
 
     def __init__(self, tokenizer, vocab_size: int):
-        self.llg = llg_tokenizer(tokenizer, vocab_size)
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
 
     def token(self, text: str) -> Optional[str]:
         """`<[id]>` when `text` is one special token, else None."""
-        ids = self.llg.tokenize_str(text)
-        if len(ids) == 1 and self.llg.is_special_token(ids[0]):
-            return f"<[{ids[0]}]>"
-        return None
+        return special_term(self.tokenizer, self.vocab_size, text)
 
     def literal(self, text: str) -> str:
         return self.token(text) or _literal(text)
-
-
-_REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
-
-
-def _regex(text: str) -> str:
-    """`text` as a literal inside a Lark /regex/ (Rust syntax; '/' escaped)."""
-    return "".join("\\n" if c == "\n" else "\\" + c if c in _REGEX_SPECIAL else c for c in text)
 
 
 def _short(value) -> str:
