@@ -31,7 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import checks
-from .cache import cache_length, check_prompt_cache, entry_length, head_caches
+from .cache import cache_length, check_model_cache, entry_length, head_caches
 from .cycle import RING, DecodeState, Graphs, Guidance, Spec, init_ring, is_host_side, unpack
 from .depth import DepthController, cost_sample
 from .distributed import agree, first_stage, trunk_length
@@ -199,9 +199,7 @@ class Batch:
         keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
         if prompt_cache is None:
             prompt_cache = model.make_cache()
-        head_layers = len(model.mtp.layers) if model.has_mtp else 0
-        check_prompt_cache(prompt_cache, model.is_linear, head_layers, model.make_cache(),
-                           model.mtp.make_cache() if head_layers else None)
+        check_model_cache(prompt_cache, model)
         context = getattr(model.text_args, "max_position_embeddings", None)
         checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
                              id(model))

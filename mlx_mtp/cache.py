@@ -559,6 +559,13 @@ def check_prompt_cache(prompt_cache: list, is_linear: List[bool], head_layers: i
     return prompt_cache
 
 
+def check_model_cache(prompt_cache: list, model) -> list:
+    """`check_prompt_cache` against a loaded model's own kinds of cache."""
+    head_layers = len(model.mtp.layers) if model.has_mtp else 0
+    return check_prompt_cache(prompt_cache, model.is_linear, head_layers, model.make_cache(),
+                              model.mtp.make_cache() if head_layers else None)
+
+
 def fill_empty(prompt_cache: list, model, n_layers: int):
     """Give the first n_layers entries of a prompt cache that never saw a token
     empty arrays of the shapes and dtypes mlx_lm's layers give them (KV with

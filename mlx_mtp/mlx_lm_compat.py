@@ -62,6 +62,11 @@ from mlx_lm.models.cache import _BaseCache as BaseCache  # noqa: F401
 # LRUPromptCache(max_size, max_bytes): fetch_nearest_cache(key, tokens) ->
 # (cache copy or None, tokens left); insert_cache(key, tokens, cache, cache_type=)
 from mlx_lm.models.cache import LRUPromptCache  # noqa: F401
+# save_prompt_cache(file, cache, metadata) / load_prompt_cache(file): a prompt
+# cache as safetensors, each object rebuilt from its class name and `state`
+# (KVCache's: keys, values, offset); the metadata dict is stored flattened
+# under "0.<key>" (server/prompt_store.py reads it from the header)
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache  # noqa: F401
 # PipelineMixin: pipeline(group) sets start_idx / end_idx over `layers`
 from mlx_lm.models.pipeline import PipelineMixin  # noqa: F401
 # the sampler's steps, for the MTP sampler to run them in mlx_lm's order
@@ -220,6 +225,10 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.cache:LRUPromptCache.fetch_nearest_cache", ("self", "model", "tokens")),
     Need("mlx_lm.models.cache:LRUPromptCache.insert_cache",
          ("self", "model", "tokens", "prompt_cache", "cache_type")),
+    Need("mlx_lm.models.cache:save_prompt_cache", ("file_name", "cache", "metadata")),
+    Need("mlx_lm.models.cache:load_prompt_cache", ("file_name", "return_metadata")),
+    Need("mlx_lm.models.cache:KVCache.state", why="(keys, values, offset): prompt_store.py "
+         "saves keys and values cut to the offset"),
     Need("mlx_lm.models.pipeline:PipelineMixin.pipeline", ("self", "group")),
     # imported where they are used: by the kernels' references (metal/) and
     # launcher, the training's chunked GDN, and models/qwen4_exp.py, an mlx_lm

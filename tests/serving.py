@@ -137,6 +137,16 @@ def greedy_ids(server, req, path="/v1/chat/completions"):
     return [t["id"] for t in choice["logprobs"]["content"]], text, body["usage"]
 
 
+def greedy_until_eos(model, prompt, max_tokens, eos):
+    """Plain greedy decoding's tokens (mlx_lm's generate_step, no prompt
+    cache), through the first EOS."""
+    from util import reference
+
+    want = reference(model, prompt, max_tokens)
+    stop = next((i for i, t in enumerate(want) if t in eos), None)
+    return want if stop is None else want[:stop + 1]
+
+
 def proc_status(pid: int, field: str) -> int:
     """A field of /proc/PID/status in bytes (VmRSS, VmHWM) or as a count (Threads)."""
     with open(f"/proc/{pid}/status") as f:

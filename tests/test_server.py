@@ -21,7 +21,7 @@ requests = pytest.importorskip("requests")
 
 from mlx_mtp.loader import demo_model_path  # noqa: E402
 from serving import (LONG_MESSAGES, Server, chat_text, cut_at_stop,  # noqa: E402
-                     greedy_ids, stopped_chat_text)
+                     greedy_ids, greedy_until_eos, stopped_chat_text)
 
 DEMO = str(demo_model_path())
 
@@ -297,7 +297,8 @@ def test_anthropic_messages(mtp):
     if stopped.stop_reason == "stop_sequence":
         assert stopped.stop_sequence == "\n"
     count = client.messages.count_tokens(model="mlx-mtp-demo", messages=msgs)
-    assert count.input_tokens == r.usage.input_tokens + r.usage.cache_read_input_tokens
+    assert count.input_tokens == (r.usage.input_tokens + r.usage.cache_read_input_tokens
+                                  + r.usage.cache_creation_input_tokens)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="mlx-mtp-demo", max_tokens=0, messages=msgs)
 
@@ -325,7 +326,7 @@ def test_anthropic_conversion_of_tools_and_system():
     assert template == {"enable_thinking": False}
     from mlx_mtp.server.answer import Part, ToolCall, finish
 
-    msg = am.Message("m", 10, 4)
+    msg = am.Message("m", 10, 4, 5)
     for part in [Part("reasoning", "hmm"), Part("text", "ok "),
                  Part("calls", calls=(ToolCall("weather", {"c": 1}),))]:
         msg.feed(part)
@@ -334,6 +335,7 @@ def test_anthropic_conversion_of_tools_and_system():
     assert [b["type"] for b in r["content"]] == ["thinking", "text", "tool_use"]
     assert r["content"][2]["input"] == {"c": 1}
     assert r["stop_reason"] == "tool_use" and r["usage"]["cache_read_input_tokens"] == 4
+    assert r["usage"]["cache_creation_input_tokens"] == 5 and r["usage"]["input_tokens"] == 1
 
 
 # -- access and load ---------------------------------------------------------------------
@@ -407,15 +409,6 @@ def test_draft_model_folder(tmp_path):
 
 
 # -- qwen4_exp ---------------------------------------------------------------------------
-def _greedy_until_eos(model, prompt, max_tokens, eos):
-    """Plain greedy decoding's tokens (mlx_lm's generate_step), through the first EOS."""
-    from util import reference
-
-    want = reference(model, prompt, max_tokens)
-    stop = next((i for i, t in enumerate(want) if t in eos), None)
-    return want if stop is None else want[:stop + 1]
-
-
 def test_qwen4_exp_concurrent_greedy_equals_in_process(tmp_path):
     """A qwen4_exp model served (its rows prefill one at a time, then decode
     together, every draft verified and rolled back): four concurrent greedy
@@ -446,7 +439,7 @@ def test_qwen4_exp_concurrent_greedy_equals_in_process(tmp_path):
     for r, (ids, text, usage) in zip(reqs + [dict(messages=second, max_tokens=16)], got + [turn2]):
         prompt = tok.apply_chat_template(r["messages"], add_generation_prompt=True)
         assert usage["prompt_tokens"] == len(prompt)
-        assert ids == _greedy_until_eos(model, prompt, r["max_tokens"], eos), r["messages"][-1]
+        assert ids == greedy_until_eos(model, prompt, r["max_tokens"], eos), r["messages"][-1]
         assert text == mlx_mtp.generate(model, tok, prompt, max_tokens=r["max_tokens"])
         assert usage["mtp"]["drafted"] > 0
     assert len({ids[0] for ids, _, _ in got}) == len(reqs) and got[3][0][-1] in eos

@@ -18,18 +18,18 @@ MAX_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def generator():
-    from mlx_mtp.mlx_lm_compat import LRUPromptCache
     from mlx_mtp.server.cli import parse_args
     from mlx_mtp.server.generation import MTPModelProvider, MTPResponseGenerator
+    from mlx_mtp.server.prompt_store import TieredPromptCache
 
-    class Recording(LRUPromptCache):
+    class Recording(TieredPromptCache):
         """The prefix cache, each stored key kept (`inserted`)."""
 
         inserted: list = []
 
-        def insert_cache(self, model, tokens, prompt_cache, cache_type="assistant"):
+        def insert_cache(self, model, tokens, prompt_cache, **kw):
             self.inserted.append(list(tokens))
-            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            return super().insert_cache(model, tokens, prompt_cache, **kw)
 
     args = parse_args(["--model", str(demo_model_path())])
     args.num_draft_tokens = None  # (as server/cli.py's main sets it)

@@ -13,8 +13,10 @@ with three subclasses:
   rows join and leave between cycles, each sampling with its own settings;
   a request differing in what a batch shares waits for it to drain),
   with a prefix cache: mlx_lm's `LRUPromptCache`, bounded by entries and
-  bytes, with snapshots where a recurrent state can be restored exactly (the end of the
-  system prompt, of the last user message, of the prompt, of each answer);
+  bytes, over a folder on disk (`--prompt-cache-dir`, prompt_store.py),
+  with snapshots where a recurrent state can be restored exactly (the end
+  of the system prompt, of the last user message, of the prompt, of each
+  answer, and a chat's next-turn prefix, prefilled after its answer);
   GDN states cannot be trimmed, so only an exact stored prefix is ever reused;
 - `MTPAPIHandler` checks requests before mlx_lm's handler sees them (route
   and method, API key, the body's size before it is read and its upload's
@@ -41,7 +43,8 @@ The package, module by module: `schemas.py` (request schemas, validation,
 `lane.py` (the batch requests decode in), `stops.py` (stop strings on the
 text), `answer.py` (what an answer says and how it ended, for both APIs),
 `structured.py` (grammars, forced calls), `handler.py` (HTTP), `logprobs.py`
-(OpenAI's logprobs shape), `cli.py` (flags and `main`); `python -m
+(OpenAI's logprobs shape), `prompt_store.py` (the prefix cache's disk tier),
+`cli.py` (flags and `main`); `python -m
 mlx_mtp.server` runs `__main__.py`.
 """
 

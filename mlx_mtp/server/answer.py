@@ -85,6 +85,7 @@ class Answer:
         self.tokens = 0  # responses fed: the generated tokens
         self.calls = 0  # tool calls read
         self.ended: Optional[str] = None
+        self._said: List[Part] = []  # every part so far (`message`)
 
     def feed(self, response) -> List[Part]:
         self.tokens += 1
@@ -103,7 +104,26 @@ class Answer:
             self.ended = response.finish_reason
             if self._call_text is not None:  # a block left open (cut off, or no end marker)
                 parts.append(self._read_call(closed=False))
-        return _merged(parts)
+        parts = _merged(parts)
+        self._said += parts
+        return parts
+
+    def message(self) -> dict:
+        """The answer as the assistant message a client sends back with its
+        next turn (the chat template's input: text, reasoning as
+        `reasoning_content`, calls with their arguments parsed, as mlx_lm's
+        server hands a request's calls to the template)."""
+        said = _merged(self._said)
+        msg = {"role": "assistant",
+               "content": "".join(p.text for p in said if p.kind == "text")}
+        reasoning = "".join(p.text for p in said if p.kind == "reasoning")
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        calls = [c for p in said if p.kind == "calls" for c in p.calls]
+        if calls:
+            msg["tool_calls"] = [{"type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in calls]
+        return msg
 
     def finish(self) -> Finish:
         return finish(self.ended or "stop", self._ctx.stop_sequence, self.calls > 0)

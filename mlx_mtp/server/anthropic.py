@@ -172,12 +172,15 @@ class Message:
     reasoning, text, tool calls), as one response or as its stream of
     events: events() returns those so far, response() the whole message."""
 
-    def __init__(self, model: str, input_tokens: int, cached_tokens: int):
+    def __init__(self, model: str, input_tokens: int, cached_tokens: int, created_tokens: int):
+        """input_tokens: the prompt's; of them `cached_tokens` were read from
+        the prefix cache and `created_tokens` stored in it (Anthropic counts
+        the three apart: input_tokens is the rest)."""
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
-        self.usage = {"input_tokens": input_tokens - cached_tokens, "output_tokens": 0,
-                      "cache_read_input_tokens": cached_tokens,
-                      "cache_creation_input_tokens": 0}
+        self.usage = {"input_tokens": input_tokens - cached_tokens - created_tokens,
+                      "output_tokens": 0, "cache_read_input_tokens": cached_tokens,
+                      "cache_creation_input_tokens": created_tokens}
         self.blocks: List[dict] = []
         self._open: Optional[str] = None  # kind of the block being streamed
         self._events: List[Tuple[str, dict]] = []
@@ -252,7 +255,7 @@ class Message:
             ("message_delta", {"type": "message_delta",
                                "delta": {"stop_reason": self.stop_reason,
                                          "stop_sequence": self.stop_sequence},
-                               "usage": {"output_tokens": output_tokens}}),
+                               "usage": dict(self.usage)}),
             ("message_stop", {"type": "message_stop"})]
 
     def _message(self, stop_reason, stop_sequence) -> dict:

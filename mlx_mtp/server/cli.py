@@ -18,9 +18,10 @@ import mlx.core as mx
 
 from .. import checks, params
 from ..loader import CheckpointError
-from ..mlx_lm_compat import LRUPromptCache, parse_size, run_http_server
+from ..mlx_lm_compat import parse_size, run_http_server
 from .generation import MTPModelProvider, MTPResponseGenerator
 from .handler import MTPAPIHandler, _HTTPServer
+from .prompt_store import DiskTier, TieredPromptCache, default_disk_bytes, model_fingerprint
 
 
 # mlx_lm.server's flags for what mlx_mtp does not do (params.UNSUPPORTED says why)
@@ -70,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt cache entries kept (least recently used dropped first)")
     p.add_argument("--prompt-cache-bytes", type=size("--prompt-cache-bytes"), default=None,
                    help="prompt cache size limit, e.g. 8GB")
+    p.add_argument("--prompt-cache-dir", type=str, default=None, metavar="DIR",
+                   help="keep prompt caches on disk too, in this folder: a long prefix (an "
+                        "agent's system prompt and tools, a conversation so far) is not "
+                        "prefilled again after a restart; servers of any model may share it")
+    p.add_argument("--prompt-cache-disk-bytes", type=size("--prompt-cache-disk-bytes", auto=True),
+                   default=None, metavar="SIZE",
+                   help="the most the --prompt-cache-dir folder holds, least recently used "
+                        "entries removed first, e.g. 20GB (default 'auto': 32 GiB, or half the "
+                        "disk's free space if less)")
     p.add_argument("--prompt-snapshots", choices=["segments", "end"], default="segments",
                    help="cache snapshots at message boundaries too (default), or only after "
                         "each answer")
@@ -149,6 +159,7 @@ def _follow(signum, frame):
 
 
 RANK_GRACE_S = 30
+DISK_FLUSH_S = 30  # at a shutdown, seconds the prompt cache's queued entries get to be written
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -200,7 +211,17 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {where}{e}", file=sys.stderr)
         return _exit(2)
-    cache = LRUPromptCache(args.prompt_cache_size, args.prompt_cache_bytes or 1 << 62)
+    disk = None
+    if args.prompt_cache_dir is not None:
+        try:
+            disk = DiskTier(args.prompt_cache_dir, args.prompt_cache_disk_bytes or
+                            default_disk_bytes(args.prompt_cache_dir),
+                            model_fingerprint(provider.model), provider.check_cache)
+        except OSError as e:
+            print(f"error: {where}--prompt-cache-dir {args.prompt_cache_dir}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            return _exit(2)
+    cache = TieredPromptCache(args.prompt_cache_size, args.prompt_cache_bytes or 1 << 62, disk)
     # (SIGINT is ignored in background jobs: set it, like SIGTERM, before the
     # generation thread starts, so no signal finds the process unprepared)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -224,6 +245,8 @@ def main(argv=None) -> int:
         generator.stop_and_join()
     except KeyboardInterrupt:  # before serving began
         generator.stop_and_join()
+    if disk is not None:  # entries still queued are written (a killed server loses them, whole)
+        disk.close(timeout=DISK_FLUSH_S)
     logging.info("stopped")
     if rank is not None and generator._generation_failed:  # sharded: a rank was lost
         code = 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import copy
 import gc
 import itertools
 import logging
@@ -19,10 +20,11 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..cache import cache_length, check_model_cache
 from ..checks import depth as parse_depth
 from ..distributed import sharded_load
 from ..loader import load
-from ..mlx_lm_compat import ModelProvider, ResponseGenerator, generation_stream
+from ..mlx_lm_compat import CompletionRequest, ModelProvider, ResponseGenerator, generation_stream
 from .lane import _Lane, _Settings
 from .logprobs import TokenText
 from .schemas import ApiError, most_chars, prompt_chars, shutdown_error
@@ -92,10 +94,23 @@ class MTPModelProvider(ModelProvider):
         # may spell them), bounding a prompt's tokens from below by its length
         self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab())))
         self.token_text = TokenText(tokenizer)  # logprobs' token texts and bytes
+        # the tokenizer's added tokens (a chat template's markers): text never
+        # merges across them, so a rendered prefix ending in one is final
+        self.marker_ids = frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
         # structured output's tokenizer (llguidance walks the vocabulary: seconds at
         # 248K tokens), built in the background rather than on the first request
         threading.Thread(target=_warm_structured, args=(tokenizer, model.vocab_size),
                          daemon=True, name="mlx_mtp-llguidance").start()
+
+    def check_cache(self, prompt_cache: list, length: int):
+        """Raises unless a prompt cache (read from disk) is of this model's
+        kinds and its trunk holds `length` tokens (on a rank whose layers
+        are all GDN, which count no tokens, only its kinds are checked)."""
+        model = self.model
+        check_model_cache(prompt_cache, model)
+        held = cache_length(prompt_cache, model.is_linear)
+        if held != length and not all(model.is_linear):
+            raise ValueError(f"it holds {held} tokens, not {length}")
 
     @property
     def context_length(self) -> int:
@@ -124,6 +139,21 @@ def _warm_structured(tokenizer, vocab_size: int):
 
 
 # -- generation ---------------------------------------------------------------------------------
+class Slot:
+    """A request's place among those generated or waiting: given back once
+    its generation ended (`release`, once), before its answer is written, so
+    a client that sends its next request as soon as it reads the answer (an
+    agent) finds the place free."""
+
+    def __init__(self, slots: threading.Semaphore):
+        self._slots, self._held = slots, True
+
+    def release(self):
+        if self._held:
+            self._held = False
+            self._slots.release()
+
+
 class MTPResponseGenerator(ResponseGenerator):
     """mlx_lm's generation thread, decoding requests in MTP batches (`_Lane`)."""
 
@@ -200,14 +230,16 @@ class MTPResponseGenerator(ResponseGenerator):
 
     @contextlib.contextmanager
     def slot(self):
-        """One of the requests being answered or waiting; 503 past the bound."""
+        """One of the requests being generated or waiting (a `Slot`); 503
+        past the bound."""
         if not self._slots.acquire(blocking=False):
             raise ApiError(503, "the server is busy: too many requests are waiting; retry "
                                 "later", kind="server_error", code="overloaded")
+        held = Slot(self._slots)
         try:
-            yield
+            yield held
         finally:
-            self._slots.release()
+            held.release()
 
     def preflight(self, request, chat_template_kwargs, max_tokens: int) -> list:
         """Checks made in the request's own thread before it is queued: the
@@ -255,6 +287,32 @@ class MTPResponseGenerator(ResponseGenerator):
     def _depth(self, args):
         return self.cli_args.draft_tokens if args.num_draft_tokens is None else \
             parse_depth(args.num_draft_tokens)
+
+    def next_turn_prefix(self, request, args, answer: dict) -> Optional[list]:
+        """The tokens every next turn of a chat starts with: its messages, its
+        answer (`answer`, the assistant message its client sends back) and a
+        next message (a tool's result after calls, else the user's), rendered
+        as a request is (`_tokenize`) with two different next messages; their
+        common tokens, up to the last of the chat template's markers (what
+        follows may merge with the next message's text). None without one."""
+        def render(text: str) -> list:
+            calls = answer.get("tool_calls")
+            following = [{"role": "tool", "name": c["function"]["name"], "tool_call_id": str(i),
+                          "content": text} for i, c in enumerate(calls)] if calls else \
+                [{"role": "user", "content": text}]
+            messages = copy.deepcopy(request.messages) + [answer] + following
+            return self._tokenize(self.model_provider.tokenizer, CompletionRequest(
+                "chat", "", messages, request.tools, request.role_mapping), args)[0]
+
+        a, b = render("A"), render("B")
+        common = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            common += 1
+        markers = self.model_provider.marker_ids
+        end = next((i + 1 for i in range(common - 1, -1, -1) if a[i] in markers), 0)
+        return a[:end] if end else None
 
     # -- the generation thread ------------------------------------------------------------
     def _generate(self):
@@ -304,6 +362,8 @@ class MTPResponseGenerator(ResponseGenerator):
                 lane.step()
                 if lane.batch is None:
                     lane = None
+                else:  # (before the next request is taken: it may be that turn)
+                    lane.prefill_next_turns()
         self._end(lane, waiting)
         self.model_provider.reset()
         del self.prompt_cache

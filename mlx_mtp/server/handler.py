@@ -30,7 +30,7 @@ from ..mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, generation_
                              hand_body_to, validate_depth)
 from . import anthropic, structured
 from .answer import Answer, openai_call
-from .generation import Refused
+from .generation import Refused, Slot
 from .logprobs import entries
 from .schemas import CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, parse_json, utf8, validate
 
@@ -302,8 +302,9 @@ class MTPAPIHandler(APIHandler):
             with rg.serving():  # (503 once a shutdown began)
                 body = self._read_json()
                 if path in ANTHROPIC_ROUTES:
-                    with rg.slot():
-                        return self.handle_messages(body, count_only=path.endswith("count_tokens"))
+                    with rg.slot() as slot:
+                        return self.handle_messages(body, slot,
+                                                    count_only=path.endswith("count_tokens"))
                 self._check(body, OPENAI_ROUTES[path])
                 hand_body_to(self, body)  # mlx_lm's handler parses it again from here on
                 del body
@@ -342,7 +343,7 @@ class MTPAPIHandler(APIHandler):
         rg = self.response_generator
         with contextlib.ExitStack() as held:
             try:
-                held.enter_context(rg.slot())
+                slot = held.enter_context(rg.slot())
                 rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
                 constrain(request, self.wanted, rg.model_provider)
             except ApiError as e:
@@ -353,7 +354,7 @@ class MTPAPIHandler(APIHandler):
             if not self.stream:  # (a streamed one finds out when a write fails)
                 held.callback(_ClientWatch(self.connection, request).close)
             try:
-                self._complete(request, stop_words)
+                self._complete(request, stop_words, slot)
             except Refused as r:  # before the answer began
                 self.send_api_error(r.error)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -366,7 +367,7 @@ class MTPAPIHandler(APIHandler):
                         kind="server_error"))
                 self._end_in_protocol(e)
 
-    def _complete(self, request, stop_words):
+    def _complete(self, request, stop_words, slot: Slot):
         """Generate and answer in OpenAI's shape, streamed or not: mlx_lm's
         `handle_completion` with the answer read by `answer.Answer` (a tool
         call the parser cannot read stays text, the finish reason is what
@@ -414,6 +415,7 @@ class MTPAPIHandler(APIHandler):
                     self._write_chunk(self.generate_response(
                         "".join(text), None, tool_calls=calls, reasoning_text="".join(reasoning)))
                     text, reasoning, calls = [], [], []
+            slot.release()  # (the generation ended: what is left is writing)
             reason = said.finish().openai
             if self.stream:
                 self._write_chunk(self.generate_response(
@@ -477,7 +479,7 @@ class MTPAPIHandler(APIHandler):
         self.wfile.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
         self.wfile.flush()
 
-    def handle_messages(self, body: dict, count_only: bool = False):
+    def handle_messages(self, body: dict, slot: Slot, count_only: bool = False):
         rg = self.response_generator
         mp = rg.model_provider
         cli = rg.cli_args
@@ -523,7 +525,8 @@ class MTPAPIHandler(APIHandler):
             if isinstance(e, Refused):
                 raise e.error from None
             raise
-        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0))
+        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
+                                ctx.prompt_cache_created)
         if stream:
             self._set_stream_headers(200)
             self.end_headers()
@@ -548,6 +551,7 @@ class MTPAPIHandler(APIHandler):
             ctx.stop()
             if watch is not None:
                 watch.close()
+        slot.release()  # (the generation ended: what is left is writing)
         msg.finish(said.finish(), said.tokens)
         if stream:
             for event in msg.events():

@@ -17,14 +17,24 @@ from ..batch import MTPStats
 from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
                              logits_processors_for, xtc_special_tokens)
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
+from .answer import Answer
 from .logprobs import top_logprobs
 from .schemas import ApiError
 from .stops import StopStrings, answered_tokens
+
+# a next turn's prefix is prefilled ahead (`_Lane.prefill_next_turns`) only
+# when it costs at most the answer's tokens and this many more (the chat
+# template's closing tokens; a reasoning block re-rendered): never a whole
+# conversation a template renders differently next time
+NEXT_TURN_SLACK = 64
 
 
 class MTPGenerationContext(GenerationContext):
     stats: Optional[MTPStats] = None  # filled as the generation runs
     stop_sequence: Optional[str] = None  # the stop string that ended it (set before its end)
+    # prompt tokens it adds to the prefix cache, past the `prompt_cache_count`
+    # read from it: all but the last, which its answer's entry holds
+    prompt_cache_created: int = 0
 
 
 def _sampler(args, tokenizer):
@@ -73,7 +83,18 @@ class _RowState:
     key_tokens: list
     stops: StopStrings  # its stop strings, on its text
     detokenizer: object
+    request: object  # mlx_lm's CompletionRequest (its messages and tools)
+    answer: Optional[Answer]  # what it said, read as its client reads it (chat requests)
     left: bool = False  # its client went away (rank 0's word, `_tick`)
+
+
+@dataclass
+class _NextTurn:
+    """A chat that finished, for `_Lane.prefill_next_turns`."""
+
+    state: _RowState
+    answered: int  # tokens of its answer (up to a stop string)
+    stored: int  # the length of its answer's entry in the prefix cache (0: none)
 
 
 class _Lane:
@@ -90,6 +111,7 @@ class _Lane:
         self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
+        self.next_turns: list = []  # chats that finished (`prefill_next_turns`)
 
     def accepts(self, settings: _Settings, joining: int, width: int) -> bool:
         """A request with these settings can join now (`joining` already will)."""
@@ -145,6 +167,7 @@ class _Lane:
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm,
             initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
+        ctx.prompt_cache_created = max(0, len(prompt) - 1 - n)
         stats = getattr(request, "mtp_stats", None)  # the handler's (`handle_completion`)
         ctx.stats = MTPStats() if stats is None else stats
         request.mtp_ctx = ctx  # (a non-streamed request's client may leave: _ClientWatch)
@@ -154,9 +177,10 @@ class _Lane:
         stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
                                            gen.cli_args.prompt_snapshots)
 
-        def snapshot(done):
+        def snapshot(done):  # (the end of a system prompt is what many conversations share)
             gen.prompt_cache.insert_cache(key, prompt[:n + done], copy.deepcopy(cache),
-                                          cache_type=kinds_at[done])
+                                          cache_type=kinds_at[done],
+                                          persist=kinds_at[done] == "system")
 
         processors = settings.processors
         budget = getattr(request, "mtp_reasoning_budget", None)  # (handler.py's `constrain`)
@@ -172,8 +196,10 @@ class _Lane:
             # structured output: the row's grammar (handler.py's `constrain`)
             constraint=getattr(request, "mtp_constraint", None), tokenizer=tokenizer)
         r.stops, r.snapshot = stops, snapshot
+        chat = request.request_type == "chat" and tokenizer.has_chat_template
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
-                          StopStrings(args.stop_words), tokenizer.detokenizer)
+                          StopStrings(args.stop_words), tokenizer.detokenizer, request,
+                          Answer(ctx, request.tools, tokenizer) if chat else None)
         return r, state
 
     def step(self):
@@ -210,9 +236,11 @@ class _Lane:
         elif finish is not None or state.left:
             text += state.stops.flush()
         top = state.args.top_logprobs
-        state.rqueue.put(Response(
-            text, token, event.logprob, finish,
-            top_logprobs(event.logprobs, top) if top > 0 else ()))  # (handler.py formats them)
+        response = Response(text, token, event.logprob, finish,
+                            top_logprobs(event.logprobs, top) if top > 0 else ())
+        state.rqueue.put(response)  # (handler.py formats the logprobs)
+        if state.answer is not None:
+            state.answer.feed(response)
         state.key_tokens.append(token)
         if finish is None and not state.left:
             return
@@ -229,11 +257,83 @@ class _Lane:
             answered = len(state.key_tokens) if state.stops.found is None else \
                 prompt + answered_tokens(state.key_tokens[prompt:], state.stops.found,
                                          mp.tokenizer.decode)
-            if held <= answered:
+            # a chat's next turn starts from its prefix (`prefill_next_turns`,
+            # which also writes it to disk), rendered once this request has ended
+            ahead = state.answer is not None and not state.left
+            stored = held <= answered
+            if stored:
                 self.gen.prompt_cache.insert_cache(mp.model_key, state.key_tokens[:held],
-                                                   state.cache)
+                                                   state.cache, persist=not ahead)
+            if ahead:
+                self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
         finally:
             state.rqueue.put(None)
+
+    def prefill_next_turns(self):
+        """Prefill the prefix every next turn of each chat that finished
+        starts with (`next_turn_prefix`): the chat template re-tokenizes an
+        answer's text its own way (the demo generates '\\n   ' where it writes
+        '\\n', '   '), so the answer's stored state does not start the next
+        turn; this one does, as a cold prefill of that turn reaches it, and
+        goes to disk too. Runs between cycles once the clients have their
+        answers, before the next request is taken, from the longest stored
+        prefix (the answer's state where the tokens agree), when that costs
+        at most the answer's tokens and NEXT_TURN_SLACK; where there is no
+        prefix, the answer's own state goes to disk instead."""
+        turns, self.next_turns = self.next_turns, []
+        gen, mp = self.gen, self.gen.model_provider
+        key = mp.model_key
+        collectives = gen._is_distributed
+        # (sharded, only what every rank knows decides: rank 0's word to halt)
+        if not turns or self.batch is None or (gen._halted if collectives else gen._stop):
+            return
+        # rendered on rank 0 and shared: every rank prefills the same tokens
+        # (a template reading the clock could render differently on another)
+        rendered = gen._share_object([self._next_turn_prefix(t) for t in turns]
+                                     if gen._rank == 0 else None) if collectives else \
+            [self._next_turn_prefix(t) for t in turns]
+        prefixes = []  # (tokens, the Request prefilling them) of every turn that has one
+        for turn, tokens in zip(turns, rendered):
+            state = turn.state
+            try:
+                usable = tokens is not None and len(tokens) < mp.context_length
+                cache, n = gen._fetch(key, tokens) if usable else (None, 0)
+                if usable and n == len(tokens):
+                    continue  # (stored already)
+                if not usable or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
+                    if turn.stored:  # no prefix worth it: the answer's own state to disk
+                        gen.prompt_cache.insert_cache(key, state.key_tokens[:turn.stored],
+                                                      state.cache, persist=True)
+                    continue
+                cache = cache if cache is not None else mp.model.make_cache()
+                prefixes.append((tokens, self.batch.prepare(tokens[n:], cache, 0)))
+            except Exception as e:  # (its next turn then prefills it itself)
+                if collectives:  # this rank may have left the others inside a collective
+                    raise
+                logging.warning("a next turn's prefix was not prefilled: %s: %s",
+                                type(e).__name__, e)
+        if not prefixes:
+            return
+        try:  # (together, as requests arriving at once are)
+            with mx.stream(generation_stream):
+                self.batch.add([r for _, r in prefixes])
+        except Exception as e:  # (the next turns then prefill them themselves)
+            if collectives:
+                raise
+            logging.warning("next turns' prefixes were not prefilled: %s: %s",
+                            type(e).__name__, e)
+            return
+        for tokens, r in prefixes:
+            gen.prompt_cache.insert_cache(key, tokens, r.prompt_cache, persist=True)
+
+    def _next_turn_prefix(self, turn: _NextTurn) -> Optional[list]:
+        state = turn.state
+        try:
+            return self.gen.next_turn_prefix(state.request, state.args, state.answer.message())
+        except Exception as e:  # (a template that refuses the history: no prefix then)
+            logging.info("no next-turn prefix: the chat template refused the answer: %s: %s",
+                         type(e).__name__, e)
+            return None
 
     @staticmethod
     def _fail(rqueue, e: Exception):
