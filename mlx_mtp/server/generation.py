@@ -25,9 +25,9 @@ from ..checks import depth as parse_depth
 from ..distributed import sharded_load
 from ..loader import load
 from ..mlx_lm_compat import CompletionRequest, ModelProvider, ResponseGenerator, generation_stream
-from .lane import _Lane, _Settings
+from .lane import _Lane, _Settings, extras
 from .logprobs import TokenText
-from .schemas import ApiError, most_chars, prompt_chars, shutdown_error
+from .schemas import ApiError, generation_failed, most_chars, prompt_chars, shutdown_error
 
 # sharded, rank 0's news (requests, clients gone) reaches the other ranks every
 # this many cycles: each `_tick` is a round of collectives and a host sync
@@ -206,7 +206,8 @@ class MTPResponseGenerator(ResponseGenerator):
     def generate(self, request, generation_args, progress_callback=None):
         """mlx_lm's `generate`: (context, responses). An error before the
         generation starts is `Refused`; the responses are also appended to
-        `request.mtp_seen` when the handler asks (it formats their logprobs)."""
+        the request's `extras(request).seen` when the handler asks (it formats
+        their logprobs)."""
         try:
             ctx, responses = super().generate(request, generation_args, progress_callback)
         except ApiError as e:
@@ -214,10 +215,9 @@ class MTPResponseGenerator(ResponseGenerator):
         except (TypeError, ValueError) as e:  # a setting the sampler or the batch refused
             raise Refused(ApiError(400, str(e))) from None
         except Exception as e:  # (the generation thread stopped)
-            status = 500 if self.generation_available() else 503
-            raise Refused(ApiError(status, f"the generation failed: {type(e).__name__}: {e}",
-                                   kind="server_error")) from None
-        seen = getattr(request, "mtp_seen", None)
+            raise Refused(generation_failed(e, 500 if self.generation_available() else 503)
+                          ) from None
+        seen = extras(request).seen
         if seen is None:
             return ctx, responses
 
@@ -252,10 +252,11 @@ class MTPResponseGenerator(ResponseGenerator):
                                request.messages or (), max_tokens)
         try:
             # kept on the request: the generation thread then does not render it again
-            request.mtp_tokenized = self._tokenize(mp.tokenizer, request, SimpleNamespace(
+            given = extras(request)
+            given.tokenized = self._tokenize(mp.tokenizer, request, SimpleNamespace(
                 chat_template_kwargs=chat_template_kwargs))
-            request.mtp_kwargs = chat_template_kwargs
-            prompt = request.mtp_tokenized[0]
+            given.template_kwargs = chat_template_kwargs
+            prompt = given.tokenized[0]
         except ApiError:
             raise
         except Exception as e:  # the chat template refused the messages

@@ -31,8 +31,10 @@ from ..mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, generation_
 from . import anthropic, structured
 from .answer import Answer, openai_call
 from .generation import Refused, Slot
+from .lane import extras
 from .logprobs import entries
-from .schemas import CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, parse_json, utf8, validate
+from .schemas import (CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, generation_failed, parse_json,
+                      utf8, validate)
 
 # routes and their methods (OPTIONS, CORS's preflight, is answered on any path)
 OPENAI_ROUTES = {"/v1/completions": COMPLETION_SCHEMA, "/v1/chat/completions": CHAT_SCHEMA,
@@ -76,7 +78,7 @@ class _ClientWatch(threading.Thread):
                 pass  # reset: gone too
             break
         while not self.done.is_set():  # gone: stop its generation once it has one
-            ctx = getattr(self.request, "mtp_ctx", None)
+            ctx = extras(self.request).ctx
             if ctx is not None:
                 logging.info("the client of a non-streamed request left: its row finishes")
                 ctx.stop()
@@ -152,8 +154,7 @@ class MTPAPIHandler(APIHandler):
         --shutdown-grace, the generation failing): a streamed one ends with
         its protocol's error event, a non-streamed one is answered with the
         error instead of its 200. Never a silently cut answer."""
-        error = e if isinstance(e, ApiError) else ApiError(
-            500, f"the generation failed: {type(e).__name__}: {e}", kind="server_error")
+        error = e if isinstance(e, ApiError) else generation_failed(e)
         logging.info("%s %s: ended with %d %s", self.command, self.path, error.status, error)
         self.close_connection = True
         if style == "anthropic":
@@ -349,8 +350,9 @@ class MTPAPIHandler(APIHandler):
             except ApiError as e:
                 return self.send_api_error(e)
             # the generation thread counts into these (`_prepare`); `usage` reports them
-            self.stats = request.mtp_stats = MTPStats()
-            self.seen = request.mtp_seen = []  # (rg.generate appends each Response)
+            given = extras(request)
+            self.stats = given.stats = MTPStats()
+            self.seen = given.seen = []  # (rg.generate appends each Response)
             if not self.stream:  # (a streamed one finds out when a write fails)
                 held.callback(_ClientWatch(self.connection, request).close)
             try:
@@ -362,9 +364,8 @@ class MTPAPIHandler(APIHandler):
             except Exception as e:  # after: the 200 (headers) is out, or buffered
                 if not self.stream:
                     self._headers_buffer = []  # http.server's: the unsent 200 is dropped
-                    return self.send_api_error(e if isinstance(e, ApiError) else ApiError(
-                        500, f"the generation failed: {type(e).__name__}: {e}",
-                        kind="server_error"))
+                    return self.send_api_error(e if isinstance(e, ApiError) else
+                                               generation_failed(e))
                 self._end_in_protocol(e)
 
     def _complete(self, request, stop_words, slot: Slot):
@@ -543,9 +544,7 @@ class MTPAPIHandler(APIHandler):
             raise
         except Exception as e:  # (a shutdown past --shutdown-grace, the generation failing)
             if not stream:
-                raise e if isinstance(e, ApiError) else ApiError(
-                    500, f"the generation failed: {type(e).__name__}: {e}",
-                    kind="server_error") from None
+                raise e if isinstance(e, ApiError) else generation_failed(e) from None
             return self._end_in_protocol(e, "anthropic")
         finally:
             ctx.stop()
@@ -566,10 +565,11 @@ def constrain(request, wanted: Optional[structured.Wanted], mp):
     prompt leaves the model thinking, the grammar starts after the thinking,
     and a reasoning budget (a forced call's) ends it in time."""
     if wanted is not None:
-        prompt, _, _, initial_state, _ = request.mtp_tokenized
-        request.mtp_constraint = structured.constraint(wanted)
+        given = extras(request)
+        prompt, _, _, initial_state, _ = given.tokenized
+        given.constraint = structured.constraint(wanted)
         if initial_state == "reasoning" and wanted.reasoning_budget is not None:
-            request.mtp_reasoning_budget = structured.ReasoningBudget(
+            given.reasoning_budget = structured.ReasoningBudget(
                 mp.tokenizer, len(prompt), wanted.reasoning_budget)
 
 

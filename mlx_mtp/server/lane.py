@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 
@@ -21,6 +21,28 @@ from .answer import Answer
 from .logprobs import top_logprobs
 from .schemas import ApiError
 from .stops import StopStrings, answered_tokens
+
+
+@dataclass
+class RequestExtras:
+    """What mlx_mtp's server keeps for one request beside mlx_lm's
+    CompletionRequest, on its way from the handler's thread to the
+    generation thread: one typed attribute, `request.mtp` (`extras`)."""
+
+    tokenized: Optional[tuple] = None  # mlx_lm's `_tokenize` of it, for `template_kwargs`
+    template_kwargs: Optional[dict] = None
+    constraint: Optional[Any] = None  # its grammar (structured output; constraint.Constraint)
+    reasoning_budget: Optional[Any] = None  # a forced call's (structured.ReasoningBudget)
+    stats: Optional[MTPStats] = None  # the handler's, filled by the generation thread
+    seen: Optional[list] = None  # the Responses, as generated (their logprobs)
+    ctx: Optional[Any] = None  # its generation context, once a lane decodes it
+
+
+def extras(request) -> RequestExtras:
+    """The request's RequestExtras, made on first use."""
+    if getattr(request, "mtp", None) is None:
+        request.mtp = RequestExtras()
+    return request.mtp
 
 # a next turn's prefix is prefilled ahead (`_Lane.prefill_next_turns`) only
 # when it costs at most the answer's tokens and this many more (the chat
@@ -154,8 +176,9 @@ class _Lane:
         """One request's Request (for Batch.add) and its row state."""
         gen, mp = self.gen, self.gen.model_provider
         model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
-        tokenized = getattr(request, "mtp_tokenized", None)
-        if tokenized is None or args.chat_template_kwargs != getattr(request, "mtp_kwargs", None):
+        given = extras(request)
+        tokenized = given.tokenized
+        if tokenized is None or args.chat_template_kwargs != given.template_kwargs:
             tokenized = gen._tokenize(tokenizer, request, args)
         prompt, segments, kinds, initial_state, _ = tokenized
         # no stop words in mlx_lm's machines: they match ids and strip text; ours end the text
@@ -168,9 +191,8 @@ class _Lane:
             tool_parser=tokenizer.tool_parser, text_sm=text_sm,
             initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
         ctx.prompt_cache_created = max(0, len(prompt) - 1 - n)
-        stats = getattr(request, "mtp_stats", None)  # the handler's (`handle_completion`)
-        ctx.stats = MTPStats() if stats is None else stats
-        request.mtp_ctx = ctx  # (a non-streamed request's client may leave: _ClientWatch)
+        ctx.stats = MTPStats() if given.stats is None else given.stats
+        given.ctx = ctx  # (a non-streamed request's client may leave: _ClientWatch)
         rqueue.put(ctx)
         if cache is None:
             cache = model.make_cache()
@@ -183,7 +205,7 @@ class _Lane:
                                           persist=kinds_at[done] == "system")
 
         processors = settings.processors
-        budget = getattr(request, "mtp_reasoning_budget", None)  # (handler.py's `constrain`)
+        budget = given.reasoning_budget  # (handler.py's `constrain`)
         if budget is not None:
             processors = (*processors, budget)
         r = self.batch.prepare(
@@ -194,7 +216,7 @@ class _Lane:
             stop_tokens=tokenizer.eos_token_ids,
             feed_tail=False,  # the cache as it stands when the row leaves: no forward then
             # structured output: the row's grammar (handler.py's `constrain`)
-            constraint=getattr(request, "mtp_constraint", None), tokenizer=tokenizer)
+            constraint=given.constraint, tokenizer=tokenizer)
         r.stops, r.snapshot = stops, snapshot
         chat = request.request_type == "chat" and tokenizer.has_chat_template
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],

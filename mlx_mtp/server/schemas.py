@@ -106,6 +106,12 @@ def validate(body: dict, schema: dict, surface: str):
 
 
 
+def generation_failed(e: BaseException, status: int = 500) -> ApiError:
+    """The error of a generation that failed with `e` (one wording for every
+    endpoint and stream)."""
+    return ApiError(status, f"the generation failed: {type(e).__name__}: {e}", kind="server_error")
+
+
 def shutdown_error(grace: float) -> ApiError:
     """What a request still running when the server stops is answered with."""
     return ApiError(503, f"the server shut down before this request finished (it waited "
