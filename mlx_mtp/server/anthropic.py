@@ -4,8 +4,8 @@
 settings mlx_lm's chat path takes; `Message` turns the answer's parts
 (answer.py: reasoning, text, tool calls) into Anthropic content blocks, as
 one response or as the stream of events (message_start,
-content_block_start/delta/stop, message_delta, message_stop).
-Pure functions: the server does the I/O.
+content_block_start/delta/stop, message_delta, message_stop), and
+`handle_messages` is the endpoint that does both for the HTTP handler.
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import params
+from ..mlx_lm_compat import NEUTRAL, CompletionRequest, generation_arguments
+from . import structured
+from .answer import Answer
+from .generation import ClientWatch, Refused
+from .schemas import ApiError, generation_failed, validate
 
 # Request fields we act on, and those a client may send that do not change
 # the output (accepted, ignored); anything else is refused. The numeric ones
@@ -163,10 +168,6 @@ def to_chat(body: dict) -> Tuple[List[dict], Optional[List[dict]], List[str], Di
     return messages, tools, list(body.get("stop_sequences") or []), template_args
 
 
-def error_body(kind: str, message: str) -> dict:
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
 class Message:
     """Builds an assistant message from the answer's parts (answer.Part:
     reasoning, text, tool calls), as one response or as its stream of
@@ -265,3 +266,86 @@ class Message:
 
     def response(self) -> dict:
         return self._message(self.stop_reason, self.stop_sequence)
+
+
+def handle_messages(handler, body: dict, slot, count_only: bool = False):
+    """`POST /v1/messages` (and `/count_tokens`, `count_only`) for the HTTP
+    handler (handler.py): read and check the body, render the chat
+    (`to_chat`), generate through the server's lane, and answer as a
+    `Message`, streamed as events or not."""
+    rg = handler.response_generator
+    mp = rg.model_provider
+    cli = rg.cli_args
+    schema = REQUEST_SCHEMA
+    if count_only:  # count_tokens: no max_tokens
+        schema = dict(schema, required=["model", "messages"])
+    validate(body, schema, "anthropic")
+    handler._check_model(body["model"])
+    handler._check_limits(body, ("max_tokens",))
+    try:
+        messages, tools, stop_words, template_args = to_chat(body)
+        check_tool_choice(body, mp.tokenizer.has_tool_calling)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    max_tokens = body.get("max_tokens", 1)
+    template_args, wanted = structured.thinking_for_grammar(
+        structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size), template_args,
+        cli.chat_template_args, mp.tokenizer.has_thinking, max_tokens,
+        (body.get("thinking") or {}).get("budget_tokens"))
+    request = CompletionRequest("chat", "", messages, tools, None)
+    prompt = rg.preflight(request, template_args, max_tokens)
+    if count_only:
+        return handler._send_json(200, {"input_tokens": len(prompt)})
+    structured.attach_grammar(request, wanted, mp)
+    # the fields the Messages API does not have take mlx_lm.server's defaults
+    args = generation_arguments(
+        **NEUTRAL, model="default_model", draft="default_model",
+        temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
+        top_k=body.get("top_k", cli.top_k), min_p=cli.min_p, stop_words=stop_words,
+        max_tokens=max_tokens, chat_template_kwargs=template_args)
+    stream = body.get("stream", False)
+
+    def keepalive(done, total):
+        if stream:
+            handler._write_event("ping", {"type": "ping"})
+
+    watch = None if stream else ClientWatch(handler.connection, request)
+    try:
+        ctx, response = rg.generate(request, args, progress_callback=keepalive)
+    except BaseException as e:
+        if watch is not None:
+            watch.close()
+        if isinstance(e, Refused):
+            raise e.error from None
+        raise
+    msg = Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
+                            ctx.prompt_cache_created)
+    if stream:
+        handler._set_stream_headers(200)
+        handler.end_headers()
+        handler._write_event(*msg.start_event())
+    said = Answer(ctx, tools, mp.tokenizer)
+    try:
+        for gen in response:
+            for part in said.feed(gen):
+                msg.feed(part)
+            if stream:
+                for event in msg.events():
+                    handler._write_event(*event)
+    except (BrokenPipeError, ConnectionResetError, TimeoutError):
+        raise
+    except Exception as e:  # (a shutdown past --shutdown-grace, the generation failing)
+        if not stream:
+            raise e if isinstance(e, ApiError) else generation_failed(e) from None
+        return handler._end_in_protocol(e, "anthropic")
+    finally:
+        ctx.stop()
+        if watch is not None:
+            watch.close()
+    slot.release()  # (the generation ended: what is left is writing)
+    msg.finish(said.finish(), said.tokens)
+    if stream:
+        for event in msg.events():
+            handler._write_event(*event)
+    else:
+        handler._send_json(200, msg.response())

@@ -19,7 +19,7 @@ import mlx.core as mx
 from .. import checks, params
 from ..loader import CheckpointError
 from ..mlx_lm_compat import parse_size, run_http_server
-from .generation import MTPModelProvider, MTPResponseGenerator
+from .generation import RANK_GRACE_S, MTPModelProvider, MTPResponseGenerator
 from .handler import MTPAPIHandler, _HTTPServer
 from .prompt_store import DiskTier, TieredPromptCache, default_disk_bytes, model_fingerprint
 
@@ -158,7 +158,6 @@ def _follow(signum, frame):
         signal.signal(sig, signal.SIG_IGN)
 
 
-RANK_GRACE_S = 30
 DISK_FLUSH_S = 30  # at a shutdown, seconds the prompt cache's queued entries get to be written
 
 

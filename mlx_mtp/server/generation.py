@@ -10,6 +10,8 @@ import copy
 import gc
 import itertools
 import logging
+import select
+import socket
 import threading
 import time
 from collections import deque
@@ -38,6 +40,9 @@ BODY_SLACK = 1 << 20  # bytes of a body besides its prompt (fields, tools' schem
 # 12 (escaped CJK, emoji); 128 leaves room for long whitespace tokens and more
 JSON_BYTES_PER_TOKEN = 128
 HANDLERS_GRACE_S = 5  # after the generation thread stops: handlers write their last events
+# sharded, seconds a rank waits for the others beyond --shutdown-grace: a rank
+# killed inside a pipeline send/recv leaves its peer's evaluation waiting for good
+RANK_GRACE_S = 30
 
 
 class Refused(BaseException):
@@ -199,7 +204,12 @@ class MTPResponseGenerator(ResponseGenerator):
                          self.grace)
         self._deadline = time.monotonic() + self.grace
         self._stop = True
-        self._generation_thread.join()
+        self._generation_thread.join(self.grace + RANK_GRACE_S if self._is_distributed else None)
+        if self._generation_thread.is_alive():  # (its evaluation waits on a rank that is gone)
+            self._generation_failed = True
+            logging.error("generation stopped: the other ranks did not answer within %g s of "
+                          "the shutdown (a rank was lost)", self.grace + RANK_GRACE_S)
+            return
         with self._inflight_changed:
             self._inflight_changed.wait_for(lambda: self._inflight == 0, HANDLERS_GRACE_S)
 
@@ -450,3 +460,38 @@ class MTPResponseGenerator(ResponseGenerator):
             logging.error("generation stopped: %s: %s", type(e).__name__, e)
             if self._rank == 0 and not self._stop:  # a sharded model cannot serve
                 _thread.interrupt_main()  # without all its ranks
+
+
+class ClientWatch(threading.Thread):
+    """Stops a non-streamed generation whose client closed its connection
+    (an agent that timed out, say): otherwise it would decode to max_tokens
+    for nobody, beside the rows still wanted. Polls the socket for the end
+    of the stream; the row leaves as a streamed one does when a write fails."""
+
+    POLL = 0.25  # seconds
+
+    def __init__(self, sock, request):
+        super().__init__(daemon=True, name="mlx_mtp-client-watch")
+        self.sock, self.request, self.done = sock, request, threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(self.POLL):
+            try:
+                if not select.select([self.sock], [], [], 0)[0]:
+                    continue
+                if self.sock.recv(1, socket.MSG_PEEK):
+                    return  # the client sent more (a pipelined request): it is there
+            except (OSError, ValueError):
+                pass  # reset: gone too
+            break
+        while not self.done.is_set():  # gone: stop its generation once it has one
+            ctx = extras(self.request).ctx
+            if ctx is not None:
+                logging.info("the client of a non-streamed request left: its row finishes")
+                ctx.stop()
+                return
+            self.done.wait(self.POLL)
+
+    def close(self):
+        self.done.set()

@@ -15,10 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
-import select
-import socket
 import sys
-import threading
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from typing import Optional
@@ -26,11 +23,11 @@ from urllib.parse import urlsplit
 
 from .. import checks
 from ..batch import MTPStats
-from ..mlx_lm_compat import (NEUTRAL, APIHandler, CompletionRequest, generation_arguments,
+from ..mlx_lm_compat import (APIHandler, generation_arguments,
                              hand_body_to, validate_depth)
 from . import anthropic, structured
 from .answer import Answer, openai_call
-from .generation import Refused, Slot
+from .generation import ClientWatch, Refused, Slot
 from .lane import extras
 from .logprobs import entries
 from .schemas import (CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, generation_failed, parse_json,
@@ -52,41 +49,6 @@ def allowed_methods(path: str) -> Optional[str]:
     if path in GET_ROUTES or path.startswith("/v1/models/"):
         return "GET, OPTIONS"
     return None
-
-
-class _ClientWatch(threading.Thread):
-    """Stops a non-streamed generation whose client closed its connection
-    (an agent that timed out, say): otherwise it would decode to max_tokens
-    for nobody, beside the rows still wanted. Polls the socket for the end
-    of the stream; the row leaves as a streamed one does when a write fails."""
-
-    POLL = 0.25  # seconds
-
-    def __init__(self, sock, request):
-        super().__init__(daemon=True, name="mlx_mtp-client-watch")
-        self.sock, self.request, self.done = sock, request, threading.Event()
-        self.start()
-
-    def run(self):
-        while not self.done.wait(self.POLL):
-            try:
-                if not select.select([self.sock], [], [], 0)[0]:
-                    continue
-                if self.sock.recv(1, socket.MSG_PEEK):
-                    return  # the client sent more (a pipelined request): it is there
-            except (OSError, ValueError):
-                pass  # reset: gone too
-            break
-        while not self.done.is_set():  # gone: stop its generation once it has one
-            ctx = extras(self.request).ctx
-            if ctx is not None:
-                logging.info("the client of a non-streamed request left: its row finishes")
-                ctx.stop()
-                return
-            self.done.wait(self.POLL)
-
-    def close(self):
-        self.done.set()
 
 
 class MTPAPIHandler(APIHandler):
@@ -346,7 +308,7 @@ class MTPAPIHandler(APIHandler):
             try:
                 slot = held.enter_context(rg.slot())
                 rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
-                constrain(request, self.wanted, rg.model_provider)
+                structured.attach_grammar(request, self.wanted, rg.model_provider)
             except ApiError as e:
                 return self.send_api_error(e)
             # the generation thread counts into these (`_prepare`); `usage` reports them
@@ -354,7 +316,7 @@ class MTPAPIHandler(APIHandler):
             self.stats = given.stats = MTPStats()
             self.seen = given.seen = []  # (rg.generate appends each Response)
             if not self.stream:  # (a streamed one finds out when a write fails)
-                held.callback(_ClientWatch(self.connection, request).close)
+                held.callback(ClientWatch(self.connection, request).close)
             try:
                 self._complete(request, stop_words, slot)
             except Refused as r:  # before the answer began
@@ -481,96 +443,7 @@ class MTPAPIHandler(APIHandler):
         self.wfile.flush()
 
     def handle_messages(self, body: dict, slot: Slot, count_only: bool = False):
-        rg = self.response_generator
-        mp = rg.model_provider
-        cli = rg.cli_args
-        schema = anthropic.REQUEST_SCHEMA
-        if count_only:  # count_tokens: no max_tokens
-            schema = dict(schema, required=["model", "messages"])
-        validate(body, schema, "anthropic")
-        self._check_model(body["model"])
-        self._check_limits(body, ("max_tokens",))
-        try:
-            messages, tools, stop_words, template_args = anthropic.to_chat(body)
-            anthropic.check_tool_choice(body, mp.tokenizer.has_tool_calling)
-        except anthropic.RequestError as e:
-            raise ApiError(400, str(e), param=e.param) from None
-        max_tokens = body.get("max_tokens", 1)
-        template_args, wanted = structured.thinking_for_grammar(
-            structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size), template_args,
-            cli.chat_template_args, mp.tokenizer.has_thinking, max_tokens,
-            (body.get("thinking") or {}).get("budget_tokens"))
-        request = CompletionRequest("chat", "", messages, tools, None)
-        prompt = rg.preflight(request, template_args, max_tokens)
-        if count_only:
-            return self._send_json(200, {"input_tokens": len(prompt)})
-        constrain(request, wanted, mp)
-        # the fields the Messages API does not have take mlx_lm.server's defaults
-        args = generation_arguments(
-            **NEUTRAL, model="default_model", draft="default_model",
-            temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
-            top_k=body.get("top_k", cli.top_k), min_p=cli.min_p, stop_words=stop_words,
-            max_tokens=max_tokens, chat_template_kwargs=template_args)
-        stream = body.get("stream", False)
-
-        def keepalive(done, total):
-            if stream:
-                self._write_event("ping", {"type": "ping"})
-
-        watch = None if stream else _ClientWatch(self.connection, request)
-        try:
-            ctx, response = rg.generate(request, args, progress_callback=keepalive)
-        except BaseException as e:
-            if watch is not None:
-                watch.close()
-            if isinstance(e, Refused):
-                raise e.error from None
-            raise
-        msg = anthropic.Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
-                                ctx.prompt_cache_created)
-        if stream:
-            self._set_stream_headers(200)
-            self.end_headers()
-            self._write_event(*msg.start_event())
-        said = Answer(ctx, tools, mp.tokenizer)
-        try:
-            for gen in response:
-                for part in said.feed(gen):
-                    msg.feed(part)
-                if stream:
-                    for event in msg.events():
-                        self._write_event(*event)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            raise
-        except Exception as e:  # (a shutdown past --shutdown-grace, the generation failing)
-            if not stream:
-                raise e if isinstance(e, ApiError) else generation_failed(e) from None
-            return self._end_in_protocol(e, "anthropic")
-        finally:
-            ctx.stop()
-            if watch is not None:
-                watch.close()
-        slot.release()  # (the generation ended: what is left is writing)
-        msg.finish(said.finish(), said.tokens)
-        if stream:
-            for event in msg.events():
-                self._write_event(*event)
-        else:
-            self._send_json(200, msg.response())
-
-
-def constrain(request, wanted: Optional[structured.Wanted], mp):
-    """Give a request the grammar its output must follow (lane.py masks its
-    row with it), once its prompt is rendered (`preflight`): where the
-    prompt leaves the model thinking, the grammar starts after the thinking,
-    and a reasoning budget (a forced call's) ends it in time."""
-    if wanted is not None:
-        given = extras(request)
-        prompt, _, _, initial_state, _ = given.tokenized
-        given.constraint = structured.constraint(wanted)
-        if initial_state == "reasoning" and wanted.reasoning_budget is not None:
-            given.reasoning_budget = structured.ReasoningBudget(
-                mp.tokenizer, len(prompt), wanted.reasoning_budget)
+        return anthropic.handle_messages(self, body, slot, count_only)
 
 
 class _HTTPServer(ThreadingHTTPServer):

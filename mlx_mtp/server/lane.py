@@ -192,7 +192,7 @@ class _Lane:
             initial_state=initial_state, prompt=prompt, prompt_cache_count=n)
         ctx.prompt_cache_created = max(0, len(prompt) - 1 - n)
         ctx.stats = MTPStats() if given.stats is None else given.stats
-        given.ctx = ctx  # (a non-streamed request's client may leave: _ClientWatch)
+        given.ctx = ctx  # (a non-streamed request's client may leave: generation.ClientWatch)
         rqueue.put(ctx)
         if cache is None:
             cache = model.make_cache()
@@ -205,7 +205,7 @@ class _Lane:
                                           persist=kinds_at[done] == "system")
 
         processors = settings.processors
-        budget = given.reasoning_budget  # (handler.py's `constrain`)
+        budget = given.reasoning_budget  # (structured.attach_grammar)
         if budget is not None:
             processors = (*processors, budget)
         r = self.batch.prepare(
@@ -215,7 +215,7 @@ class _Lane:
             cached_tokens=prompt[:n],  # penalties count the cached prefix, as mlx_lm.server's
             stop_tokens=tokenizer.eos_token_ids,
             feed_tail=False,  # the cache as it stands when the row leaves: no forward then
-            # structured output: the row's grammar (handler.py's `constrain`)
+            # structured output: the row's grammar (structured.attach_grammar)
             constraint=given.constraint, tokenizer=tokenizer)
         r.stops, r.snapshot = stops, snapshot
         chat = request.request_type == "chat" and tokenizer.has_chat_template

@@ -17,7 +17,6 @@ from typing import Iterable, Optional, Tuple
 import jsonschema
 
 from .. import params
-from . import anthropic
 
 _NUMBER = {"type": "number"}
 _COMMON = {
@@ -76,7 +75,7 @@ class ApiError(Exception):
                 503: "overloaded_error"}.get(self.status)
         if kind is None:
             kind = "invalid_request_error" if self.status < 500 else "api_error"
-        return anthropic.error_body(kind, str(self))
+        return {"type": "error", "error": {"type": kind, "message": str(self)}}
 
 
 def _schema_error(e: jsonschema.ValidationError) -> ApiError:

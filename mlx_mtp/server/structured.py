@@ -37,6 +37,7 @@ import mlx.core as mx
 from ..constraint import (Constraint, constrain, json_term, schema_dict, special_term,
                           thinking_args)
 from ..mlx_lm_compat import tool_call_format
+from .lane import extras
 from .schemas import ApiError
 
 # mlx_lm's tool parsers whose calls can be constrained (`tool_call_format`)
@@ -409,3 +410,17 @@ class _Markers:
 def _short(value) -> str:
     text = json.dumps(value) if not isinstance(value, str) else repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def attach_grammar(request, wanted: Optional[Wanted], mp):
+    """Give a request the grammar its output must follow (lane.py masks its
+    row with it), once its prompt is rendered (`preflight`): where the
+    prompt leaves the model thinking, the grammar starts after the thinking,
+    and a reasoning budget (a forced call's) ends it in time."""
+    if wanted is not None:
+        given = extras(request)
+        prompt, _, _, initial_state, _ = given.tokenized
+        given.constraint = constraint(wanted)
+        if initial_state == "reasoning" and wanted.reasoning_budget is not None:
+            given.reasoning_budget = ReasoningBudget(
+                mp.tokenizer, len(prompt), wanted.reasoning_budget)
