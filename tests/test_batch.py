@@ -43,7 +43,7 @@ def run_batch(model, ids, max_tokens, width, k, drafter=None, sampler=None, seed
     return got, reasons, [r.stats for r in requests]
 
 
-@pytest.mark.parametrize("name", ["dense", slow("dense_bf16"), "moe", "q4"])
+@pytest.mark.parametrize("name", [slow("dense"), slow("dense_bf16"), "moe", "q4"])
 def test_rows_equal_alone_greedy(loaded, name):
     """B = 1, 2, 3, 8 and a batch narrower than its prompts (rows join as
     others leave), each row with its own max_tokens, fixed depths and auto."""
