@@ -146,6 +146,11 @@ class Batch:
         shared = {r.sampling.shared for r in self.rows if not r.sampling.greedy}
         return sampling.greedy or not shared or shared == {sampling.shared}
 
+    def host_row(self, processors=(), constraint=None) -> bool:
+        """A row given these runs logits processors on the host, which makes
+        the whole batch eager (sharded, a grammar is such a processor)."""
+        return bool(processors) or (constraint is not None and self.spec.group is not None)
+
     def prepare(self, prompt, prompt_cache: Optional[list], max_tokens: int,
                 seed: Optional[int] = None, *,
                 sampler=None, logit_bias: Optional[Dict[int, float]] = None,
@@ -209,7 +214,7 @@ class Batch:
 
             matcher = row_matcher(constraint, tokenizer, model.vocab_size,
                                   context=[*cached_tokens, *ids])
-            if self.spec.group is not None:  # sharded: the grammar stays a host processor
+            if self.host_row((), constraint):  # sharded: the grammar stays a host processor
                 from .constraint import MaskingProcessor
 
                 processors, matcher = (*processors, MaskingProcessor(constraint, tokenizer)), None

@@ -347,7 +347,7 @@ class MTPResponseGenerator(ResponseGenerator):
                     if request is None:
                         break
                     try:
-                        waiting.append((request, _Settings.of(self, request[2])))
+                        waiting.append((request, _Settings.of(self, request[1], request[2])))
                     except Exception as e:
                         _Lane._fail(request[0], e)
                     if self._is_distributed:  # one request per tick on every rank
@@ -356,14 +356,14 @@ class MTPResponseGenerator(ResponseGenerator):
             while waiting and len(joining) < prompts:
                 request, settings = waiting[0]
                 if not busy and not joining and (lane is None or not lane.accepts(
-                        settings, len(joining), width)):
+                        settings, [], width)):
                     try:
                         lane = _Lane(self, settings)
                     except Exception as e:  # e.g. settings the sampler refuses
                         waiting.popleft()
                         _Lane._fail(request[0], e)
                         continue
-                if lane is None or not lane.accepts(settings, len(joining), width):
+                if lane is None or not lane.accepts(settings, [s for _, s in joining], width):
                     break  # in order: it waits for the batch to drain (or for room)
                 joining.append(waiting.popleft())
             if joining:

@@ -74,11 +74,12 @@ class _Settings:
 
     depth: object
     sampling: RowSampling
-    processors: tuple  # mlx_lm's processors, on the host: what is not in-graph
-    # (a request's grammar mask joins them per row, in `_Lane._prepare`)
+    processors: tuple  # mlx_lm's processors, on the host: what is not in-graph (a
+    # forced call's ReasoningBudget among them); its grammar is the row's (Batch.prepare)
+    constraint: Optional[Any] = None
 
     @classmethod
-    def of(cls, gen, args) -> "_Settings":
+    def of(cls, gen, request, args) -> "_Settings":
         lg = args.logits
         depth = gen._depth(args)
         sampler = _sampler(args, gen.model_provider.tokenizer)
@@ -90,7 +91,10 @@ class _Settings:
         in_graph = {f"{kind}_penalty": 0.0 for kind in PENALTY_KINDS} if penalties else {}
         args = replace(args, logits=replace(lg, logit_bias=None, **in_graph))
         processors = tuple(logits_processors_for(args))
-        return cls(depth, sampling, processors)
+        given = extras(request)  # (structured.attach_grammar)
+        if given.reasoning_budget is not None:
+            processors = (*processors, given.reasoning_budget)
+        return cls(depth, sampling, processors, given.constraint)
 
 
 @dataclass
@@ -135,11 +139,19 @@ class _Lane:
         self.cycles = 0
         self.next_turns: list = []  # chats that finished (`prefill_next_turns`)
 
-    def accepts(self, settings: _Settings, joining: int, width: int) -> bool:
-        """A request with these settings can join now (`joining` already will)."""
-        return (self.batch is not None and settings.depth == self.depth
-                and self.batch.accepts(settings.sampling)
-                and len(self.rows) + joining < width)
+    def accepts(self, settings: _Settings, joining: list, width: int) -> bool:
+        """A request with these settings can join now (the `joining` settings
+        already will). A row that runs host logits processors turns its whole
+        batch eager (no compiled graph, no lookahead): such rows decode in a
+        batch of their own, and the others wait for it to drain, as for
+        another depth (docs/design.md, "Structured output")."""
+        if self.batch is None or settings.depth != self.depth:
+            return False
+        host = self.batch.host_row(settings.processors, settings.constraint)
+        peers = [bool(r.processors) for r in self.rows] + [
+            self.batch.host_row(s.processors, s.constraint) for s in joining]
+        return (self.batch.accepts(settings.sampling) and all(p == host for p in peers)
+                and len(self.rows) + len(joining) < width)
 
     def join(self, requests: list):
         """Prefill the requests' new tokens together (each from its nearest
@@ -204,19 +216,15 @@ class _Lane:
                                           cache_type=kinds_at[done],
                                           persist=kinds_at[done] == "system")
 
-        processors = settings.processors
-        budget = given.reasoning_budget  # (structured.attach_grammar)
-        if budget is not None:
-            processors = (*processors, budget)
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed,
-            sampler=settings.sampling, logits_processors=processors, stats=ctx.stats,
+            sampler=settings.sampling, logits_processors=settings.processors, stats=ctx.stats,
             progress=lambda done, total: rqueue.put((n + done, n + total)),
             cached_tokens=prompt[:n],  # penalties count the cached prefix, as mlx_lm.server's
             stop_tokens=tokenizer.eos_token_ids,
             feed_tail=False,  # the cache as it stands when the row leaves: no forward then
             # structured output: the row's grammar (structured.attach_grammar)
-            constraint=given.constraint, tokenizer=tokenizer)
+            constraint=settings.constraint, tokenizer=tokenizer)
         r.stops, r.snapshot = stops, snapshot
         chat = request.request_type == "chat" and tokenizer.has_chat_template
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
