@@ -518,7 +518,6 @@ def test_host_counters_are_checked_against_the_device(loaded, monkeypatch):
     host's copy of each row's lengths and ring count with the device's: a
     host mirror that drifts fails at the next read, not at a write past a
     buffer's end later."""
-    from mlx_mtp import batch as batch_module
 
     assert os.environ.get("MLX_MTP_CHECK_COUNTS") == "1"
     model, ref_model, tok = loaded("dense")
@@ -533,3 +532,32 @@ def test_host_counters_are_checked_against_the_device(loaded, monkeypatch):
         lambda n: Lengths(n.trunk, n.head + 1, n.ring))(after(self, k, accepted, ring)))
     with pytest.raises(AssertionError, match="host counters differ"):
         run_batch(model, [ids], [12], 1, 2)
+
+
+def test_rows_with_host_processors_get_a_batch_of_their_own(loaded):
+    """A row running logits processors on the host (a forced call's reasoning
+    budget; a grammar when sharded) makes its whole batch eager: the server's
+    lane never puts it beside compiled rows, joining or decoding, and either
+    kind waits for the other's batch to drain."""
+    from mlx_mtp.sampling import RowSampling
+    from mlx_mtp.server.lane import _Lane, _Settings
+
+    model, _, tok = loaded("dense")
+    lane = _Lane.__new__(_Lane)
+    lane.depth, lane.rows = 2, {}
+    lane.batch = make_batch(model, draft_tokens=2)
+    free = _Settings(2, RowSampling.of(None), ())
+    host = _Settings(2, RowSampling.of(None), (lambda tokens, logits: logits,))
+    assert lane.accepts(free, [], 8) and lane.accepts(host, [], 8)  # an empty batch
+    assert not lane.accepts(free, [host], 8) and not lane.accepts(host, [free], 8)
+    assert lane.accepts(host, [host], 8) and not lane.accepts(free, [free] * 8, 8)
+    (row,) = lane.batch.add([lane.batch.prepare(tok.encode(SHORT), None, 4)])
+    lane.rows[row] = None
+    assert lane.accepts(free, [], 8) and not lane.accepts(host, [], 8)
+    assert not lane.accepts(_Settings(3, RowSampling.of(None), ()), [], 8)  # another depth
+    lane.batch.rows.clear()
+    lane.rows = {}
+    (row,) = lane.batch.add([lane.batch.prepare(tok.encode(SHORT), None, 4,
+                                                logits_processors=host.processors)])
+    lane.rows[row] = None
+    assert lane.accepts(host, [], 8) and not lane.accepts(free, [], 8)
