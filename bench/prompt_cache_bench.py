@@ -171,8 +171,9 @@ def main():
             cached[case] = usage["prompt_tokens_details"]["cached_tokens"]
             return usage["prompt_tokens"]
 
-        for r in range(a.repeats):  # cold: a new server on an empty folder each time
-            if r:
+        proc = None
+        for _ in range(a.repeats):  # cold: a new server on an empty folder each time
+            if proc is not None:
                 stop(proc)
             for f in cache.iterdir():
                 f.unlink()

@@ -9,6 +9,7 @@ keep the text generated so far, which is printed as it is generated.
 """
 
 import gc
+import io
 import itertools
 import os
 import shutil
@@ -34,6 +35,22 @@ def run_cli(args, stdin=None, timeout=120):
     r = subprocess.run([sys.executable, "-m", "mlx_mtp.generate", *args], input=stdin,
                        capture_output=True, timeout=timeout)
     return r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+
+
+def cli_here(args, capsys, monkeypatch, stdin=None):
+    """`run_cli` in this process: `main` is what `python -m mlx_mtp.generate`
+    runs (its exit code, its stdout and stderr); the process itself is tested
+    by the tests that start one."""
+    from mlx_mtp.cli import main
+
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    try:
+        rc = main(args)
+    except SystemExit as e:  # (argparse)
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 CLI_CASES = [  # (arguments, stdin, exit code, words the message must contain)
@@ -63,9 +80,9 @@ CLI_CASES = [  # (arguments, stdin, exit code, words the message must contain)
 
 @pytest.mark.parametrize("args,stdin,code,words", CLI_CASES,
                          ids=[" ".join(c[0])[:40] for c in CLI_CASES])
-def test_cli_mistakes(args, stdin, code, words):
-    rc, out, err = run_cli(["--max-tokens", "4", *args] if "--max-tokens" not in args else args,
-                           stdin)
+def test_cli_mistakes(args, stdin, code, words, capsys, monkeypatch):
+    rc, _, err = cli_here(["--max-tokens", "4", *args] if "--max-tokens" not in args else args,
+                          capsys, monkeypatch, stdin)
     assert rc == code, err
     assert "Traceback" not in err and "Segmentation" not in err
     message = err.strip().splitlines()[-1]
@@ -117,9 +134,10 @@ def broken_folders(tmp_path_factory):
     ]
 
 
-def test_cli_unusable_model_folders(broken_folders):
+def test_cli_unusable_model_folders(broken_folders, capsys, monkeypatch):
     for folder, words in broken_folders:
-        rc, out, err = run_cli(["--model", str(folder), "--max-tokens", "3"])
+        rc, out, err = cli_here(["--model", str(folder), "--max-tokens", "3"], capsys,
+                                monkeypatch)
         assert rc == 1 and "Traceback" not in err, (folder.name, err)
         message = err.strip().splitlines()[-1]
         assert all(w in message for w in words), (folder.name, message)

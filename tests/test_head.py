@@ -43,7 +43,7 @@ def _silu(x):
 
 def numpy_head_logits(w, tc, hidden, next_tokens):
     """hidden [T, H] post-norm trunk hiddens; next_tokens [T] -> logits [T, V]."""
-    H, nh, nkv, hd = tc["hidden_size"], tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
+    nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     emb = w["model.language_model.embed_tokens.weight"][next_tokens]
     x = np.concatenate([_rms(emb, w["mtp.pre_fc_norm_embedding.weight"]),
                         _rms(hidden, w["mtp.pre_fc_norm_hidden.weight"])], -1)

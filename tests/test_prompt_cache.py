@@ -43,7 +43,7 @@ def turns_ahead(ref_model, turns, max_tokens=MAX_TOKENS, extra=8):
     return out
 
 
-@pytest.mark.parametrize("name", ["dense", slow("dense_bf16"), "moe", "q4"])
+@pytest.mark.parametrize("name", ["dense", slow("dense_bf16"), "moe", slow("q4")])
 def test_multi_turn_greedy(loaded, name):
     model, ref_model, tok = loaded(name)
     turns = [tok.encode(t) for t in TURNS]

@@ -271,7 +271,7 @@ def simulate(p_tab, q_tab, k, n, seed, claimed=None):
     rows_n = np.arange(n)
     with np.errstate(divide="ignore"):
         while (length < L).any():
-            ids, drafts, qs, claims = [cur], [], [], []
+            ids, drafts, claims = [cur], [], []
             for _ in range(k):
                 d = draw(Q[ids[-1]])
                 drafts.append(d)
