@@ -103,6 +103,8 @@ def one_process(path):
     ("qwen4_exp", "pipeline"), slow("qwen4_exp", "tensor"), slow("dense", "tensor"),
     slow("dense", "pipeline"), slow("moe", "tensor"), slow("moe", "pipeline")])
 def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
+    # (~20 s: two launches of two ranks each, greedy, sampled and two turns;
+    # the default tier's one proof that a sharded model decodes as one process)
     path = checkpoints[kind]
     greedy, sampled, turns = one_process(path)
     # drafts right where a prompt's own continuation says (partial acceptance
