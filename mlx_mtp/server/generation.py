@@ -373,8 +373,8 @@ class MTPResponseGenerator(ResponseGenerator):
                 lane.step()
                 if lane.batch is None:
                     lane = None
-                else:  # (before the next request is taken: it may be that turn)
-                    lane.prefill_next_turns()
+                elif not lane.rows and not waiting:  # idle: the next turns' prefixes
+                    lane.prefill_next_turns()  # (never between a busy batch's cycles)
         self._end(lane, waiting)
         self.model_provider.reset()
         del self.prompt_cache

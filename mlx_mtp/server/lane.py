@@ -49,6 +49,9 @@ def extras(request) -> RequestExtras:
 # template's closing tokens; a reasoning block re-rendered): never a whole
 # conversation a template renders differently next time
 NEXT_TURN_SLACK = 64
+# next turns waiting for the batch to idle (a prefill between a busy batch's
+# cycles would hold up every row); older ones send their answer's state to disk
+NEXT_TURNS_HELD = 8
 
 
 class MTPGenerationContext(GenerationContext):
@@ -296,6 +299,8 @@ class _Lane:
                                                    state.cache, persist=not ahead)
             if ahead:
                 self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
+                if len(self.next_turns) > NEXT_TURNS_HELD:
+                    self._persist(self.next_turns.pop(0))
         finally:
             state.rqueue.put(None)
 
@@ -305,8 +310,8 @@ class _Lane:
         answer's text its own way (the demo generates '\\n   ' where it writes
         '\\n', '   '), so the answer's stored state does not start the next
         turn; this one does, as a cold prefill of that turn reaches it, and
-        goes to disk too. Runs between cycles once the clients have their
-        answers, before the next request is taken, from the longest stored
+        goes to disk too. Runs once the batch is idle (no row decoding,
+        none waiting), before the next request is taken, from the longest stored
         prefix (the answer's state where the tokens agree), when that costs
         at most the answer's tokens and NEXT_TURN_SLACK; where there is no
         prefix, the answer's own state goes to disk instead."""
@@ -324,16 +329,13 @@ class _Lane:
             [self._next_turn_prefix(t) for t in turns]
         prefixes = []  # (tokens, the Request prefilling them) of every turn that has one
         for turn, tokens in zip(turns, rendered):
-            state = turn.state
             try:
                 usable = tokens is not None and len(tokens) < mp.context_length
                 cache, n = gen._fetch(key, tokens) if usable else (None, 0)
                 if usable and n == len(tokens):
                     continue  # (stored already)
                 if not usable or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
-                    if turn.stored:  # no prefix worth it: the answer's own state to disk
-                        gen.prompt_cache.insert_cache(key, state.key_tokens[:turn.stored],
-                                                      state.cache, persist=True)
+                    self._persist(turn)  # no prefix worth it
                     continue
                 cache = cache if cache is not None else mp.model.make_cache()
                 prefixes.append((tokens, self.batch.prepare(tokens[n:], cache, 0)))
@@ -355,6 +357,13 @@ class _Lane:
             return
         for tokens, r in prefixes:
             gen.prompt_cache.insert_cache(key, tokens, r.prompt_cache, persist=True)
+
+    def _persist(self, turn: _NextTurn):
+        """A next turn not prefilled ahead: its answer's own state goes to disk."""
+        if turn.stored:
+            self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
+                                               turn.state.key_tokens[:turn.stored],
+                                               turn.state.cache, persist=True)
 
     def _next_turn_prefix(self, turn: _NextTurn) -> Optional[list]:
         state = turn.state
