@@ -357,8 +357,8 @@ class MTPResponseGenerator(ResponseGenerator):
                 request, settings = waiting[0]
                 if not busy and not joining and (lane is None or not lane.accepts(
                         settings, [], width)):
-                    try:
-                        lane = _Lane(self, settings)
+                    try:  # (the finished chats' next turns wait for the new batch to idle)
+                        lane = _Lane(self, settings, lane.next_turns if lane is not None else ())
                     except Exception as e:  # e.g. settings the sampler refuses
                         waiting.popleft()
                         _Lane._fail(request[0], e)
@@ -421,6 +421,8 @@ class MTPResponseGenerator(ResponseGenerator):
         (handler.py), never a silently cut answer."""
         queues = [state.rqueue for state in lane.rows.values()] if lane is not None else []
         queues += [request[0] for request, _ in waiting]
+        for turn in lane.next_turns if lane is not None else ():  # (not prefilled: to disk)
+            lane.persist(turn)
         while self._rank == 0:
             try:
                 queues.append(self.requests.get_nowait()[0])

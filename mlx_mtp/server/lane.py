@@ -130,7 +130,7 @@ class _Lane:
     """The batch requests decode in (see `_generate`); a new one starts when a
     request cannot share the present one and it has drained."""
 
-    def __init__(self, gen, settings: _Settings):
+    def __init__(self, gen, settings: _Settings, next_turns=()):
         from ..batch import make_batch
 
         self.gen, self.depth = gen, settings.depth
@@ -140,7 +140,7 @@ class _Lane:
         self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
-        self.next_turns: list = []  # chats that finished (`prefill_next_turns`)
+        self.next_turns = list(next_turns)  # chats that finished (`prefill_next_turns`)
 
     def accepts(self, settings: _Settings, joining: list, width: int) -> bool:
         """A request with these settings can join now (the `joining` settings
@@ -300,7 +300,7 @@ class _Lane:
             if ahead:
                 self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
                 if len(self.next_turns) > NEXT_TURNS_HELD:
-                    self._persist(self.next_turns.pop(0))
+                    self.persist(self.next_turns.pop(0))
         finally:
             state.rqueue.put(None)
 
@@ -335,7 +335,7 @@ class _Lane:
                 if usable and n == len(tokens):
                     continue  # (stored already)
                 if not usable or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
-                    self._persist(turn)  # no prefix worth it
+                    self.persist(turn)  # no prefix worth it
                     continue
                 cache = cache if cache is not None else mp.model.make_cache()
                 prefixes.append((tokens, self.batch.prepare(tokens[n:], cache, 0)))
@@ -358,7 +358,7 @@ class _Lane:
         for tokens, r in prefixes:
             gen.prompt_cache.insert_cache(key, tokens, r.prompt_cache, persist=True)
 
-    def _persist(self, turn: _NextTurn):
+    def persist(self, turn: _NextTurn):
         """A next turn not prefilled ahead: its answer's own state goes to disk."""
         if turn.stored:
             self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
