@@ -42,10 +42,26 @@ MAX_TOKENS = 12
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 
 
+def ring(n: int = 2) -> list:
+    """mlx.launch of `n` ring ranks on this machine, listening on ports of
+    their own: every launch listens from --starting-port up (32323 unless
+    told), so two at once (two test workers) would connect to each other's
+    ranks."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:  # the next n - 1 ports free too
+            try:
+                for port in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return [LAUNCH, "-n", str(n), "--backend", "ring", "--starting-port", str(base)]
+
+
 def launch(args, timeout=240):
     """mlx.launch two ring ranks on this machine; the whole process group is
     killed on a timeout. Returns (exit code, output)."""
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, *args]
+    cmd = [*ring(), "--python", sys.executable, *args]
     env = dict(os.environ, PYTHONPATH=str(WORKER.parent) + os.pathsep + os.environ.get(
         "PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -356,7 +372,7 @@ def test_server_over_two_ranks(checkpoints, one_process_servers, tmp_path, mode)
     want = one_process_servers
     s = Server(["mlx_mtp.server", "--model", str(checkpoints["dense"]),
                 *(["--pipeline"] if mode == "pipeline" else [])], tmp_path / "server.log",
-               launch=[LAUNCH, "-n", "2", "--backend", "ring"], timeout=180)
+               launch=ring(), timeout=180)
     try:
         jobs = [lambda c=c, i=i: chat_text(s, c, stream=i % 2 == 1)
                 for i, c in enumerate(SERVER_CHATS)]
@@ -417,7 +433,7 @@ def test_a_rank_lost_inside_a_prefill(checkpoints, tmp_path):
 
     s = Server(["mlx_mtp.server", "--model", str(checkpoints["dense"]), "--pipeline",
                 "--prefill-step-size", "32", "--shutdown-grace", "0"], tmp_path / "server.log",
-               launch=[LAUNCH, "-n", "2", "--backend", "ring"], timeout=180)
+               launch=ring(), timeout=180)
     text = " ".join(f"w{i}" for i in range(700))  # ~2000 tokens: 60 pipelined chunks
 
     def ask():
