@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -216,14 +215,19 @@ def test_client_leaving_a_non_streamed_request_stops_it(mtp, path, body):
     with socket.create_connection(("127.0.0.1", mtp.port)) as s:
         s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(payload)}\r\n\r\n{payload}").encode())
-        time.sleep(2)  # decoding by now
-        busy = _cpu_seconds(mtp.proc.pid)
-        time.sleep(1)
-        assert _cpu_seconds(mtp.proc.pid) - busy > 0.3  # (it was decoding)
-    time.sleep(2)  # the watch polls 4 times a second; the row leaves at its next cycle
+        deadline = time.time() + 30
+        while True:  # until it decodes
+            busy = _cpu_seconds(mtp.proc.pid)
+            time.sleep(0.5)
+            if _cpu_seconds(mtp.proc.pid) - busy > 0.2 or time.time() > deadline:
+                break
+        assert _cpu_seconds(mtp.proc.pid) - busy > 0.2  # (it was decoding)
+    deadline = time.time() + 30  # the watch polls 4 times a second; the row leaves at its next cycle
+    while "non-streamed request left" not in mtp.text() and time.time() < deadline:
+        time.sleep(0.1)
     idle = _cpu_seconds(mtp.proc.pid)
-    time.sleep(2)
-    assert _cpu_seconds(mtp.proc.pid) - idle < 0.3
+    time.sleep(1.5)
+    assert _cpu_seconds(mtp.proc.pid) - idle < 0.25
     assert chat_text(mtp, CHATS[1]) == want
     assert "non-streamed request left" in mtp.text()
 
@@ -363,15 +367,21 @@ def test_api_key_strict_model_and_busy_server(tmp_path):
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         assert ok.chat.completions.create(model="mlx-mtp-demo", **CHATS[4]).choices
         # a batch of one, nothing waiting: a second request while the first runs gets 503
-        first = threading.Thread(target=lambda: ok.chat.completions.create(
-            model="default_model", messages=LONG_MESSAGES, max_tokens=300))
-        first.start()
-        time.sleep(1.0)
+        first = ok.chat.completions.create(model="default_model", messages=LONG_MESSAGES,
+                                           max_tokens=1000, stream=True)
+        next(iter(first))  # (it is decoding)
         r = requests.post(s.url + "/v1/chat/completions", json=CHATS[1],
                           headers={"Authorization": "Bearer sesame"})
-        first.join()
+        first.close()  # (the client leaves: its row ends, the batch has room again)
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
-        assert ok.chat.completions.create(model="default_model", **CHATS[1]).choices
+        deadline = time.time() + 30
+        while True:
+            r = requests.post(s.url + "/v1/chat/completions", json=CHATS[1],
+                              headers={"Authorization": "Bearer sesame"})
+            if r.status_code != 503 or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200 and r.json()["choices"], r.text
     finally:
         s.close()
     assert s.proc.returncode == 0

@@ -329,7 +329,7 @@ def test_bad_files_cost_a_log_line_and_a_cold_prefill(dense_ckpt, tmp_path):
     assert cached(cold[3]) == 0 and cold[0] == warm[0] == _cold(dense_ckpt, messages, 16)
 
 
-@pytest.mark.parametrize("requests_", [60, pytest.param(200, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("requests_", [30, pytest.param(200, marks=pytest.mark.slow)])
 def test_the_folder_keeps_its_cap_and_the_server_its_memory(tmp_path, requests_):
     """Many requests (4 at a time), each storing entries: the folder never
     holds more than its cap, and the server's memory after the last two
