@@ -36,8 +36,13 @@ class Scripted(DepthController):
         return self.script[(self.i - 1) % len(self.script)]
 
 
-@pytest.mark.parametrize("name", ["dense", "dense_bf16", "moe"])
-@pytest.mark.parametrize("prompt,step", [(SHORT, 2048), (LONG, 16)], ids=["short", "chunked"])
+# the prompt prefilled in one step on the dense model, in chunks on each (the other
+# one-step cases in the slow tier; test_oracle_parity runs both prompts on each model)
+@pytest.mark.parametrize("name,prompt,step", [
+    ("dense", SHORT, 2048), slow("dense_bf16", SHORT, 2048, id="short-dense_bf16"),
+    slow("moe", SHORT, 2048, id="short-moe"), ("dense", LONG, 16), ("dense_bf16", LONG, 16),
+    ("moe", LONG, 16)], ids=["short-dense", "short-dense_bf16", "short-moe", "chunked-dense",
+                             "chunked-dense_bf16", "chunked-moe"])
 def test_real_head_parity(loaded, name, prompt, step):
     """The real head's drafts at every depth: tokens equal mlx_lm's, and the
     log-prob row of every token too (bit for bit with the bundled BLAS)."""
@@ -52,11 +57,12 @@ def test_real_head_parity(loaded, name, prompt, step):
 
 
 @pytest.mark.parametrize("name,rate", [  # every loop at each rate on one model, MoE partly
-    slow("dense", 1.0), slow("dense", 0.6), slow("dense", 0.0), ("dense_bf16", 1.0), ("dense_bf16", 0.6),
-    ("dense_bf16", 0.0), slow("moe", 1.0), ("moe", 0.6), slow("moe", 0.0)])
+    slow("dense", 1.0), slow("dense", 0.6), slow("dense", 0.0), ("dense_bf16", 1.0),
+    slow("dense_bf16", 0.6), ("dense_bf16", 0.0), slow("moe", 1.0), ("moe", 0.6), slow("moe", 0.0)])
 def test_oracle_parity(loaded, name, rate):
     """Drafts right with probability `rate`: full, partial and no acceptance,
-    in every loop (all four on the dense model)."""
+    in every loop (all four on the dense model). The default tier: full and
+    none on bf16, partial on MoE."""
     model, ref_model, tok = loaded(name)
     V = model.vocab_size
     modes = MODES if name == "dense" else {"pipelined": {}}
