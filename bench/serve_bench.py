@@ -3,7 +3,9 @@
 Both servers are started by the bench (same model, same environment) and
 stay up; every round runs each workload on one server, then on the other
 (the order flips every round), so the two always meet the machine in the
-same state. Per workload it prints every round's completion tokens per
+same state. Each run starts once both servers are idle (no CPU time for
+0.3 s): work a server does after its answers (mlx_mtp's prefill of the next
+turn, cache writes) never runs inside the other's timed window. Per workload it prints every round's completion tokens per
 second of wall time (all completion tokens of the workload / its wall time),
 the median of the rounds' ratios mlx_mtp / mlx_lm (the paired ratio), time
 to first token p50 / p95 (streamed workloads; `agent` is not streamed, so
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import signal
 import socket
 import statistics
@@ -116,6 +119,28 @@ def stop(proc):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def wait_quiet(procs, window: float = 0.3, limit: float = 60.0) -> float:
+    """Wait until no server works in the background (a prefill of a next turn,
+    a cache write after the last answer), so that no workload is timed while
+    the other server still computes. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit:
+        before = [cpu_seconds(p.pid) for p in procs]
+        time.sleep(window)
+        if all(cpu_seconds(p.pid) - b < 0.05 * window for p, b in zip(procs, before)):
+            break
+    return time.perf_counter() - t0
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -245,9 +270,13 @@ def valid_json(text: str, schema: dict) -> bool:
         return False
 
 
-def json_clients(url, rnd: int, per_client: int = 2, max_tokens: int = 256, names=None):
-    """4 concurrent clients (or one per name), each asking for its own schema's JSON."""
+def json_clients(url, rnd: int, per_client: int = 2, max_tokens: int = 256, names=None,
+                 lengths=None):
+    """4 concurrent clients (or one per name), each asking for its own schema's
+    JSON. `lengths`: a dict (client, chat) -> answer length, filled when empty,
+    and else each request's max_tokens (jsonlen)."""
     names = names or list(SCHEMAS)[:4]
+    record = lengths is not None and not lengths
 
     def client(c):
         out = []
@@ -255,12 +284,15 @@ def json_clients(url, rnd: int, per_client: int = 2, max_tokens: int = 256, name
             name = names[c]
             fmt = {"type": "json_schema", "json_schema": {"name": name, "strict": True,
                                                           "schema": SCHEMAS[name]}}
+            limit = max_tokens if lengths is None or record else max(lengths.get((c, j), 1), 1)
             r = chat(url, [{"role": "user", "content": f"{_task(rnd, c * per_client + j)}\n"
                                                        f"{ASK_JSON.get(name, 'Answer as JSON.')}"}],
-                     max_tokens, {"response_format": fmt})
+                     limit, {"response_format": fmt})
             r["greedy"] = False  # (mlx_lm.server's answers are free text: not compared)
             if "error" not in r:
                 r["valid"] = r["finish"] == "stop" and valid_json(r["text"], SCHEMAS[name])
+                if record:
+                    lengths[(c, j)] = r["tokens"]
             out.append(r)
         return out
 
@@ -295,6 +327,16 @@ WORKLOADS.update({
     "json": json_clients,
     "json1free3": json1free3,
 })
+# jsonlen: json's requests, mlx_mtp.server first, then mlx_lm.server with each
+# request's max_tokens set to the length of mlx_mtp's answer to it (the same
+# number of tokens per request on both, so prompts weigh alike; per round)
+_LENGTHS: dict = {}
+WORKLOADS["jsonlen"] = lambda url, rnd: json_clients(url, rnd,
+                                                     lengths=_LENGTHS.setdefault(rnd, {}))
+
+
+def run_order(workload: str, order: list) -> list:
+    return ["mlx_mtp", "mlx_lm"] if workload == "jsonlen" else order
 
 
 def run(workload: str, url: str, rnd: int) -> dict:
@@ -348,12 +390,15 @@ def main(argv=None):
         for name, argv in servers.items():
             procs[name], urls[name] = start(argv, out.with_suffix(f".{name}.log"))
         for w in workloads:  # warm up: graphs traced, first allocations
-            for name in servers:
+            for name in run_order(w, list(servers)):
                 run(w, urls[name], -1)
         for rnd in range(args.rounds):
             order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
             for w in workloads:
-                pair = {name: run(w, urls[name], rnd) for name in order}
+                pair = {}
+                for name in run_order(w, order):
+                    wait_quiet(procs.values())
+                    pair[name] = run(w, urls[name], rnd)
                 rounds[w].append(pair)
                 lm, mtp = pair["mlx_lm"], pair["mlx_mtp"]
                 print(f"round {rnd + 1} {w:>6}: mlx_lm {lm['tps']:6.1f} tok/s, mlx_mtp "

@@ -572,8 +572,9 @@ class Batch:
             row.last, row.used = Finish(cycle.before, i, before_lens, y, tokens), 0
             row.landed += len(tokens)
             row.stats.record(k, a)
-            if row.matcher is not None:  # (tokens past a stop token are never emitted)
-                row.matcher.advance(tokens[:row.matcher.allowed_drafts(tokens)])
+            if row.matcher is not None:  # drawn under its masks: up to a stop token, the
+                # grammar allows them (advance checks); what follows a stop is never emitted
+                row.matcher.advance(row.matcher.before_stop(tokens))
             accepted.append(a)
             if row.history is not None:
                 row.history = mx.concatenate([row.history, mx.array(tokens, row.history.dtype)])

@@ -449,14 +449,17 @@ class Matcher:
 
     # -- masks ---------------------------------------------------------------
 
+    def before_stop(self, tokens: Sequence[int]) -> list:
+        """The tokens before the first stop token."""
+        for i, t in enumerate(tokens):
+            if t in self.stop_tokens:
+                return list(tokens[:i])
+        return list(tokens)
+
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
         """How many leading drafts the grammar allows here, up to and excluding
         the first stop token (what follows a stop token is never decoded)."""
-        drafts = [int(t) for t in drafts]
-        for i, t in enumerate(drafts):
-            if t in self.stop_tokens:
-                drafts = drafts[:i]
-                break
+        drafts = [int(t) for t in self.before_stop(drafts)]
         return self._matcher.validate_tokens(drafts) if drafts else 0
 
     def masks(self, drafts: Sequence[int] = ()) -> Tuple[np.ndarray, int]:
