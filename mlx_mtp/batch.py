@@ -376,10 +376,12 @@ class Batch:
             self.spec = spec = dataclasses.replace(spec, filters=filters, processors=processors)
             self.graphs.use(spec)
             self._parked_graphs = None
-        # a grammar's masks for a cycle need the cycle before it read
+        # a grammar's masks for a cycle need the cycle before it read: a guided
+        # batch queues ahead only a plain step's forward (`_ahead`)
         self.guided = any(r.matcher is not None for r in self.rows)
-        self.lookahead = 1 if (self.may_look_ahead and not spec.host_history
-                               and spec.trusted_sampler and not self.guided) else 0
+        may = self.may_look_ahead and not spec.host_history and spec.trusted_sampler
+        self.lookahead = 1 if may and not self.guided else 0
+        self.guided_ahead = may and self.guided
         if self.state is None or spec.sampler is not None:
             return
         f = spec.filters
@@ -422,7 +424,7 @@ class Batch:
         then costs what fixed depth 0 costs (docs/design.md §3, plain_step).
         Not for sharded models (every rank must run the same graphs)."""
         if (k or ctl is None or ctl.k or self.spec.group is not None or not self.spec.use_head
-                or ctl.quiet_cycles() <= RING + self.lookahead):
+                or ctl.quiet_cycles() <= RING + max(self.lookahead, int(self.guided_ahead))):
             return None
         if self._parked_graphs is None:
             spec = dataclasses.replace(self.spec, use_head=False, draft_vocab=None,
@@ -455,7 +457,21 @@ class Batch:
         """Each cycle emits at least one token for each of its rows."""
         return row.max_tokens < 0 or row.landed + len(self._in_flight(row)) < row.max_tokens
 
-    def _launch(self):
+    def _ahead(self) -> int:
+        """Cycles queued before the oldest is read. A guided batch queues one
+        ahead only while its next cycle is surely a plain step: then its
+        forward, whose masked sample follows once the cycle before is read
+        (`_complete`); a drafted cycle's drafts need their masks at once."""
+        if self._starting:
+            return 0
+        if not self.guided_ahead:
+            return self.lookahead
+        ctl = self._controller()
+        return int(self.depth == 0 if ctl is None else ctl.k == 0 and ctl.quiet_cycles() > 0)
+
+    def _launch(self) -> bool:
+        """Queue the next cycle (False: a guided batch's next cycle drafts, so
+        it waits for the one in flight to be read)."""
         spec, ctl = self.spec, self._controller()
         k = ctl.next_depth() if ctl is not None else self.depth
         # no drafts past what the rows asked for (not while rows sample: a seeded
@@ -463,6 +479,9 @@ class Batch:
         if not spec.speculative and all(r.max_tokens >= 0 for r in self.rows):
             k = min(k, max(max(r.max_tokens - r.landed - len(self._in_flight(r))
                                for r in self.rows) - 1, 0))
+        ahead = self.guided and bool(self.inflight)  # (a plain step's forward only)
+        if ahead and k:
+            return False
         catch_up = k > 0 and self.ledger.ring > 0
         cold = self._cold(ctl, k)
         self._grow(k, catch_up)
@@ -470,23 +489,47 @@ class Batch:
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
                        for r in self.rows]
-        guidance, masks = self._guidance(k) if self.guided else (None, None)
+        guidance, masks = self._guidance(k) if self.guided and not ahead else (None, None)
         keep = any(r.held.keep for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
-        if cold is not None:
+        out, pending = None, None
+        if ahead:
+            graphs = cold if cold is not None else self.graphs
+            mid, fwd = graphs.forward(self.state.without_head() if cold is not None
+                                      else self.state)
+            pending = (graphs, mid, fwd, cold is not None)
+        elif cold is not None:
             new, out = cold.step(self.state.without_head(), 0, False, history, guidance)
             self.state = new.with_head_of(self.state)
         else:
             self.state, out = self.graphs.step(self.state, k, catch_up, history, guidance, masks)
         built = time.perf_counter()
-        mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
+        if ahead:
+            mx.async_eval(fwd.logits, fwd.h, _arrays(mid))
+        else:
+            mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
         t1 = time.perf_counter()
         launched = Launched(k, out, before, self.graphs.traces > traces, list(self.rows),
-                            dict(build0=t0, build1=built, queued=t1), cold=cold is not None)
-        self.ledger.launched(launched, spec.use_head, self.state)
+                            dict(build0=t0, build1=built, queued=t1), cold=cold is not None,
+                            pending=pending)
+        if not ahead:
+            self.ledger.launched(launched, spec.use_head, self.state)
         self.inflight.append(launched)
         self._launched += 1
+        return True
+
+    def _complete(self, cycle: Launched):
+        """A guided plain step queued ahead: its masked sample, now that the
+        grammars have the tokens of the cycle before."""
+        graphs, mid, fwd, cold = cycle.pending
+        traces = self.graphs.traces
+        guidance, _ = self._guidance(0)
+        new, cycle.out = graphs.sample(mid, fwd, guidance)
+        self.state = new.with_head_of(self.state) if cold else new
+        mx.async_eval(cycle.out.packed, cycle.out.logprobs, _arrays(self.state))
+        cycle.pending, cycle.traced = None, cycle.traced or self.graphs.traces > traces
+        self.ledger.launched(cycle, self.spec.use_head, self.state)
 
     def _guidance(self, k: int):
         """The rows' grammars before a cycle of depth k: the mask of the next
@@ -543,13 +586,16 @@ class Batch:
         tokens' log-probs, drafts accepted), its bookkeeping done."""
         # a batch's first cycle is read before the next is queued: on MLX's CPU
         # backend queuing one runs most of it, which would delay the first token
-        ahead = 0 if self._starting else self.lookahead
+        ahead = self._ahead()
         while self.rows and len(self.inflight) <= ahead and any(
                 self._needs_more(r) for r in self.rows):
-            self._launch()
+            if not self._launch():
+                break
         if not self.inflight:
             return []
         cycle = self.inflight.popleft()
+        if cycle.pending is not None:  # (not reached: completed when the one before was read)
+            self._complete(cycle)
         first, self._starting = self._starting, False
         self.reads += 1
         wait0 = time.perf_counter()
@@ -581,10 +627,12 @@ class Batch:
             if is_host_side(self.spec.drafter):
                 self.spec.drafter.observe(tokens)
             out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
+        if self.inflight and self.inflight[0].pending is not None:
+            self._complete(self.inflight[0])  # (the grammars now have this cycle's tokens)
         if ctl is not None and accepted:
             ctl.update_acceptance(k, accepted)
             sample = cost_sample(cycle, self.inflight[-1] if self.inflight else cycle,
-                                 lookahead=bool(self.lookahead),
+                                 lookahead=bool(self.inflight),
                                  distributed=self.spec.group is not None, first=first,
                                  launches=self._launched, since=self._tic, now=toc)
             if sample is not None:

@@ -603,14 +603,37 @@ def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: b
     return settle(spec, state, proposals, verified, history)
 
 
-def plain_step(spec: Spec, aux: dict, state: DecodeState, history: Optional[list] = None,
-               guidance: Optional[Guidance] = None) -> Tuple[DecodeState, StepOutput]:
-    """One token without drafting; the head does not run (it catches up on
-    the last pair before it drafts again)."""
+@dataclass
+class Forwarded:
+    """A plain step's trunk forward over `y`: its hidden [B, 1, H] and raw
+    logits [B, 1, V]; the seam between `plain_forward` and `plain_sample`
+    (a constrained batch queues the forward before the host has the mask)."""
+
+    h: mx.array
+    logits: mx.array
+
+    def tree(self) -> dict:
+        return {"h": self.h, "logits": self.logits}
+
+    @classmethod
+    def from_tree(cls, tree: dict) -> "Forwarded":
+        return cls(tree["h"], tree["logits"])
+
+
+def plain_forward(spec: Spec, state: DecodeState) -> Tuple[DecodeState, Forwarded]:
+    """The trunk takes `y` (its caches advance one token)."""
     model = spec.model
     cache = state.cache.copy()
     h = model.trunk_hidden(state.y[:, None], cache.trunk)  # [B, 1, H]
-    logprobs = _logprobs(spec, model.logits_from_hidden(h), state, history, state.y[:, None],
+    return state.replace(cache=cache), Forwarded(h, model.logits_from_hidden(h))
+
+
+def plain_sample(spec: Spec, state: DecodeState, fwd: Forwarded, history: Optional[list] = None,
+                 guidance: Optional[Guidance] = None) -> Tuple[DecodeState, StepOutput]:
+    """The token after the forward: processed, masked, sampled; the pair
+    (hidden, token) goes into the head's ring."""
+    model = spec.model
+    logprobs = _logprobs(spec, fwd.logits, state, history, state.y[:, None],
                          words=None if guidance is None else guidance.first[:, None])
     key = state.key
     if spec.sampler is not None:
@@ -624,17 +647,25 @@ def plain_step(spec: Spec, aux: dict, state: DecodeState, history: Optional[list
     raw = spec.shared(y)
     y, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
     packed = _pack(mx.zeros_like(y), raw[:, None], y[:, None], logprobs, mx.zeros_like(y))
-    new = state.replace(cache=cache, y=y, emitted=state.emitted + 1, key=key)
+    new = state.replace(y=y, emitted=state.emitted + 1, key=key)
     if state.window is not None:
         new = new.replace(window=advance_window(state.window, state.y[:, None],
                                                 mx.ones_like(state.y)))
     if spec.use_head:  # the pair waits in the ring (the oldest is overwritten)
         at = (state.ring_n % RING).reshape(1)
         new = new.replace(
-            ring_h=mx.slice_update(state.ring_h, h.astype(state.ring_h.dtype), at, axes=(1,)),
+            ring_h=mx.slice_update(state.ring_h, fwd.h.astype(state.ring_h.dtype), at, axes=(1,)),
             ring_tok=mx.slice_update(state.ring_tok, y[:, None], at, axes=(1,)),
             ring_n=state.ring_n + 1)
     return new, StepOutput(packed, logprobs)
+
+
+def plain_step(spec: Spec, aux: dict, state: DecodeState, history: Optional[list] = None,
+               guidance: Optional[Guidance] = None) -> Tuple[DecodeState, StepOutput]:
+    """One token without drafting; the head does not run (it catches up on
+    the last pair before it drafts again)."""
+    state, fwd = plain_forward(spec, state)
+    return plain_sample(spec, state, fwd, history, guidance)
 
 
 def ring_order(ring_n):
@@ -705,9 +736,10 @@ class Graphs:
 
     def _build(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool):
         """One of the graphs: "cycle" (a drafted cycle), "plain", "flush",
-        "guided-plain" (a plain step under the grammars' masks), or a guided
+        "guided-plain" (a plain step under the grammars' masks), a guided
         cycle's two halves, "propose" (propose and verify) and "settle",
-        between which the host reads the drafts."""
+        between which the host reads the drafts, or a guided plain step's,
+        "forward" and "sample", between which the host reads the cycle before."""
         key = (name, k, catch_up, layout, forced_all) + self.spec.graph_key()
         # the graph keeps only what its key describes (no arrays of this call)
         spec, runtime = self.spec.static(), self.runtime
@@ -721,6 +753,13 @@ class Graphs:
                 if name in ("propose", "guided-plain") else None
             if name == "flush":
                 return flush_ring(spec, aux, state).tree()
+            if name == "forward":
+                state, fwd = plain_forward(spec, state)
+                return state.tree(), fwd.tree()
+            if name == "sample":
+                new, out = plain_sample(spec, state, Forwarded.from_tree(rest[0]), None,
+                                        Guidance.from_tree(rest[1], False))
+                return new.tree(), out.packed, out.logprobs
             if name == "propose":
                 state, proposals = propose(spec, aux, state, k, catch_up, None, guidance)
                 state, verified = verify(spec, state, proposals)
@@ -774,6 +813,24 @@ class Graphs:
         else:
             tree, packed, logprobs = self._fn("cycle" if k else "plain", k, catch_up, layout)(
                 state.tree(), self.aux)
+        return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
+
+    def forward(self, state: DecodeState) -> Tuple[DecodeState, Forwarded]:
+        """A plain step's first half: the trunk's forward (no mask needed yet)."""
+        if not (self.compiled and self.spec.compilable):
+            return plain_forward(self.spec, state)
+        layout = state.cache.layout
+        tree, fwd = self._fn("forward", 0, False, layout)(state.tree(), self.aux)
+        return DecodeState.from_tree(tree, layout), Forwarded.from_tree(fwd)
+
+    def sample(self, state: DecodeState, fwd: Forwarded, guidance: Guidance
+               ) -> Tuple[DecodeState, StepOutput]:
+        """Its second half: the grammars' masks applied, the token sampled."""
+        if not (self.compiled and self.spec.compilable):
+            return plain_sample(self.spec, state, fwd, None, guidance)
+        layout = state.cache.layout
+        tree, packed, logprobs = self._fn("sample", 0, False, layout)(
+            state.tree(), self.aux, fwd.tree(), guidance.tree())
         return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
 
     def flush(self, state: DecodeState) -> DecodeState:

@@ -189,6 +189,9 @@ class Launched:
     flush_after: bool = False  # the head caught up right after it (rows joined)
     cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
     counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
+    # a guided plain step queued ahead: its forward only, (graphs, state after the
+    # forward, Forwarded, cold), until the cycle before it is read (Batch._complete)
+    pending: Optional[tuple] = None
 
 
 class Ledger:

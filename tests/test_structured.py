@@ -196,6 +196,40 @@ def test_a_constrained_batch_stays_compiled_with_one_host_read_per_cycle_besides
     assert {"propose", "settle"} <= names
 
 
+def test_a_guided_plain_step_queues_its_forward_before_the_cycle_before_is_read(
+        loaded, monkeypatch):
+    """At depth 0 a constrained batch still looks ahead: each plain step's
+    trunk forward is queued before the previous token is read, its masked
+    sample once the grammars have that token (two graphs, "forward" and
+    "sample"). Rows with a grammar, another grammar and none, greedy and
+    seeded sampling, each get what they get alone without the lookahead."""
+    from mlx_mtp.batch import Batch
+
+    model, ref_model, tok = loaded("dense")
+    prompts = [tok.encode(p) for p in ("hello world", "def f(x):", "import os")]
+    constraints = [mlx_mtp.constrain(SCHEMA), None, mlx_mtp.constrain(regex="[a-z]{3,30}")]
+    completed = []
+    complete = Batch._complete
+    monkeypatch.setattr(Batch, "_complete", lambda self, c: (completed.append(c.k),
+                                                             complete(self, c)))
+    for sampler in (None, mlx_mtp.make_sampler(temp=0.9)):
+        kw = dict(max_tokens=24, sampler=sampler, return_token_ids=True, seeds=[5, 6, 7])
+        completed.clear()
+        got = mlx_mtp.batch_generate(model, tok, prompts, draft_tokens=0,
+                                     constraint=constraints, **kw).token_ids
+        assert len(completed) >= 10 and set(completed) == {0}
+        alone = [[t for t, _ in mlx_mtp.generate_step(
+            mx.array(p), model, max_tokens=24, draft_tokens=0, constraint=c, tokenizer=tok,
+            sampler=sampler, seed=s, lookahead=False)] for p, c, s in zip(prompts, constraints,
+                                                                       kw["seeds"])]
+        assert got == [a[:len(g)] for g, a in zip(got, alone)]  # (the stop token left out)
+        assert all(len(a) - len(g) in (0, 1) for g, a in zip(got, alone))
+        if sampler is None:  # and what plain decoding gives
+            assert got[0] == constrained_plain_generate(ref_model, tok, prompts[0],
+                                                        constraints[0], max_tokens=24).tokens
+    assert {"forward", "sample"} <= {key[0] for key in model.runtime.traces}
+
+
 def test_forced_tokens_are_drafted_by_the_grammar(loaded):
     """Where the grammar leaves one token, it drafts it, not the head (q
     one-hot: kept with probability 1), and a cycle whose drafts are all forced
