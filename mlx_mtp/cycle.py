@@ -28,7 +28,9 @@ Each step is a function state -> (state, output) with nothing kept elsewhere:
 A drafted cycle is three stages with typed seams between them: `propose`
 (catch up, draft) -> `Proposals`; `verify` (the trunk's forward, each GDN
 layer's `Capture` taken out of its cache) -> `Verified`; `settle` (accept,
-commit). `drafted_cycle` runs the three in one graph.
+commit). `drafted_cycle` runs the three in one graph. A plain step is two:
+`plain_forward` -> `Forwarded` -> `plain_sample` (one graph, or two when a
+constrained batch queues the forward before it has the mask).
 
 Feeding mlx_lm's own caches (the prompt, the tokens a finished generation
 leaves) is `prefill.py`'s: nothing here mutates a prompt cache.
