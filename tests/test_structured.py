@@ -228,6 +228,12 @@ def test_a_guided_plain_step_queues_its_forward_before_the_cycle_before_is_read(
             assert got[0] == constrained_plain_generate(ref_model, tok, prompts[0],
                                                         constraints[0], max_tokens=24).tokens
     assert {"forward", "sample"} <= {key[0] for key in model.runtime.traces}
+    # one host read per plain step: the cycle's own (the masks need no other)
+    (got,), (stats,), reads, _ = _guided_run(model, tok, prompts[0], constraints[0], 0, 24)
+    want = constrained_plain_generate(ref_model, tok, prompts[0], constraints[0], max_tokens=24)
+    assert got[:len(want.tokens)] == want.tokens
+    assert len(got) == len(want.tokens) + (want.finish_reason == "stop")
+    assert max(reads) <= 1 and sum(reads) == stats.cycles
 
 
 def test_forced_tokens_are_drafted_by_the_grammar(loaded):
