@@ -39,7 +39,7 @@ from .mlx_lm_compat import generation_stream
 from .params import DecodeOptions
 from .prefill import feed, prefill
 from .rows import (Finish, HeldCache, Launched, Ledger, Lengths, MTPStats,  # noqa: F401
-                   Request, Row, row_key)  # (MTPStats: re-exported)
+                   Pending, Request, Row, row_key)  # (MTPStats: re-exported)
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
                        SamplerArrays, bias_row, start_window)
 
@@ -498,7 +498,7 @@ class Batch:
             graphs = cold if cold is not None else self.graphs
             mid, fwd = graphs.forward(self.state.without_head() if cold is not None
                                       else self.state)
-            pending = (graphs, mid, fwd, cold is not None)
+            pending = Pending(graphs, mid, fwd, cold is not None)
         elif cold is not None:
             new, out = cold.step(self.state.without_head(), 0, False, history, guidance)
             self.state = new.with_head_of(self.state)
@@ -522,11 +522,10 @@ class Batch:
     def _complete(self, cycle: Launched):
         """A guided plain step queued ahead: its masked sample, now that the
         grammars have the tokens of the cycle before."""
-        graphs, mid, fwd, cold = cycle.pending
-        traces = self.graphs.traces
+        pending, traces = cycle.pending, self.graphs.traces
         guidance, _ = self._guidance(0)
-        new, cycle.out = graphs.sample(mid, fwd, guidance)
-        self.state = new.with_head_of(self.state) if cold else new
+        new, cycle.out = pending.graphs.sample(pending.state, pending.fwd, guidance)
+        self.state = new.with_head_of(self.state) if pending.cold else new
         mx.async_eval(cycle.out.packed, cycle.out.logprobs, _arrays(self.state))
         cycle.pending, cycle.traced = None, cycle.traced or self.graphs.traces > traces
         self.ledger.launched(cycle, self.spec.use_head, self.state)
@@ -594,7 +593,8 @@ class Batch:
         if not self.inflight:
             return []
         cycle = self.inflight.popleft()
-        if cycle.pending is not None:  # (not reached: completed when the one before was read)
+        if cycle.pending is not None:  # (completed when the one before was read, unless
+            # that read raised before it got there)
             self._complete(cycle)
         first, self._starting = self._starting, False
         self.reads += 1

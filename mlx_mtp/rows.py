@@ -22,12 +22,13 @@ import numpy as np
 from mlx_lm.models.cache import CacheList, KVCache
 
 from .cache import MTPCache, fill_empty, head_caches
-from .cycle import RING, DecodeState, Spec, ring_order
+from .cycle import RING, DecodeState, Forwarded, Spec, ring_order
 from .prefill import catch_up, feed
 from .sampling import RowSampling
 
 if TYPE_CHECKING:
     from .constraint import Matcher
+    from .cycle import Graphs
 
 
 
@@ -153,6 +154,16 @@ class Finish(NamedTuple):
     tokens: List[int]  # that cycle's tokens, of which the caller used `Row.used`
 
 
+class Pending(NamedTuple):
+    """A guided plain step queued ahead: its forward only, until the cycle
+    before it is read (`Batch._complete` queues its masked sample)."""
+
+    graphs: "Graphs"  # the graphs it runs on (a parked batch's depth 0 ones when cold)
+    state: DecodeState  # the state after the forward
+    fwd: Forwarded
+    cold: bool  # depth 0's graph: the head's part comes from the batch's state
+
+
 @dataclass(eq=False)  # rows are compared by identity
 class Row:
     """What the host keeps for one sequence of a batch."""
@@ -189,9 +200,7 @@ class Launched:
     flush_after: bool = False  # the head caught up right after it (rows joined)
     cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
     counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
-    # a guided plain step queued ahead: its forward only, (graphs, state after the
-    # forward, Forwarded, cold), until the cycle before it is read (Batch._complete)
-    pending: Optional[tuple] = None
+    pending: Optional[Pending] = None  # its masked sample not queued yet
 
 
 class Ledger:
