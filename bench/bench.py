@@ -801,9 +801,10 @@ def constrained_bench(args, path, model, ref_model, tok, prompts, prompt_ids, de
     print(f"constrained plain decoding: {base_tps:.1f} tok/s; complete valid JSON "
           f"{plain_valid}/{plain_runs}")
     print("pairs = median of adjacent pairs' tok/s ratios; pooled = total tokens / total time "
-          "ratio (both against constrained plain decoding); forced = drafts the grammar forced")
+          "ratio (both against constrained plain decoding); forced = drafts the grammar forced; "
+          "jumps = cycles that verified a forced run alone (no head draft)")
     print(f"{'depth':>6} {'tok/s':>8} {'pairs':>6} {'pooled':>7} {'tok/cycle':>9} "
-          f"{'forced':>7} {'valid':>7} {'same':>7}  acceptance per position")
+          f"{'forced':>7} {'jumps':>6} {'valid':>7} {'same':>7}  acceptance per position")
     rows = []
     for lab, k in zip(labels, depths):
         r = per[lab]
@@ -813,10 +814,10 @@ def constrained_bench(args, path, model, ref_model, tok, prompts, prompt_ids, de
         rows.append({"depth": k, "tok_s": tps, "ratio_pair_median": statistics.median(r["pairs"]),
                      "ratio_pooled": pooled, "ratio_pairs": r["pairs"],
                      "tokens_per_cycle": r["stats"].tokens_per_cycle, "acceptance": acc,
-                     "forced_drafts": r["stats"].forced,
+                     "forced_drafts": r["stats"].forced, "jumps": r["stats"].jumps,
                      "valid": r["valid"], "same": r["same"], "runs": r["runs"]})
         print(f"{lab:>6} {tps:>8.1f} {rows[-1]['ratio_pair_median']:>5.2f}x {pooled:>6.2f}x "
-              f"{r['stats'].tokens_per_cycle:>9.2f} {r['stats'].forced:>7} "
+              f"{r['stats'].tokens_per_cycle:>9.2f} {r['stats'].forced:>7} {r['stats'].jumps:>6} "
               f"{r['valid']:>3}/{r['runs']:<3} "
               f"{r['same']:>3}/{r['runs']:<3}  " + (" ".join(f"{a:.0%}" for a in acc) or "-"))
     same = all(r["same"] == r["runs"] for r in rows)

@@ -103,6 +103,10 @@ def make_batch(model, options: Optional[DecodeOptions] = None, *,
                  default_sampler=sampler, default_processors=logits_processors or ())
 
 
+# a run the grammars force past the depth is verified alone in one forward
+# of one of these lengths (a graph each; what is left of a run goes next cycle)
+JUMPS = (2, 3, 4, 6, 8, 12, 16)
+
 # prompts of at most this many new tokens join in one batched prefill
 # (mlx_lm.server's --prompt-concurrency default); longer ones alone
 PREFILL_BATCH = 8
@@ -469,16 +473,51 @@ class Batch:
         ctl = self._controller()
         return int(self.depth == 0 if ctl is None else ctl.k == 0 and ctl.quiet_cycles() > 0)
 
+    def _draft_budget(self) -> Optional[int]:
+        """The most drafts a cycle may verify: none past what the rows asked
+        for (None: no bound; none while rows sample: a seeded row's draws at a
+        fixed depth must not depend on the rows beside it)."""
+        if self.spec.speculative or any(r.max_tokens < 0 for r in self.rows):
+            return None
+        return max(max(r.max_tokens - r.landed - len(self._in_flight(r))
+                       for r in self.rows) - 1, 0)
+
+    def _forced_runs(self, ctl) -> Optional[List[List[int]]]:
+        """Each row's run of tokens its grammar forces from here, when every
+        row has a grammar and the batch may verify a run alone (`_jump`)."""
+        spec = self.spec
+        depth = self.depth if ctl is None else ctl.k
+        # a sampled row's keys per cycle follow its cycles: at a fixed depth
+        # they must not depend on the rows beside it (under auto they do anyway)
+        if (not self.guided or self.inflight or not depth or spec.speculative and ctl is None
+                or not all(r.matcher is not None for r in self.rows)):
+            return None
+        budget = self._draft_budget()
+        limit = JUMPS[-1] if budget is None else min(JUMPS[-1], budget)
+        return [r.matcher.forced(limit=limit) for r in self.rows]
+
+    def _jump(self, ctl, runs: Optional[List[List[int]]]) -> int:
+        """The depth of a cycle that verifies the grammars' forced tokens
+        alone (0: none): when every row's run is longer than the depth, one
+        forward of a JUMPS length takes it, no head draft and no host read
+        mid-cycle (docs/design.md §10). Not parked at depth 0."""
+        if not runs:
+            return 0
+        depth = self.depth if ctl is None else ctl.k
+        fits = [j for j in JUMPS if j <= min(len(r) for r in runs)]
+        return fits[-1] if fits and fits[-1] > depth else 0
+
     def _launch(self) -> bool:
         """Queue the next cycle (False: a guided batch's next cycle drafts, so
         it waits for the one in flight to be read)."""
         spec, ctl = self.spec, self._controller()
-        k = ctl.next_depth() if ctl is not None else self.depth
-        # no drafts past what the rows asked for (not while rows sample: a seeded
-        # row's draws at a fixed depth must not depend on the rows beside it)
-        if not spec.speculative and all(r.max_tokens >= 0 for r in self.rows):
-            k = min(k, max(max(r.max_tokens - r.landed - len(self._in_flight(r))
-                               for r in self.rows) - 1, 0))
+        runs = self._forced_runs(ctl)
+        jump = self._jump(ctl, runs)
+        # a jump takes no depth from the controller (its probes wait)
+        k = jump or (ctl.next_depth() if ctl is not None else self.depth)
+        budget = self._draft_budget()
+        if budget is not None:
+            k = min(k, budget)
         ahead = self.guided and bool(self.inflight)  # (a plain step's forward only)
         if ahead and k:
             return False
@@ -489,7 +528,7 @@ class Batch:
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
                        for r in self.rows]
-        guidance, masks = self._guidance(k) if self.guided and not ahead else (None, None)
+        guidance, masks = self._guidance(k, runs) if self.guided and not ahead else (None, None)
         keep = any(r.held.keep for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
@@ -512,7 +551,7 @@ class Batch:
         t1 = time.perf_counter()
         launched = Launched(k, out, before, self.graphs.traces > traces, list(self.rows),
                             dict(build0=t0, build1=built, queued=t1), cold=cold is not None,
-                            pending=pending)
+                            pending=pending, jump=bool(jump))
         if not ahead:
             self.ledger.launched(launched, spec.use_head, self.state)
         self.inflight.append(launched)
@@ -530,11 +569,13 @@ class Batch:
         cycle.pending, cycle.traced = None, cycle.traced or self.graphs.traces > traces
         self.ledger.launched(cycle, self.spec.use_head, self.state)
 
-    def _guidance(self, k: int):
+    def _guidance(self, k: int, runs: Optional[List[List[int]]] = None):
         """The rows' grammars before a cycle of depth k: the mask of the next
-        position and the drafts each grammar forces (Guidance), and the
-        function that gives the masks after each draft prefix once the drafts
-        are read (rows without a grammar: every token)."""
+        position and the drafts each grammar forces (Guidance; `runs`: each
+        row's forced run, when known), and the function that gives the masks
+        after each draft prefix, from the drafts read, or from the forced
+        drafts when the grammars force them all (no read: None is passed)
+        (rows without a grammar: every token)."""
         from .constraint import batch_masks
 
         guided = [(i, r.matcher) for i, r in enumerate(self.rows) if r.matcher is not None]
@@ -547,13 +588,16 @@ class Batch:
         if k:
             forced = np.full((len(self.rows), k), -1, np.int32)
             for i, m in guided:
-                run = m.forced(limit=k)
+                run = m.forced(limit=k) if runs is None else runs[i][:k]
                 forced[i, :len(run)] = run
                 self.rows[i].stats.forced += len(run)
         forced_all = forced is not None and bool((forced >= 0).all())
 
-        def masks(drafts: np.ndarray) -> mx.array:
-            self.reads += 1
+        def masks(drafts: Optional[np.ndarray]) -> mx.array:
+            if drafts is None:
+                drafts = forced
+            else:
+                self.reads += 1
             out = np.full((len(self.rows), k + 1, width), -1, np.int32)
             words, _ = batch_masks([(m, drafts[i].tolist()) for i, m in guided], k + 1)
             out[at] = words.view(np.int32)
@@ -617,7 +661,8 @@ class Batch:
             y = (row.last.tokens or [row.last.y])[-1]
             row.last, row.used = Finish(cycle.before, i, before_lens, y, tokens), 0
             row.landed += len(tokens)
-            row.stats.record(k, a)
+            row.stats.record(0 if cycle.jump else k, a)  # (a jump's drafts are not the head's)
+            row.stats.jumps += cycle.jump
             if row.matcher is not None:  # drawn under its masks: up to a stop token, the
                 # grammar allows them (advance checks); what follows a stop is never emitted
                 row.matcher.advance(row.matcher.before_stop(tokens))
@@ -629,7 +674,7 @@ class Batch:
             out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
         if self.inflight and self.inflight[0].pending is not None:
             self._complete(self.inflight[0])  # (the grammars now have this cycle's tokens)
-        if ctl is not None and accepted:
+        if ctl is not None and accepted and not cycle.jump:  # (not the controller's depth)
             ctl.update_acceptance(k, accepted)
             sample = cost_sample(cycle, self.inflight[-1] if self.inflight else cycle,
                                  lookahead=bool(self.inflight),

@@ -788,21 +788,22 @@ class Graphs:
         step (k == 0). With guidance (rows with grammars) a drafted cycle runs
         as two graphs: propose and verify, then the host reads the drafts and
         `masks(drafts)` gives the grammars' masks after each draft prefix
-        ([B, k+1, W]), then settle: one host round trip besides the cycle's read."""
+        ([B, k+1, W]), then settle: one host round trip besides the cycle's read
+        (none when the grammars forced every draft: `masks(None)`)."""
         compiled = self.compiled and self.spec.compilable
         if guidance is not None and k:
             if compiled:
                 layout = state.cache.layout
                 tree, ptree, vtree = self._fn("propose", k, catch_up, layout, guidance.forced_all)(
                     state.tree(), self.aux, guidance.tree())
-                words = masks(np.array(ptree["drafts"]))
+                words = masks(None if guidance.forced_all else np.array(ptree["drafts"]))
                 tree, packed, logprobs = self._fn("settle", k, catch_up, layout,
                                                   guidance.forced_all)(
                     tree, self.aux, ptree, vtree, words)
                 return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
             state, proposals = propose(self.spec, self.aux, state, k, catch_up, history, guidance)
             state, verified = verify(self.spec, state, proposals)
-            words = masks(np.array(proposals.drafts))
+            words = masks(None if guidance.forced_all else np.array(proposals.drafts))
             return settle(self.spec, state, proposals, verified, history, words)
         if not compiled:
             if k == 0:

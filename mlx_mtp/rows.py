@@ -62,6 +62,7 @@ class MTPStats:
     drafted_at: List[int] = field(default_factory=list)
     accepted_at: List[int] = field(default_factory=list)
     forced: int = 0  # drafts a grammar forced (they take the head's place)
+    jumps: int = 0  # cycles that verified a forced run alone (no head draft)
 
     def record(self, depth: int, accepted: int):
         self.cycles += 1
@@ -78,6 +79,7 @@ class MTPStats:
         self.cycles += other.cycles
         self.emitted += other.emitted
         self.forced += other.forced
+        self.jumps += other.jumps
         for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
             while len(self.drafted_at) <= i:
                 self.drafted_at.append(0)
@@ -201,6 +203,7 @@ class Launched:
     cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
     counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
     pending: Optional[Pending] = None  # its masked sample not queued yet
+    jump: bool = False  # it verified the grammars' forced run alone (Batch._jump)
 
 
 class Ledger:

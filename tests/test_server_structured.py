@@ -74,6 +74,8 @@ def test_json_schema_answer_is_valid(srv, stream):
     if not stream:
         r = client(srv).chat.completions.create(**kw)
         text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        mtp = r.usage.model_extra["mtp"]  # the grammar's forced drafts are counted
+        assert mtp["forced"] > 0 and 0 <= mtp["jumps"] <= mtp["cycles"]
     else:
         text, finish = "", None
         for chunk in client(srv).chat.completions.create(stream=True, **kw):

@@ -250,6 +250,65 @@ def test_forced_tokens_are_drafted_by_the_grammar(loaded):
     assert any(key[0] == "propose" and key[4] for key in model.runtime.traces)  # forced_all
 
 
+@pytest.mark.parametrize("k", [1, "auto"])
+def test_a_forced_run_longer_than_the_depth_is_verified_in_one_forward(loaded, k):
+    """A run the grammar forces past the depth is verified alone in one
+    forward (a "jump": its drafts the grammar's, no head draft, no host read
+    besides the cycle's own), for one row and for rows that all have a run;
+    the tokens are constrained plain decoding's, also where max_tokens cuts
+    a run short."""
+    model, ref_model, tok = loaded("dense")
+    prompt = tok.encode("hello world")
+    constraint = mlx_mtp.constrain(regex=r"(ab|cd)e[f]{6}ghij(k|l)mnopqrstuv")
+    jumps = 0
+    for n, rows in ((40, 1), (40, 2), (7, 1)):
+        want = constrained_plain_generate(ref_model, tok, prompt, constraint, max_tokens=n)
+        got, stats, reads, _ = _guided_run(model, tok, prompt, constraint, k, n, rows=rows)
+        for row, st in zip(got, stats):
+            assert row[:len(want.tokens)] == want.tokens
+            assert len(row) == len(want.tokens) + (want.finish_reason == "stop")
+            assert sum(reads) <= 2 * st.cycles - st.jumps  # a jump reads once
+            jumps += st.jumps
+    assert jumps >= 3
+    assert any(key[0] == "propose" and key[1] > 3 for key in model.runtime.traces)
+
+
+@pytest.mark.slow
+def test_a_sampled_jump_keeps_the_constrained_distribution(loaded):
+    """Sampled rows jump too (under auto): χ² of the tokens before and after
+    a forced run, at temperature 1, against the exact constrained plain
+    distribution (the trunk's softmax masked to {a, b}, the run between).
+    Slow tier: the greedy jump test is the default tier's."""
+    from mlx_mtp.constraint import row_matcher
+
+    model, ref_model, tok = loaded("dense")
+    prompt = tok.encode("hello world")
+    constraint = mlx_mtp.constrain(regex="[ab]efghijklm[ab]")
+    a, b = tok.encode("a")[-1], tok.encode("b")[-1]
+    joint = {}
+    for first in (a, b):
+        matcher = row_matcher(constraint, tok, model.vocab_size).advance([first])
+        run = matcher.forced()
+        assert len(run) >= 3
+        ctx = list(prompt)
+        probs = []
+        for prefix in ([], [first] + run):
+            logits = ref_model(mx.array([ctx + prefix]))[0, -1].astype(mx.float32)
+            probs.append(np.array(mx.softmax(logits[mx.array([a, b])])))
+        for last in (a, b):
+            joint[(first, last)] = float(probs[0][int(first == b)] * probs[1][int(last == b)])
+        skip = 1 + len(run)
+    n = 400
+    stats = []
+    out = mlx_mtp.batch_generate(model, tok, [prompt] * n, max_tokens=skip + 2,
+                                 draft_tokens="auto", constraint=constraint,
+                                 sampler=mlx_mtp.make_sampler(temp=1.0), seeds=list(range(n)),
+                                 return_token_ids=True, stats=stats, completion_batch_size=50)
+    samples = [(ids[0], ids[skip]) for ids in out.token_ids]
+    assert sum(s.jumps for s in stats) >= n // 2
+    assert chi2_pvalue(samples, joint) > ALPHA
+
+
 def test_thinking_under_a_grammar_is_one_rule(tmp_path):
     """Thinking is off under a grammar unless asked for (the chat template's
     `enable_thinking`: the CLI and the server call constraint.thinking_args);

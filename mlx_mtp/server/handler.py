@@ -417,6 +417,8 @@ class MTPAPIHandler(APIHandler):
                 "drafted": stats.drafted, "accepted": stats.accepted,
                 "acceptance": [round(a, 4) for a in stats.acceptance],
                 "tokens_per_cycle": round(stats.tokens_per_cycle, 4), "cycles": stats.cycles}
+            if stats.forced:  # a grammar's: drafts it forced, runs verified alone
+                response["usage"]["mtp"].update(forced=stats.forced, jumps=stats.jumps)
         return response
 
     def generate_response(self, *args, **kwargs):
