@@ -42,6 +42,11 @@ Run only when named (--workloads):
              valid under their schema on each server (mlx_lm.server ignores
              response_format: its answers are free text, not compared with
              ours; ours must all be valid, else the bench exits 1)
+  jsonlen    json's requests, mlx_lm.server held to each of our answers'
+             lengths (mlx_mtp runs first): decode against decode
+  json1      1 client, json's weather schema, 4 chats one after another (an
+             agent's structured calls: a batch of one row, whose forced runs
+             are verified alone)
 
 On Linux CPU use an fp32 model with OpenBLAS preloaded (docs/design.md); the
 servers inherit the environment:
@@ -325,6 +330,8 @@ WORKLOADS.update({
     "xtc": lambda url, rnd: clients(url, 1, 4, 96, rnd, fields=[{
         "temperature": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.1, "seed": 4}]),
     "json": json_clients,
+    # one client's structured answers in turn (the batch of one row jumps its forced runs)
+    "json1": lambda url, rnd: json_clients(url, rnd, per_client=4, names=["weather"]),
     "json1free3": json1free3,
 })
 # jsonlen: json's requests, mlx_mtp.server first, then mlx_lm.server with each

@@ -471,7 +471,11 @@ class Batch:
         if not self.guided_ahead:
             return self.lookahead
         ctl = self._controller()
-        return int(self.depth == 0 if ctl is None else ctl.k == 0 and ctl.quiet_cycles() > 0)
+        if ctl is None:
+            return int(self.depth == 0)
+        # parked: not when every grammar forces 3 tokens from the last read (the
+        # next launch, after this read, may then jump a run of 2 or more)
+        return int(ctl.k == 0 and ctl.quiet_cycles() > 0 and not self._may_jump(3))
 
     def _draft_budget(self) -> Optional[int]:
         """The most drafts a cycle may verify: none past what the rows asked
@@ -482,15 +486,25 @@ class Batch:
         return max(max(r.max_tokens - r.landed - len(self._in_flight(r))
                        for r in self.rows) - 1, 0)
 
-    def _forced_runs(self, ctl) -> Optional[List[List[int]]]:
-        """Each row's run of tokens its grammar forces from here, when every
-        row has a grammar and the batch may verify a run alone (`_jump`)."""
-        spec = self.spec
-        depth = self.depth if ctl is None else ctl.k
-        # a sampled row's keys per cycle follow its cycles: at a fixed depth
-        # they must not depend on the rows beside it (under auto they do anyway)
-        if (not self.guided or self.inflight or not depth or spec.speculative and ctl is None
-                or not all(r.matcher is not None for r in self.rows)):
+    def _jumps_allowed(self) -> bool:
+        """Whether this batch may verify forced runs alone (`_jump`): every
+        row has a grammar, the head is there (not plain decoding at a fixed
+        depth 0), and no sampled row at a fixed depth (a sampled row's keys
+        per cycle follow its cycles, which there must not depend on the rows
+        beside it; under auto they do anyway)."""
+        return (self.guided and self.spec.use_head
+                and not (self.spec.speculative and self.depth != "auto")
+                and all(r.matcher is not None for r in self.rows))
+
+    def _may_jump(self, n: int) -> bool:
+        """Every row's grammar forces at least n tokens from the last read."""
+        return self._jumps_allowed() and all(len(r.matcher.forced(limit=n)) >= n
+                                             for r in self.rows)
+
+    def _forced_runs(self) -> Optional[List[List[int]]]:
+        """Each row's run of tokens its grammar forces from here, when the
+        batch may verify a run alone and no cycle is in flight."""
+        if self.inflight or not self._jumps_allowed():
             return None
         budget = self._draft_budget()
         limit = JUMPS[-1] if budget is None else min(JUMPS[-1], budget)
@@ -500,7 +514,8 @@ class Batch:
         """The depth of a cycle that verifies the grammars' forced tokens
         alone (0: none): when every row's run is longer than the depth, one
         forward of a JUMPS length takes it, no head draft and no host read
-        mid-cycle (docs/design.md §10). Not parked at depth 0."""
+        mid-cycle (docs/design.md §10); parked at depth 0 too (a run of 2 in
+        one forward costs less than 2 plain steps, alone or in a batch)."""
         if not runs:
             return 0
         depth = self.depth if ctl is None else ctl.k
@@ -511,7 +526,7 @@ class Batch:
         """Queue the next cycle (False: a guided batch's next cycle drafts, so
         it waits for the one in flight to be read)."""
         spec, ctl = self.spec, self._controller()
-        runs = self._forced_runs(ctl)
+        runs = self._forced_runs()
         jump = self._jump(ctl, runs)
         # a jump takes no depth from the controller (its probes wait)
         k = jump or (ctl.next_depth() if ctl is not None else self.depth)

@@ -158,12 +158,12 @@ def test_generated_output_validates_or_is_cut(loaded, schema, seed, k, sampled):
         assert last.generation_tokens == 48
 
 
-def _guided_run(model, tok, prompt, constraint, k, n, rows=1, **kw):
+def _guided_run(model, tok, prompt, constraint, k, n, rows=1, controller=None, **kw):
     """A batch of `rows` copies of one constrained request at depth k: (each
     row's tokens, the rows' stats, host reads per cycle, the batch)."""
     from mlx_mtp.batch import make_batch
 
-    batch = make_batch(model, draft_tokens=k)
+    batch = make_batch(model, draft_tokens=k, controller=controller)
     stats = [MTPStats() for _ in range(rows)]
     made = batch.add([batch.prepare(prompt, None, n, stats=s, constraint=constraint, tokenizer=tok,
                                     stop_tokens=tok.eos_token_ids, **kw) for s in stats])
@@ -250,27 +250,39 @@ def test_forced_tokens_are_drafted_by_the_grammar(loaded):
     assert any(key[0] == "propose" and key[4] for key in model.runtime.traces)  # forced_all
 
 
-@pytest.mark.parametrize("k", [1, "auto"])
-def test_a_forced_run_longer_than_the_depth_is_verified_in_one_forward(loaded, k):
+@pytest.mark.parametrize("k", [1, "auto", "parked"])
+def test_a_forced_run_longer_than_the_depth_is_verified_in_one_forward(loaded, k, monkeypatch):
     """A run the grammar forces past the depth is verified alone in one
     forward (a "jump": its drafts the grammar's, no head draft, no host read
-    besides the cycle's own), for one row and for rows that all have a run;
+    besides the cycle's own), for one row and for rows that all have a run,
+    also where `auto` is parked at depth 0 (its plain steps looking ahead);
     the tokens are constrained plain decoding's, also where max_tokens cuts
     a run short."""
+    from mlx_mtp.batch import Batch
+    from mlx_mtp.depth import DepthController
+
+    controller, completed = None, []
+    if k == "parked":  # no probe within the test
+        k, controller = "auto", DepthController(initial=0, probe_every=10**6)
+        complete = Batch._complete  # (a plain step's sample queued after the read)
+        monkeypatch.setattr(Batch, "_complete", lambda self, c: (completed.append(c.k),
+                                                                 complete(self, c)))
     model, ref_model, tok = loaded("dense")
     prompt = tok.encode("hello world")
     constraint = mlx_mtp.constrain(regex=r"(ab|cd)e[f]{6}ghij(k|l)mnopqrstuv")
-    jumps = 0
     for n, rows in ((40, 1), (40, 2), (7, 1)):
         want = constrained_plain_generate(ref_model, tok, prompt, constraint, max_tokens=n)
-        got, stats, reads, _ = _guided_run(model, tok, prompt, constraint, k, n, rows=rows)
+        got, stats, reads, batch = _guided_run(model, tok, prompt, constraint, k, n, rows=rows,
+                                               controller=controller)
         for row, st in zip(got, stats):
             assert row[:len(want.tokens)] == want.tokens
             assert len(row) == len(want.tokens) + (want.finish_reason == "stop")
             assert sum(reads) <= 2 * st.cycles - st.jumps  # a jump reads once
-            jumps += st.jumps
-    assert jumps >= 3
+            if n == 40:  # 25 tokens: 2 choices, the runs after them in 1-2 jumps each
+                assert st.jumps >= 3 and st.cycles <= 5
     assert any(key[0] == "propose" and key[1] > 3 for key in model.runtime.traces)
+    if controller is not None:  # parked throughout, its plain steps looking ahead
+        assert controller.k == 0 and completed
 
 
 @pytest.mark.slow
