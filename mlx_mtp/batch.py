@@ -492,30 +492,42 @@ class Batch:
         depth 0), and no sampled row at a fixed depth (a sampled row's keys
         per cycle follow its cycles, which there must not depend on the rows
         beside it; under auto they do anyway)."""
-        return (self.guided and self.spec.use_head
+        return (self.guided and self.spec.use_head and self.spec.drafter is None
                 and not (self.spec.speculative and self.depth != "auto")
                 and all(r.matcher is not None for r in self.rows))
 
     def _may_jump(self, n: int) -> bool:
-        """Every row's grammar forces at least n tokens from the last read."""
-        return self._jumps_allowed() and all(len(r.matcher.forced(limit=n)) >= n
-                                             for r in self.rows)
+        """Every row's grammar forces at least n tokens from the last read,
+        and the rows ask for enough tokens to jump."""
+        budget = self._draft_budget()
+        return (self._jumps_allowed() and (budget is None or budget >= JUMPS[0])
+                and all(len(r.matcher.forced(limit=n)) >= n for r in self.rows))
 
-    def _forced_runs(self) -> Optional[List[List[int]]]:
-        """Each row's run of tokens its grammar forces from here, when the
-        batch may verify a run alone and no cycle is in flight."""
+    def _forced_runs(self, depth: int) -> Optional[List[List[int]]]:
+        """Each row's run of tokens its grammar forces from here, when every
+        run is longer than `depth` and than 1 (a jump may follow) and no
+        cycle is in flight; else None (`_guidance` then finds each row's
+        first k). Each run is looked for only as far as the shortest so far."""
         if self.inflight or not self._jumps_allowed():
             return None
         budget = self._draft_budget()
         limit = JUMPS[-1] if budget is None else min(JUMPS[-1], budget)
-        return [r.matcher.forced(limit=limit) for r in self.rows]
+        runs = []
+        for r in self.rows:
+            run = r.matcher.forced(limit=limit)
+            if len(run) <= max(depth, 1):
+                return None
+            runs.append(run)
+            limit = len(run)
+        return runs
 
     def _jump(self, ctl, runs: Optional[List[List[int]]]) -> int:
         """The depth of a cycle that verifies the grammars' forced tokens
         alone (0: none): when every row's run is longer than the depth, one
         forward of a JUMPS length takes it, no head draft and no host read
-        mid-cycle (docs/design.md §10); parked at depth 0 too (a run of 2 in
-        one forward costs less than 2 plain steps, alone or in a batch)."""
+        mid-cycle (docs/design.md §10); parked at depth 0 too (a jump of 2
+        emits 3 tokens from one forward of 3: 1.3 decodes for one row on
+        this CPU, against 3 plain steps)."""
         if not runs:
             return 0
         depth = self.depth if ctl is None else ctl.k
@@ -526,7 +538,7 @@ class Batch:
         """Queue the next cycle (False: a guided batch's next cycle drafts, so
         it waits for the one in flight to be read)."""
         spec, ctl = self.spec, self._controller()
-        runs = self._forced_runs()
+        runs = self._forced_runs(self.depth if ctl is None else ctl.k)
         jump = self._jump(ctl, runs)
         # a jump takes no depth from the controller (its probes wait)
         k = jump or (ctl.next_depth() if ctl is not None else self.depth)
