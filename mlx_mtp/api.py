@@ -30,6 +30,8 @@ class MTPGenerationResponse(GenerationResponse):
     acceptance: List[float] = field(default_factory=list)
     tokens_per_cycle: float = 0.0
     draft_tokens: Union[int, str] = 0
+    forced: int = 0  # drafts a grammar forced
+    jumps: int = 0  # cycles that verified a forced run alone
 
 
 def _wrapped(tokenizer) -> TokenizerWrapper:
@@ -185,6 +187,7 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=event.finish,
             drafted=stats.drafted, accepted=stats.accepted, acceptance=stats.acceptance,
             tokens_per_cycle=stats.tokens_per_cycle, draft_tokens=draft_tokens,
+            forced=stats.forced, jumps=stats.jumps,
         )
 
     with wired_limit(model, [generation_stream]):
@@ -350,11 +353,13 @@ def print_stats(response: MTPGenerationResponse, model=None, file=None):
     print(f"Generation: {response.generation_tokens} tokens, "
           f"{response.generation_tps:.3f} tokens-per-sec", file=file)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=file)
-    if response.drafted:
+    if response.drafted or response.jumps:
         acc = ", ".join(f"{a:.0%}" for a in response.acceptance)
+        forced = (f"; {response.forced} drafts forced by the grammar, {response.jumps} runs "
+                  "verified in one forward" if response.forced else "")
         print(f"MTP: draft depth {response.draft_tokens}, acceptance per position [{acc}], "
               f"{response.tokens_per_cycle:.2f} tokens per cycle "
-              f"({response.accepted}/{response.drafted} drafts accepted)", file=file)
+              f"({response.accepted}/{response.drafted} drafts accepted{forced})", file=file)
     elif model is not None and not getattr(model, "has_mtp", False):
         print("MTP: off (the model has no MTP head)", file=file)
     else:

@@ -47,6 +47,17 @@ def test_regex_and_grammar(dense_ckpt, tmp_path, capsys):
     assert re.fullmatch(r"(yes|no) because [a-z]{1,12}\.", out.rstrip("\n")), out
 
 
+def test_verbose_counts_the_grammars_forced_drafts_and_jumps(dense_ckpt, capsys):
+    """--verbose: the MTP line says how many drafts the grammar forced and
+    how many runs were verified in one forward (a run of 6 forced letters)."""
+    code, out, err = run(capsys, "--model", str(dense_ckpt), "--prompt", "hi", "--verbose",
+                         "--max-tokens", "40", "--regex", r"(ab|cd)efghij(k|l)")
+    assert code == 0, err
+    m = re.search(r"; (\d+) drafts forced by the grammar, (\d+) runs verified in one forward",
+                  out)
+    assert m and int(m[1]) >= 5 and int(m[2]) >= 1, out
+
+
 def test_thinking_is_off_under_a_constraint(tmp_path, capsys):
     """A template that would open a think block: the grammar covers the whole
     output, so the CLI asks the template not to think (and says so)."""
