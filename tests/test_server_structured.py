@@ -190,6 +190,8 @@ def test_openai_forced_tool_call_has_valid_arguments(srv, choice, name):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     assert calls[0].function.name in ([name] if name else schemas)
     valid(calls[0].function.arguments, schemas[calls[0].function.name])
+    if name:  # the call's name and keys are runs the grammar forces: verified alone
+        assert r.usage.model_extra["mtp"]["jumps"] >= 1
 
 
 def test_forced_tool_call_after_reasoning(srv):
