@@ -274,12 +274,12 @@ def test_a_forced_run_longer_than_the_depth_is_verified_in_one_forward(loaded, k
         want = constrained_plain_generate(ref_model, tok, prompt, constraint, max_tokens=n)
         got, stats, reads, batch = _guided_run(model, tok, prompt, constraint, k, n, rows=rows,
                                                controller=controller)
-        for row, st in zip(got, stats):
+        for row, row_stats in zip(got, stats):
             assert row[:len(want.tokens)] == want.tokens
             assert len(row) == len(want.tokens) + (want.finish_reason == "stop")
-            assert sum(reads) <= 2 * st.cycles - st.jumps  # a jump reads once
+            assert sum(reads) <= 2 * row_stats.cycles - row_stats.jumps  # a jump reads once
             if n == 40:  # 25 tokens: 2 choices, the runs after them in 1-2 jumps each
-                assert st.jumps >= 3 and st.cycles <= 5
+                assert row_stats.jumps >= 3 and row_stats.cycles <= 5
     assert any(key[0] == "propose" and key[1] > 3 for key in model.runtime.traces)
     if controller is not None:  # parked throughout, its plain steps looking ahead
         assert controller.k == 0 and completed
