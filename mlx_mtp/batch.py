@@ -592,7 +592,8 @@ class Batch:
         guidance, _ = self._guidance(0)
         new, cycle.out = pending.graphs.sample(pending.state, pending.fwd, guidance)
         self.state = new.with_head_of(self.state) if pending.cold else new
-        mx.async_eval(cycle.out.packed, cycle.out.logprobs, _arrays(self.state))
+        # (the caches were queued with the forward: only the sample's arrays now)
+        mx.async_eval(cycle.out.packed, cycle.out.logprobs, _arrays(new.without_caches()))
         cycle.pending, cycle.traced = None, cycle.traced or self.graphs.traces > traces
         self.ledger.launched(cycle, self.spec.use_head, self.state)
 

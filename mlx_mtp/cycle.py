@@ -132,6 +132,10 @@ class DecodeState:
     def without_buffers(self) -> "DecodeState":
         return self.replace(cache=self.cache.without_buffers())
 
+    def without_caches(self) -> "DecodeState":
+        """The state of a step that neither reads nor writes the caches."""
+        return self.replace(cache=MTPCache([], []))
+
     # the head's part of the state, which a parked plain step neither reads nor writes
     HEAD_FIELDS = ("g", "ring_h", "ring_tok", "ring_n")
 
@@ -828,13 +832,18 @@ class Graphs:
 
     def sample(self, state: DecodeState, fwd: Forwarded, guidance: Guidance
                ) -> Tuple[DecodeState, StepOutput]:
-        """Its second half: the grammars' masks applied, the token sampled."""
+        """Its second half: the grammars' masks applied, the token sampled.
+        The caches are no inputs (the forward left them as they stay), so
+        few arrays cross the graph's boundary."""
+        light = state.without_caches()
         if not (self.compiled and self.spec.compilable):
-            return plain_sample(self.spec, state, fwd, None, guidance)
-        layout = state.cache.layout
-        tree, packed, logprobs = self._fn("sample", 0, False, layout)(
-            state.tree(), self.aux, fwd.tree(), guidance.tree())
-        return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
+            new, out = plain_sample(self.spec, light, fwd, None, guidance)
+        else:
+            layout = light.cache.layout
+            tree, packed, logprobs = self._fn("sample", 0, False, layout)(
+                light.tree(), self.aux, fwd.tree(), guidance.tree())
+            new, out = DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
+        return new.replace(cache=state.cache), out
 
     def flush(self, state: DecodeState) -> DecodeState:
         if not (self.compiled and self.spec.compilable):
