@@ -503,14 +503,14 @@ class Batch:
         return (self._jumps_allowed() and (budget is None or budget >= JUMPS[0])
                 and all(len(r.matcher.forced(limit=n)) >= n for r in self.rows))
 
-    def _forced_runs(self, depth: int) -> Optional[List[List[int]]]:
-        """Each row's run of tokens its grammar forces from here, when every
-        run is longer than `depth` and than 1 (a jump may follow) and no
-        cycle is in flight; else None (`_guidance` then finds each row's
-        first k). Each run is looked for only as far as the shortest so far."""
+    def _forced_runs(self, depth: int, budget: Optional[int]) -> Optional[List[List[int]]]:
+        """Each row's run of tokens its grammar forces from here (at most
+        `budget`, `_draft_budget`'s), when every run is longer than `depth`
+        and than 1 (a jump may follow) and no cycle is in flight; else None
+        (`_guidance` then finds each row's first k). Each run is looked for
+        only as far as the shortest so far."""
         if self.inflight or not self._jumps_allowed():
             return None
-        budget = self._draft_budget()
         limit = JUMPS[-1] if budget is None else min(JUMPS[-1], budget)
         runs = []
         for r in self.rows:
@@ -521,16 +521,15 @@ class Batch:
             limit = len(run)
         return runs
 
-    def _jump(self, ctl, runs: Optional[List[List[int]]]) -> int:
+    def _jump(self, depth: int, runs: Optional[List[List[int]]]) -> int:
         """The depth of a cycle that verifies the grammars' forced tokens
-        alone (0: none): when every row's run is longer than the depth, one
+        alone (0: none): when every row's run is longer than `depth`, one
         forward of a JUMPS length takes it, no head draft and no host read
         mid-cycle (docs/design.md §10); parked at depth 0 too (a jump of 2
         emits 3 tokens from one forward of 3: 1.3 decodes for one row on
         this CPU, against 3 plain steps)."""
         if not runs:
             return 0
-        depth = self.depth if ctl is None else ctl.k
         fits = [j for j in JUMPS if j <= min(len(r) for r in runs)]
         return fits[-1] if fits and fits[-1] > depth else 0
 
@@ -538,11 +537,11 @@ class Batch:
         """Queue the next cycle (False: a guided batch's next cycle drafts, so
         it waits for the one in flight to be read)."""
         spec, ctl = self.spec, self._controller()
-        runs = self._forced_runs(self.depth if ctl is None else ctl.k)
-        jump = self._jump(ctl, runs)
+        depth, budget = self.depth if ctl is None else ctl.k, self._draft_budget()
+        runs = self._forced_runs(depth, budget)
+        jump = self._jump(depth, runs)
         # a jump takes no depth from the controller (its probes wait)
         k = jump or (ctl.next_depth() if ctl is not None else self.depth)
-        budget = self._draft_budget()
         if budget is not None:
             k = min(k, budget)
         ahead = self.guided and bool(self.inflight)  # (a plain step's forward only)
