@@ -247,7 +247,7 @@ BAD = [
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                          "temperature": -1}).encode(), 400),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
-                                         "frobnicate": True}).encode(), 400),
+                                         "functions": [{"name": "f"}]}).encode(), 400),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]}).encode(), 400),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [

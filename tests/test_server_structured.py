@@ -524,3 +524,37 @@ def test_xml_refuses_what_its_format_cannot_carry(xml_model, prop, words):
         structured.openai(dict(tools=tools, tool_choice="required"), tok, model.vocab_size)
     assert e.value.status == 400 and e.value.param.startswith("tools.0.function.parameters")
     assert words in str(e.value), str(e.value)
+
+
+# -- the Responses API (Codex, the Agents SDK): a forced call is a function_call item ----------
+RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"],
+                    "description": t["function"]["description"],
+                    "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_forced_call_is_a_function_call_item(srv, stream):
+    """tool_choice "required" on /v1/responses: the answer is a function_call
+    item whose arguments are valid under the tool's parameters; sent back
+    with its output, the conversation goes on (the agent loop)."""
+    kw = dict(model="any", input="What is the weather in Paris?", tools=RESPONSES_TOOLS,
+              tool_choice={"type": "function", "name": "get_weather"},
+              reasoning={"effort": "none"}, max_output_tokens=120)
+    if stream:
+        events = list(client(srv).responses.create(stream=True, **kw))
+        kinds = [e.type for e in events]
+        assert "response.function_call_arguments.done" in kinds, kinds
+        response = events[-1].response
+    else:
+        response = client(srv).responses.create(**kw)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and len(calls) == 1, response.output
+    assert calls[0].name == "get_weather"
+    valid(calls[0].arguments, WEATHER)
+    turn = client(srv).responses.create(
+        model="any", tools=RESPONSES_TOOLS, max_output_tokens=4, input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+             "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert turn.usage.input_tokens > response.usage.input_tokens

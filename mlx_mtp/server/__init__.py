@@ -23,8 +23,9 @@ with three subclasses:
   pace, JSON, schemas, what cannot be honoured, the prompt's size before it
   is tokenized, context length, a bounded queue) and answers errors with
   OpenAI's error object; it adds MTP statistics to `usage`, writes logprobs
-  in OpenAI's shape, and serves `POST /v1/messages` (Anthropic Messages,
-  anthropic.py). A request that fails once its answer began ends with its
+  in OpenAI's shape, decodes `n` choices as batch rows, and serves
+  `POST /v1/messages` (Anthropic Messages, anthropic.py) and
+  `POST /v1/responses` (responses.py). A request that fails once its answer began ends with its
   protocol's error event; SIGTERM lets requests in flight finish within
   `--shutdown-grace` first.
 
@@ -38,7 +39,9 @@ lockstep; what only rank 0 knows reaches the others through `_tick`
 (docs/distributed.md, "The server over ranks").
 
 The package, module by module: `schemas.py` (request schemas, validation,
-`ApiError`), `anthropic.py` (the Messages API over the chat machinery),
+`ApiError`, errors in each API's words), `anthropic.py` (the Messages API
+over the chat machinery), `responses.py` (OpenAI's Responses API over it),
+`roles.py` (where system messages go, for every API),
 `generation.py` (the model provider, the generation thread, the shutdown),
 `lane.py` (the batch requests decode in), `stops.py` (stop strings on the
 text), `answer.py` (what an answer says and how it ended, for both APIs),

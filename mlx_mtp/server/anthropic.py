@@ -11,6 +11,7 @@ content_block_start/delta/stop, message_delta, message_stop), and
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -18,12 +19,14 @@ from .. import params
 from ..mlx_lm_compat import NEUTRAL, CompletionRequest, generation_arguments
 from . import structured
 from .answer import Answer
-from .generation import ClientWatch, Refused
-from .schemas import ApiError, generation_failed, validate
+from .generation import generate_for
+from .schemas import ApiError, generation_failed, validate, warn_once
 
 # Request fields we act on, and those a client may send that do not change
-# the output (accepted, ignored); anything else is refused. The numeric ones
-# (max_tokens, temperature, top_p, top_k) are made from the table in params.py.
+# the output (accepted, ignored); any other field is ignored with a warning
+# once (schemas.ignore_unknown): a client newer than this server sends fields
+# it does not know. The numeric ones (max_tokens, temperature, top_p, top_k)
+# are made from the table in params.py.
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p",
           "top_k", "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier",
           "cache_control", "container", "diagnostics", "inference_geo", "output_config", "speed",
@@ -37,7 +40,7 @@ REQUEST_SCHEMA = {
         "model": {"type": "string"},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"enum": ["user", "assistant"]},
+            "properties": {"role": {"enum": ["user", "assistant", "system"]},
                            "content": {"type": ["string", "array"]}}}},
         "system": {"type": ["string", "array"]},
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
@@ -46,9 +49,15 @@ REQUEST_SCHEMA = {
         "thinking": {"type": "object", "properties": {
             "budget_tokens": {"type": "integer", "minimum": 1}}},
     },
-    "additionalProperties": False,
 }
 REQUEST_SCHEMA["properties"].update({k: {} for k in FIELDS - set(REQUEST_SCHEMA["properties"])})
+# Claude Code's first system block: a billing line whose last digits change
+# with every session (`cc_version=2.1.332.0b8`). Anthropic's API reads it as
+# request metadata; here it is left out of the prompt, so a new session's
+# system prompt and tools are the last session's, token for token, and its
+# stored prefix is read back (a prompt without it is rendered, cached and
+# answered alike: nothing the model sees differs between the two).
+ATTRIBUTION = "x-anthropic-billing-header:"
 
 
 class RequestError(ValueError):
@@ -59,12 +68,13 @@ class RequestError(ValueError):
 
 # Content blocks by where they may appear. Read: text (its text), tool_use
 # (an assistant's call), tool_result (a user's answer to one), thinking (an
-# assistant's reasoning). Dropped, as they carry nothing a local model reads:
+# assistant's reasoning), tool_reference (a tool search's result: the named
+# deferred tool's definition, as text in its place). Dropped, as they carry nothing a local model reads:
 # redacted_thinking (encrypted by Anthropic). Refused: image and document
 # (the models read text), and any other type (the request would lose it).
 BLOCKS = {"user": ("text", "tool_result"),
           "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
-          "system": ("text",), "tool_result": ("text",)}
+          "system": ("text",), "tool_result": ("text", "tool_reference")}
 UNSUPPORTED = ("image", "document")
 
 
@@ -118,28 +128,71 @@ def check_tool_choice(body: dict, tool_calling: bool):
                                "template has no tool calling", "tool_choice")
 
 
+def _system(system, where: str = "system") -> str:
+    """A system prompt's text, Claude Code's per-session billing line left
+    out (ATTRIBUTION)."""
+    if isinstance(system, str):
+        return "" if system.startswith(ATTRIBUTION) and "\n" not in system.strip() else system
+    if isinstance(system, list):
+        _check_blocks(system, where, BLOCKS["system"])
+        system = [b for b in system if not b["text"].startswith(ATTRIBUTION)]
+    return _text(system, where, BLOCKS["system"])
+
+
+def _tool(t: dict) -> dict:
+    return {"type": "function", "function": {
+        "name": t["name"], "description": t.get("description", ""),
+        "parameters": t.get("input_schema", {"type": "object", "properties": {}})}}
+
+
+def _tool_result(content, where: str, deferred: Dict[str, dict]) -> str:
+    """A tool result's text; a tool_reference block (a tool search found a
+    deferred tool) is that tool's definition, as JSON."""
+    if not isinstance(content, list):
+        return _text(content or "", where, BLOCKS["tool_result"])
+    _check_blocks(content, where, BLOCKS["tool_result"])
+    parts = []
+    for block in content:
+        if block["type"] == "text":
+            parts.append(block["text"])
+            continue
+        name = block.get("tool_name")
+        tool = deferred.get(name)
+        parts.append(json.dumps(_tool(tool)["function"]) if tool is not None
+                     else f"(tool {name!r})")
+    return "\n".join(parts) if len(parts) > 1 else "".join(parts)
+
+
 def to_chat(body: dict) -> Tuple[List[dict], Optional[List[dict]], List[str], Dict[str, Any]]:
     """(chat messages, tools, stop words, chat template arguments) of a
     validated Messages request; RequestError for a content block it would
-    otherwise lose."""
+    otherwise lose. System messages inside `messages` (Claude Code's) stay
+    where they are: the server places them as the chat template allows
+    (roles.py). Tools with `defer_loading` are not shown to the model until
+    a tool search's result names them (Anthropic's rule)."""
     messages: List[dict] = []
-    if body.get("system"):
-        messages.append({"role": "system",
-                         "content": _text(body["system"], "system", BLOCKS["system"])})
+    system = _system(body["system"]) if body.get("system") else ""
+    if system:
+        messages.append({"role": "system", "content": system})
+    deferred = {t["name"]: t for t in body.get("tools") or () if t.get("defer_loading")}
     for i, m in enumerate(body["messages"]):
         content = m["content"]
+        where = f"messages.{i}.content"
+        if m["role"] == "system":  # (one with no text, `content: []`, says nothing)
+            text = _system(content, where)
+            if text:
+                messages.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             messages.append({"role": m["role"], "content": content})
             continue
-        where = f"messages.{i}.content"
         _check_blocks(content, where, BLOCKS[m["role"]])
         if m["role"] == "user":
             for j, block in enumerate(content):  # tool results answer the assistant's calls first
                 if block["type"] == "tool_result":
                     messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                     "content": _text(block.get("content") or "",
-                                                      f"{where}.{j}.content",
-                                                      BLOCKS["tool_result"])})
+                                     "content": _tool_result(block.get("content"),
+                                                             f"{where}.{j}.content", deferred)})
             rest = [b for b in content if b["type"] != "tool_result"]
             if rest:
                 messages.append({"role": "user", "content": _text(rest)})
@@ -155,12 +208,7 @@ def to_chat(body: dict) -> Tuple[List[dict], Optional[List[dict]], List[str], Di
         if calls:
             msg["tool_calls"] = calls
         messages.append(msg)
-    tools = None
-    if body.get("tools"):
-        tools = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema", {"type": "object", "properties": {}})}}
-            for t in body["tools"]]
+    tools = [_tool(t) for t in body.get("tools") or () if not t.get("defer_loading")] or None
     template_args = {}
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
@@ -280,14 +328,19 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
     if count_only:  # count_tokens: no max_tokens
         schema = dict(schema, required=["model", "messages"])
     validate(body, schema, "anthropic")
+    for beta in handler.headers.get("anthropic-beta", "").split(","):
+        if beta.strip():  # (betas name Anthropic's features: none changes what is decoded here)
+            warn_once(("anthropic-beta", beta.strip()), f"anthropic-beta {beta.strip()!r}: "
+                      "accepted (nothing this server does depends on it)", logging.INFO)
     handler._check_model(body["model"])
-    handler._check_limits(body, ("max_tokens",))
+    if not count_only:  # (count_tokens takes the Messages body whole: max_tokens is not read)
+        handler._check_limits(body, ("max_tokens",))
     try:
         messages, tools, stop_words, template_args = to_chat(body)
         check_tool_choice(body, mp.tokenizer.has_tool_calling)
     except RequestError as e:
         raise ApiError(400, str(e), param=e.param) from None
-    max_tokens = body.get("max_tokens", 1)
+    max_tokens = 1 if count_only else body["max_tokens"]
     template_args, wanted = structured.thinking_for_grammar(
         structured.anthropic(body, tools, mp.tokenizer, mp.model.vocab_size), template_args,
         cli.chat_template_args, mp.tokenizer.has_thinking, max_tokens,
@@ -309,39 +362,27 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
         if stream:
             handler._write_event("ping", {"type": "ping"})
 
-    watch = None if stream else ClientWatch(handler.connection, request)
-    try:
-        ctx, response = rg.generate(request, args, progress_callback=keepalive)
-    except BaseException as e:
-        if watch is not None:
-            watch.close()
-        if isinstance(e, Refused):
-            raise e.error from None
-        raise
-    msg = Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
-                            ctx.prompt_cache_created)
-    if stream:
-        handler._set_stream_headers(200)
-        handler.end_headers()
-        handler._write_event(*msg.start_event())
-    said = Answer(ctx, tools, mp.tokenizer)
-    try:
-        for gen in response:
-            for part in said.feed(gen):
-                msg.feed(part)
-            if stream:
-                for event in msg.events():
-                    handler._write_event(*event)
-    except (BrokenPipeError, ConnectionResetError, TimeoutError):
-        raise
-    except Exception as e:  # (a shutdown past --shutdown-grace, the generation failing)
-        if not stream:
-            raise e if isinstance(e, ApiError) else generation_failed(e) from None
-        return handler._end_in_protocol(e, "anthropic")
-    finally:
-        ctx.stop()
-        if watch is not None:
-            watch.close()
+    with generate_for(handler, request, args, stream, keepalive) as (ctx, response):
+        msg = Message(mp.served_id, len(ctx.prompt), max(ctx.prompt_cache_count, 0),
+                      ctx.prompt_cache_created)
+        if stream:
+            handler._set_stream_headers(200)
+            handler.end_headers()
+            handler._write_event(*msg.start_event())
+        said = Answer(ctx, tools, mp.tokenizer)
+        try:
+            for gen in response:
+                for part in said.feed(gen):
+                    msg.feed(part)
+                if stream:
+                    for event in msg.events():
+                        handler._write_event(*event)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            raise
+        except Exception as e:  # (a shutdown past --shutdown-grace, the generation failing)
+            if not stream:
+                raise e if isinstance(e, ApiError) else generation_failed(e) from None
+            return handler._end_in_protocol(e, "anthropic")
     slot.release()  # (the generation ended: what is left is writing)
     msg.finish(said.finish(), said.tokens)
     if stream:

@@ -29,7 +29,9 @@ from ..loader import load
 from ..mlx_lm_compat import CompletionRequest, ModelProvider, ResponseGenerator, generation_stream
 from .lane import _Lane, _Settings, extras
 from .logprobs import TokenText
-from .schemas import ApiError, generation_failed, most_chars, prompt_chars, shutdown_error
+from .roles import late_system_role, place_system
+from .schemas import (ApiError, context_exceeded, generation_failed, most_chars, prompt_chars,
+                      shutdown_error)
 
 # sharded, rank 0's news (requests, clients gone) reaches the other ranks every
 # this many cycles: each `_tick` is a round of collectives and a host sync
@@ -102,6 +104,8 @@ class MTPModelProvider(ModelProvider):
         # the tokenizer's added tokens (a chat template's markers): text never
         # merges across them, so a rendered prefix ending in one is final
         self.marker_ids = frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
+        # where a system message after the conversation began goes (roles.py)
+        self.late_system = late_system_role(tokenizer)
         # structured output's tokenizer (llguidance walks the vocabulary: seconds at
         # 248K tokens), built in the background rather than on the first request
         threading.Thread(target=_warm_structured, args=(tokenizer, model.vocab_size),
@@ -145,18 +149,18 @@ def _warm_structured(tokenizer, vocab_size: int):
 
 # -- generation ---------------------------------------------------------------------------------
 class Slot:
-    """A request's place among those generated or waiting: given back once
-    its generation ended (`release`, once), before its answer is written, so
-    a client that sends its next request as soon as it reads the answer (an
-    agent) finds the place free."""
+    """A request's places among those generated or waiting (one per choice,
+    OpenAI's `n`): given back once its generation ended (`release`, once),
+    before its answer is written, so a client that sends its next request
+    as soon as it reads the answer (an agent) finds the place free."""
 
-    def __init__(self, slots: threading.Semaphore):
-        self._slots, self._held = slots, True
+    def __init__(self, slots: threading.Semaphore, count: int = 1):
+        self._slots, self._held = slots, count
 
     def release(self):
         if self._held:
-            self._held = False
-            self._slots.release()
+            self._slots.release(self._held)
+            self._held = 0
 
 
 class MTPResponseGenerator(ResponseGenerator):
@@ -239,13 +243,18 @@ class MTPResponseGenerator(ResponseGenerator):
         return ctx, recorded()
 
     @contextlib.contextmanager
-    def slot(self):
-        """One of the requests being generated or waiting (a `Slot`); 503
-        past the bound."""
-        if not self._slots.acquire(blocking=False):
+    def slot(self, count: int = 1):
+        """`count` places among the requests being generated or waiting (a
+        `Slot`); 503 past the bound."""
+        taken = 0
+        while taken < count and self._slots.acquire(blocking=False):
+            taken += 1
+        if taken < count:
+            if taken:
+                self._slots.release(taken)
             raise ApiError(503, "the server is busy: too many requests are waiting; retry "
                                 "later", kind="server_error", code="overloaded")
-        held = Slot(self._slots)
+        held = Slot(self._slots, count)
         try:
             yield held
         finally:
@@ -260,6 +269,8 @@ class MTPResponseGenerator(ResponseGenerator):
         mp = self.model_provider
         self.check_prompt_size(request.prompt if request.request_type == "text" else None,
                                request.messages or (), max_tokens)
+        if request.request_type == "chat":
+            request.messages = place_system(request.messages, mp.late_system)
         try:
             # kept on the request: the generation thread then does not render it again
             given = extras(request)
@@ -274,26 +285,49 @@ class MTPResponseGenerator(ResponseGenerator):
         if not prompt:
             raise ApiError(400, "the prompt is empty")
         if len(prompt) + max_tokens > mp.context_length:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens and max_tokens is "
-                                f"{max_tokens}: more than the model's context of "
-                                f"{mp.context_length} tokens", code="context_length_exceeded")
+            raise context_exceeded(len(prompt), max_tokens, mp.context_length,
+                                   "messages" if request.request_type == "chat" else "prompt")
         return prompt
+
+    def _tokenize(self, tokenizer, request, args):
+        """mlx_lm's `_tokenize`, also splitting off the system prompt of a
+        chat that ends in another message than a user's (mlx_lm splits only
+        those): Claude Code's requests end in a system message where the
+        template keeps it in place (roles.py), and the system prompt's end
+        is what a new session of the same agent shares."""
+        out = super()._tokenize(tokenizer, request, args)
+        prompt, segments, _, initial_state, vision = out
+        messages = request.messages if request.request_type == "chat" else None
+        if (not messages or len(segments) > 1 or vision is not None
+                or not tokenizer.has_chat_template or messages[-1]["role"] == "user"
+                or messages[0]["role"] != "system"):
+            return out
+        leading = next((i for i, m in enumerate(messages) if m["role"] != "system"),
+                       len(messages))
+        kwargs = dict(self.model_provider.cli_args.chat_template_args,
+                      **(args.chat_template_kwargs or {}))
+        head = tokenizer.apply_chat_template(
+            messages[:leading] + [{"role": "user", "content": ""}], tools=request.tools,
+            tokenize=True, add_generation_prompt=False, **kwargs)
+        end = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), 0)
+        if not 0 < end < len(prompt):
+            return out
+        return (prompt, [prompt[:end], prompt[end:]], ["system", "user"], initial_state,
+                vision)
 
     def check_prompt_size(self, text: Optional[str], messages, max_tokens: int):
         """The text a prompt holds verbatim bounds its tokens from below (a
-        token holds at most the longest token's characters): a prompt that
-        cannot fit the context is refused before anything is tokenized (a
-        50 MB message would take minutes and gigabytes to tokenize first)."""
+        token holds at most the longest token's characters): a prompt whose
+        text cannot fit the model's context is refused before anything is
+        tokenized (a 50 MB message would take minutes and gigabytes to
+        tokenize first). One that might fit is tokenized and counted
+        (`preflight`), so the error names its exact count."""
         mp = self.model_provider
-        room = mp.context_length - max_tokens
         chars = prompt_chars(text, messages)
-        if chars > most_chars(room, mp.max_token_chars):
-            raise ApiError(400, f"the prompt has {chars} characters: more than the "
-                                f"{max(room, 0)} tokens left by max_tokens ({max_tokens}) in the "
-                                f"model's context of {mp.context_length} tokens can hold (a "
-                                f"token holds at most {mp.max_token_chars} characters)",
-                           param="prompt" if text else "messages",
-                           code="context_length_exceeded")
+        if chars > most_chars(mp.context_length, mp.max_token_chars):
+            fewest = -(-chars // most_chars(1, mp.max_token_chars))
+            raise context_exceeded(fewest, max_tokens, mp.context_length,
+                                   "prompt" if text else "messages", chars=chars)
 
     def _depth(self, args):
         return self.cli_args.draft_tokens if args.num_draft_tokens is None else \
@@ -464,18 +498,45 @@ class MTPResponseGenerator(ResponseGenerator):
                 _thread.interrupt_main()  # without all its ranks
 
 
+@contextlib.contextmanager
+def generate_for(handler, request, args, stream: bool, progress=None):
+    """A request's generation for an HTTP handler: (context, responses). A
+    non-streamed request's client is watched while it runs (`ClientWatch`);
+    an error before it started is raised as the ApiError it was refused
+    with; its row stops when the block ends."""
+    watch = None if stream else ClientWatch(handler.connection, request)
+    try:
+        try:
+            ctx, responses = handler.response_generator.generate(request, args,
+                                                                 progress_callback=progress)
+        except Refused as r:
+            raise r.error from None
+        try:
+            yield ctx, responses
+        finally:
+            ctx.stop()
+    finally:
+        if watch is not None:
+            watch.close()
+
+
 class ClientWatch(threading.Thread):
     """Stops a non-streamed generation whose client closed its connection
     (an agent that timed out, say): otherwise it would decode to max_tokens
     for nobody, beside the rows still wanted. Polls the socket for the end
-    of the stream; the row leaves as a streamed one does when a write fails."""
+    of the stream; the rows (one per choice) leave as a streamed one does
+    when a write fails."""
 
     POLL = 0.25  # seconds
 
-    def __init__(self, sock, request):
+    def __init__(self, sock, *requests):
         super().__init__(daemon=True, name="mlx_mtp-client-watch")
-        self.sock, self.request, self.done = sock, request, threading.Event()
+        self.sock, self.requests, self.done = sock, list(requests), threading.Event()
         self.start()
+
+    def watch(self, request):
+        """Another request (a further choice) of the same client."""
+        self.requests.append(request)
 
     def run(self):
         while not self.done.wait(self.POLL):
@@ -487,11 +548,15 @@ class ClientWatch(threading.Thread):
             except (OSError, ValueError):
                 pass  # reset: gone too
             break
-        while not self.done.is_set():  # gone: stop its generation once it has one
-            ctx = extras(self.request).ctx
-            if ctx is not None:
-                logging.info("the client of a non-streamed request left: its row finishes")
-                ctx.stop()
+        stopped = set()
+        while not self.done.is_set():  # gone: stop each generation once it has one
+            for i, request in enumerate(list(self.requests)):
+                ctx = extras(request).ctx
+                if ctx is not None and i not in stopped:
+                    logging.info("the client of a non-streamed request left: its row finishes")
+                    ctx.stop()
+                    stopped.add(i)
+            if len(stopped) == len(self.requests):
                 return
             self.done.wait(self.POLL)
 

@@ -12,31 +12,36 @@ protocol: an SSE `error` chunk (OpenAI) or `event: error` (Anthropic)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import hmac
 import json
 import logging
 import sys
+import threading
+from dataclasses import replace
 from http import HTTPStatus
+from queue import Queue
 from http.server import ThreadingHTTPServer
 from typing import Optional
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from .. import checks
 from ..batch import MTPStats
 from ..mlx_lm_compat import (APIHandler, generation_arguments,
                              hand_body_to, validate_depth)
-from . import anthropic, structured
+from . import anthropic, responses, structured
 from .answer import Answer, openai_call
 from .generation import ClientWatch, Refused, Slot
 from .lane import extras
 from .logprobs import entries
-from .schemas import (CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, generation_failed, parse_json,
-                      utf8, validate)
+from .schemas import (CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, generation_failed,
+                      max_tokens_exceeded, parse_json, utf8, validate)
 
 # routes and their methods (OPTIONS, CORS's preflight, is answered on any path)
 OPENAI_ROUTES = {"/v1/completions": COMPLETION_SCHEMA, "/v1/chat/completions": CHAT_SCHEMA,
                  "/chat/completions": CHAT_SCHEMA}
 ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+RESPONSES_ROUTES = ("/v1/responses", "/responses")
 GET_ROUTES = ("/health", "/v1/models")
 DRAIN_LIMIT = 64 << 20  # bytes of a refused body read and dropped, so its client sees the 413
 DRAIN_CHUNK = 1 << 16
@@ -44,7 +49,7 @@ DRAIN_CHUNK = 1 << 16
 
 def allowed_methods(path: str) -> Optional[str]:
     """The methods a path answers (its `Allow` header), None if it is unknown."""
-    if path in OPENAI_ROUTES or path in ANTHROPIC_ROUTES:
+    if path in OPENAI_ROUTES or path in ANTHROPIC_ROUTES or path in RESPONSES_ROUTES:
         return "POST, OPTIONS"
     if path in GET_ROUTES or path.startswith("/v1/models/"):
         return "GET, OPTIONS"
@@ -190,6 +195,10 @@ class MTPAPIHandler(APIHandler):
     def _check(self, body: dict, schema: dict):
         validate(body, schema, "openai")
         mp = self.response_generator.model_provider
+        width = max(1, self.response_generator.cli_args.decode_concurrency)
+        if (body.get("n") or 1) > width:
+            raise ApiError(400, f"n must be in 1..{width} (--decode-concurrency: the choices "
+                                f"decode together), not {body['n']}", param="n")
         self._check_model(body.get("model"))
         body["model"] = mp.served_id  # the answer names the model that answered
         self._check_limits(body, ("max_tokens", "max_completion_tokens"))
@@ -233,9 +242,8 @@ class MTPAPIHandler(APIHandler):
         rg = self.response_generator
         limit = rg.cli_args.max_tokens_limit
         for name in token_fields:
-            if body.get(name, 0) > limit:
-                raise ApiError(400, f"{name} must be in 1..{limit} (--max-tokens-limit), not "
-                                    f"{body[name]}", param=name)
+            if (body.get(name) or 0) > limit:
+                raise max_tokens_exceeded(name, body[name], limit, rg.model_provider.served_id)
         if body.get("top_k") is not None:
             try:
                 checks.top_k(body["top_k"], rg.model_provider.model.vocab_size)
@@ -268,6 +276,9 @@ class MTPAPIHandler(APIHandler):
                     with rg.slot() as slot:
                         return self.handle_messages(body, slot,
                                                     count_only=path.endswith("count_tokens"))
+                if path in RESPONSES_ROUTES:
+                    with rg.slot() as slot:
+                        return responses.handle_responses(self, body, slot)
                 self._check(body, OPENAI_ROUTES[path])
                 hand_body_to(self, body)  # mlx_lm's handler parses it again from here on
                 del body
@@ -304,21 +315,24 @@ class MTPAPIHandler(APIHandler):
 
     def handle_completion(self, request, stop_words):
         rg = self.response_generator
+        n = self.body.get("n") or 1
         with contextlib.ExitStack() as held:
             try:
-                slot = held.enter_context(rg.slot())
+                slot = held.enter_context(rg.slot(n))
                 rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
                 structured.attach_grammar(request, self.wanted, rg.model_provider)
             except ApiError as e:
                 return self.send_api_error(e)
-            # the generation thread counts into these (`_prepare`); `usage` reports them
-            given = extras(request)
-            self.stats = given.stats = MTPStats()
-            self.seen = given.seen = []  # (rg.generate appends each Response)
+            # the generation thread counts into it (`_prepare`, every choice); `usage` reports it
+            self.stats = MTPStats()
+            requests = [request] + [fork(request, self.wanted, rg.model_provider)
+                                    for _ in range(n - 1)]
+            watch = None
             if not self.stream:  # (a streamed one finds out when a write fails)
-                held.callback(ClientWatch(self.connection, request).close)
+                watch = ClientWatch(self.connection, *requests)
+                held.callback(watch.close)
             try:
-                self._complete(request, stop_words, slot)
+                self._complete(requests, stop_words, slot)
             except Refused as r:  # before the answer began
                 self.send_api_error(r.error)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -330,12 +344,14 @@ class MTPAPIHandler(APIHandler):
                                                generation_failed(e))
                 self._end_in_protocol(e)
 
-    def _complete(self, request, stop_words, slot: Slot):
+    def _complete(self, requests: list, stop_words, slot: Slot):
         """Generate and answer in OpenAI's shape, streamed or not: mlx_lm's
         `handle_completion` with the answer read by `answer.Answer` (a tool
         call the parser cannot read stays text, the finish reason is what
         happened) and the generation's text taken as it comes (EOS and stop
-        strings already left out: lane.py)."""
+        strings already left out: lane.py). One choice per request (`n`):
+        choice i is row i of the batch, seeded `seed + i`, so it is what a
+        lone request with that seed answers."""
         rg = self.response_generator
         args = generation_arguments(
             model=self.requested_model, draft=self.requested_draft_model, adapter=self.adapter,
@@ -357,57 +373,83 @@ class MTPAPIHandler(APIHandler):
                 self.wfile.write(f": keepalive {done}/{total}\n\n".encode())
                 self.wfile.flush()
 
-        ctx, responses = rg.generate(request, args, progress_callback=keepalive)
-        if self.stream:
-            self._set_stream_headers(200)
-            self.end_headers()
-        else:
-            self._set_completion_headers(200)
-        said = Answer(ctx, request.tools, rg.model_provider.tokenizer)
-        text, reasoning, calls = [], [], []  # (streamed: since the last chunk)
+        choices = []
         try:
-            for gen in responses:
-                for part in said.feed(gen):
-                    if part.kind == "calls":  # (a stream numbers its calls: `index`)
-                        first = said.calls - len(part.calls)
-                        calls += [openai_call(c, first + i if self.stream else None)
-                                  for i, c in enumerate(part.calls)]
-                    else:
-                        (reasoning if part.kind == "reasoning" else text).append(part.text)
-                if self.stream and (text or reasoning or calls) and gen.finish_reason is None:
-                    self._write_chunk(self.generate_response(
-                        "".join(text), None, tool_calls=calls, reasoning_text="".join(reasoning)))
-                    text, reasoning, calls = [], [], []
-            slot.release()  # (the generation ended: what is left is writing)
-            reason = said.finish().openai
+            for i, request in enumerate(requests):
+                given = extras(request)
+                given.stats, given.seen = self.stats, []  # (rg.generate appends each Response)
+                seed = None if self.seed is None else (self.seed + i) % (1 << 64)
+                ctx, responses = rg.generate(request, replace(args, seed=seed),
+                                             progress_callback=keepalive)
+                choices.append(Choice(i, ctx, responses, given.seen, Answer(
+                    ctx, request.tools, rg.model_provider.tokenizer), self.stream))
             if self.stream:
-                self._write_chunk(self.generate_response(
-                    "".join(text), reason, tool_calls=calls, reasoning_text="".join(reasoning)))
+                self._set_stream_headers(200)
+                self.end_headers()
+            else:
+                self._set_completion_headers(200)
+            for choice, gen in interleaved(choices) if self.stream else \
+                    ((c, g) for c in choices for g in c.responses):
+                choice.feed(gen)
+                if self.stream and choice.has_delta() and gen.finish_reason is None:
+                    self._write_chunk(self._choice_response(choice, None))
+            slot.release()  # (the generation ended: what is left is writing)
+            prompt = len(choices[0].ctx.prompt)
+            tokens = sum(c.said.tokens for c in choices)
+            cached = choices[0].ctx.prompt_cache_count
+            if self.stream:
+                for choice in choices:
+                    self._write_chunk(self._choice_response(choice, choice.said.finish().openai))
                 if self.stream_options is not None and self.stream_options.get("include_usage"):
-                    self._write_chunk(self.completion_usage_response(
-                        len(ctx.prompt), said.tokens, ctx.prompt_cache_count))
+                    self._write_chunk(self.completion_usage_response(prompt, tokens, cached))
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             else:
-                body = json.dumps(self.generate_response(
-                    "".join(text), reason, len(ctx.prompt), said.tokens, ctx.prompt_cache_count,
-                    tool_calls=calls, reasoning_text="".join(reasoning))).encode()
-                self.send_header("Content-Length", str(len(body)))
+                answers = [self._choice_response(c, c.said.finish().openai, prompt, tokens,
+                                                 cached) for c in choices]
+                body = answers[0]
+                body["choices"] = [a["choices"][0] for a in answers]
+                data = json.dumps(body).encode()
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(data)
                 self.wfile.flush()
         finally:
-            ctx.stop()
+            for choice in choices:
+                choice.ctx.stop()
+
+    def _choice_response(self, choice: "Choice", reason, *usage) -> dict:
+        """mlx_lm's `generate_response` for one choice: its text, reasoning
+        and calls since the last chunk, its logprobs, its index."""
+        text, reasoning, calls = choice.take()
+        self.seen, self.logprobs_sent = choice.seen, choice.logprobs_sent
+        response = self.generate_response(text, reason, *usage, tool_calls=calls,
+                                          reasoning_text=reasoning)
+        choice.logprobs_sent = self.logprobs_sent
+        response["choices"][0]["index"] = choice.index
+        return response
 
     def _write_chunk(self, chunk: dict):
         self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.flush()
 
     def handle_models_request(self):
+        """`GET /v1/models`: the list; `GET /v1/models/{id}`: one model
+        object for any name served (every name, or with --strict-model this
+        model's own), a 404 otherwise."""
         mp = self.response_generator.model_provider
-        self._send_json(200, {"object": "list", "data": [
-            {"id": mp.served_id, "object": "model", "created": self.created,
-             "owned_by": "mlx_mtp"}]})
+        name = unquote(self.path[len("/v1/models/"):]) if self.path.startswith("/v1/models/") \
+            else None
+        if name is None:
+            return self._send_json(200, {"object": "list", "data": [self._model(mp.served_id)]})
+        try:
+            self._check_model(name)
+        except ApiError as e:
+            return self.send_api_error(e)
+        self._send_json(200, self._model(name))
+
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mlx_mtp"}
 
     # -- responses: usage with MTP statistics, logprobs in OpenAI's shape ---------------------
     def _mtp_usage(self, response: dict) -> dict:
@@ -446,6 +488,75 @@ class MTPAPIHandler(APIHandler):
 
     def handle_messages(self, body: dict, slot: Slot, count_only: bool = False):
         return anthropic.handle_messages(self, body, slot, count_only)
+
+
+class Choice:
+    """One choice of an OpenAI answer as it is generated: its parts since
+    the last chunk (`take`), its Responses (for logprobs) and how it ended."""
+
+    def __init__(self, index: int, ctx, responses, seen: list, said: Answer, stream: bool):
+        self.index, self.ctx, self.responses, self.seen, self.said = (index, ctx, responses,
+                                                                      seen, said)
+        self.stream = stream
+        self.logprobs_sent = 0  # of `seen`, those whose logprobs went out in a streamed chunk
+        self._text, self._reasoning, self._calls = [], [], []
+
+    def feed(self, gen):
+        for part in self.said.feed(gen):
+            if part.kind == "calls":  # (a stream numbers its calls: `index`)
+                first = self.said.calls - len(part.calls)
+                self._calls += [openai_call(c, first + i if self.stream else None)
+                                for i, c in enumerate(part.calls)]
+            else:
+                (self._reasoning if part.kind == "reasoning" else self._text).append(part.text)
+
+    def has_delta(self) -> bool:
+        return bool(self._text or self._reasoning or self._calls)
+
+    def take(self):
+        out = "".join(self._text), "".join(self._reasoning), self._calls
+        self._text, self._reasoning, self._calls = [], [], []
+        return out
+
+
+def fork(request, wanted, mp):
+    """A copy of a rendered request for another choice (OpenAI's `n`): the
+    same prompt, its own grammar state and statistics."""
+    other = copy.copy(request)
+    other.mtp = replace(extras(request), constraint=None, reasoning_budget=None, stats=None,
+                        seen=None, ctx=None)
+    structured.attach_grammar(other, wanted, mp)
+    return other
+
+
+def interleaved(choices):
+    """(choice, Response) of several choices' generations as they come (a
+    stream of `n` choices): a thread drains each one's responses."""
+    if len(choices) == 1:
+        yield from ((choices[0], gen) for gen in choices[0].responses)
+        return
+    merged: Queue = Queue()
+
+    def drain(choice):
+        try:
+            for gen in choice.responses:
+                merged.put((choice, gen))
+        except BaseException as e:
+            merged.put((choice, e))
+        merged.put((choice, None))
+
+    for choice in choices:
+        threading.Thread(target=drain, args=(choice,), daemon=True,
+                         name="mlx_mtp-choice").start()
+    left = len(choices)
+    while left:
+        choice, gen = merged.get()
+        if gen is None:
+            left -= 1
+        elif isinstance(gen, BaseException):
+            raise gen
+        else:
+            yield choice, gen
 
 
 class _HTTPServer(ThreadingHTTPServer):

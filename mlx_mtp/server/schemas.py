@@ -1,6 +1,9 @@
-"""Request schemas and validation: the fields mlx_lm.server reads, and the
-OpenAI fields a client may send that do not change the output here; anything
-else is refused. The numeric ones (ranges, 'auto', null) are made from the
+"""Request schemas and validation: the fields mlx_lm.server reads, the
+OpenAI fields a client may send that do not change the output here, and
+those refused because ignoring them would (`REFUSED`). Any other field is
+ignored with a warning, once per field name (`ignore_unknown`): SDKs and
+agents newer than this server send fields it does not know, and mlx_lm.server
+ignores them too. The numeric ones (ranges, 'auto', null) are made from the
 table in params.py. `ApiError` is how every refusal travels to the handler.
 
 Also here, the checks that need no model: the body as JSON (`parse_json`:
@@ -11,7 +14,9 @@ tokenized. `response_format` and `tool_choice` are read in structured.py."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from typing import Iterable, Optional, Tuple
 
 import jsonschema
@@ -28,9 +33,20 @@ _COMMON = {
     "stop": {"type": ["string", "array", "null"], "items": {"type": "string"}},
     "logit_bias": {"type": ["object", "null"], "additionalProperties": _NUMBER},
     "logprobs": {"type": "boolean"},
-    "n": {"const": 1},
+    "n": {"type": "integer", "minimum": 1},  # (at most --decode-concurrency: handler.py)
     "user": {"type": "string"},
     "metadata": {}, "store": {}, "service_tier": {},
+    # what does not change an answer here: predicted outputs only speed up an
+    # answer they match; the others name what OpenAI's own models do around one
+    "prediction": {}, "modalities": {"type": ["array", "null"], "items": {"const": "text"}},
+    "prompt_cache_key": {}, "safety_identifier": {}, "verbosity": {}, "web_search_options": {},
+}
+# Fields whose value would change the answer if ignored: refused (400 naming
+# the field) unless they ask for nothing (null, or the value in the schema).
+REFUSED = {
+    "audio": "audio output is not supported (the model writes text)",
+    "functions": "the legacy 'functions' field is not supported: send 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported: send 'tool_choice'",
 }
 _MESSAGE = {
     "type": "object", "required": ["role"],
@@ -39,7 +55,6 @@ _MESSAGE = {
                    "name": {"type": "string"}, "tool_calls": {"type": "array"},
                    "tool_call_id": {"type": "string"}, "reasoning_content": {},
                    "reasoning": {}, "refusal": {}},
-    "additionalProperties": False,
 }
 CHAT_SCHEMA = {
     "type": "object", "required": ["messages"],
@@ -48,23 +63,25 @@ CHAT_SCHEMA = {
                        tool_choice={}, parallel_tool_calls={}, response_format={},
                        reasoning_effort={}, chat_template_kwargs={"type": ["object", "null"]},
                        role_mapping={"type": ["object", "null"]}),
-    "additionalProperties": False,
 }
 COMPLETION_SCHEMA = {
     "type": "object", "required": ["prompt"],
     "properties": dict(_COMMON, prompt={"type": "string", "minLength": 1}, echo={"const": False},
                        suffix={"type": "null"}, best_of={"const": 1}),
-    "additionalProperties": False,
 }
 
 
 class ApiError(Exception):
-    """A request answered with an error: HTTP status, OpenAI error type, message."""
+    """A request answered with an error: HTTP status, OpenAI error type,
+    message (`anthropic_message`: another wording on /v1/messages, where
+    clients parse Anthropic's own)."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 anthropic_message: Optional[str] = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.anthropic_message = anthropic_message
 
     def openai(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param,
@@ -75,7 +92,43 @@ class ApiError(Exception):
                 503: "overloaded_error"}.get(self.status)
         if kind is None:
             kind = "invalid_request_error" if self.status < 500 else "api_error"
-        return {"type": "error", "error": {"type": kind, "message": str(self)}}
+        return {"type": "error", "error": {"type": kind,
+                                           "message": self.anthropic_message or str(self)}}
+
+
+def context_exceeded(prompt_tokens: int, max_tokens: int, context: int, param: str,
+                     chars: Optional[int] = None) -> ApiError:
+    """A prompt and max_tokens past the model's context, in the words each
+    API's clients parse: OpenAI's `context_length_exceeded`; Anthropic's
+    "prompt is too long: N tokens > C maximum" (Claude Code compacts) or, if
+    the prompt alone fits, "input length and `max_tokens` exceed context
+    limit: N + M > C" (Claude Code asks again with a smaller max_tokens).
+    `chars`: the prompt was not tokenized; `prompt_tokens` is the fewest
+    tokens its characters can make."""
+    counted = "" if chars is None else \
+        f" (at least: counted from its {chars} characters before tokenizing)"
+    if prompt_tokens >= context:
+        anthropic = f"prompt is too long: {prompt_tokens} tokens > {context} maximum"
+    else:
+        anthropic = (f"input length and `max_tokens` exceed context limit: {prompt_tokens} + "
+                     f"{max_tokens} > {context}, decrease input length or `max_tokens` and try "
+                     "again")
+    openai = (f"This model's maximum context length is {context} tokens. However, you requested "
+              f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+              f"{max_tokens} in the completion). Please reduce the length of the messages or "
+              "completion.")
+    return ApiError(400, openai + counted, param=param, code="context_length_exceeded",
+                    anthropic_message=anthropic + counted)
+
+
+def max_tokens_exceeded(field: str, value: int, limit: int, model: str) -> ApiError:
+    """max_tokens over --max-tokens-limit, in the words each API's clients
+    parse (Claude Code lowers its max_tokens to the limit Anthropic's names)."""
+    return ApiError(400, f"{field} is too large: {value}. This model supports at most {limit} "
+                         f"completion tokens (--max-tokens-limit), whereas you provided {value}.",
+                    param=field, code="invalid_value",
+                    anthropic_message=f"{field}: {value} > {limit}, which is the maximum allowed "
+                                      f"number of output tokens for {model}")
 
 
 def _schema_error(e: jsonschema.ValidationError) -> ApiError:
@@ -88,16 +141,56 @@ def _schema_error(e: jsonschema.ValidationError) -> ApiError:
     return ApiError(400, message, param=where)
 
 
+_warned: set = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key, message: str, level: int = logging.WARNING):
+    """Log `message` the first time `key` is seen (a client sends the same
+    unknown field with every request)."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logging.log(level, message)
+
+
+def ignore_unknown(body: dict, schema: dict, surface: str):
+    """Drop the fields `schema` does not name (at the top, and in each
+    message where the schema names a message's fields), with a warning once
+    per name; refuse those of REFUSED that ask for something."""
+    for field, why in REFUSED.items() if surface == "openai" else ():
+        if body.get(field) not in (None, [], {}):
+            raise ApiError(400, f"{field}: {why}", param=field)
+    known = schema.get("properties", {})
+    for field in [f for f in body if f not in known]:
+        if body.pop(field) is not None:
+            warn_once((surface, field), f"{surface} requests: the field {field!r} is not "
+                                        "known here and is ignored")
+    items = known.get("messages", {}).get("items", {})
+    fields = items.get("properties")
+    if fields is None or not isinstance(body.get("messages"), list):
+        return
+    for m in body["messages"]:
+        for field in [f for f in m if f not in fields] if isinstance(m, dict) else ():
+            if m.pop(field) is not None:
+                warn_once((surface, "messages", field), f"{surface} requests: the message "
+                          f"field {field!r} is not known here and is ignored")
+
+
 def validate(body: dict, schema: dict, surface: str):
-    """The request body against its JSON schema (jsonschema); a field of the
-    parameter table (params.py) is refused in the table's words (name, value,
-    what is allowed). surface: "openai" or "anthropic"."""
+    """The request body against its JSON schema (jsonschema), its unknown
+    fields ignored (`ignore_unknown`); a field of the parameter table
+    (params.py) is refused in the table's words (name, value, what is
+    allowed). surface: "openai", "anthropic" or "responses"."""
+    ignore_unknown(body, schema, surface)
+    table = "openai" if surface == "responses" else surface  # (OpenAI's numeric fields)
     error = jsonschema.exceptions.best_match(params.Validator(schema).iter_errors(body))
     if error is None:
-        return params.coerce(surface, body)
+        return params.coerce(table, body)
     path = list(error.absolute_path)
     if path and isinstance(path[0], str):
-        message = params.refusal(surface, path[0], body.get(path[0]))
+        message = params.refusal(table, path[0], body.get(path[0]))
         if message is not None:
             raise ApiError(400, message, param=path[0])
     raise _schema_error(error)

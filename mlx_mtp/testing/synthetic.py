@@ -26,6 +26,28 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen3.5 / 3.6's rules in a few lines (the server's `--chat-template`): one
+# system message, first ("System message must be at the beginning"), its
+# text then the tools in the system turn, tool results as user turns.
+FIRST_SYSTEM_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "{% endfor %}"
+    "{% if messages[0]['role'] == 'system' or tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% endif %}"
+    "{% if tools %}{{ '\n\n# Tools\n<tools>' }}{% for tool in tools %}{{ '\n' }}"
+    "{{ tool | tojson }}{% endfor %}{{ '\n</tools>' }}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] != 'system' %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # Chat templates with tool calling (and thinking), in the two formats of the
 # supported families: Qwen3-Next's JSON calls (mlx_lm's `json_tools` parser)
 # and Qwen3.5/3.6's XML calls (`qwen3_coder`). mlx_lm infers the parser from
@@ -276,6 +298,39 @@ def random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
         # Vision tower tensors ship in the released checkpoints; loaders ignore them.
         t["model.visual.patch_embed.proj.weight"] = w(8, 3, 2, 2)
     return t
+
+
+def write_agent_demo(path, context: int = 262144, end_scale: float = 3.0) -> Path:
+    """The demo model with a long context and short answers, for tests that
+    point real agents at the server: their prompts (Claude Code's system
+    prompt and tools) need more than the demo's 4096 positions (its partial
+    RoPE and GDN layers take any length), and an agent waits for answers
+    that end, which the demo writes only for code openings. Its output layer
+    is the embedding (the demo ties them) with the end-of-turn row scaled by
+    `end_scale`: greedy answers then end within tens of tokens."""
+    import shutil
+
+    import mlx.core as mx
+
+    from .. import demo
+
+    src, path = Path(demo.__file__).parent, Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    for f in src.glob("tokenizer*.json"):
+        shutil.copy(f, path / f.name)
+    head = mx.array(weights["language_model.model.embed_tokens.weight"])
+    config = json.loads((src / "config.json").read_text())
+    end = config["eos_token_id"][-1]  # <|im_end|>
+    head[end] = head[end] * end_scale
+    weights["language_model.lm_head.weight"] = head
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = False
+    config["text_config"]["max_position_embeddings"] = context
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
 
 
 def write_tokenizer(path: Path, eos_token_id: int = 258, chat_template: str = CHAT_TEMPLATE,
