@@ -29,13 +29,14 @@ class Server:
     """`python -m ARGV --port P` in its own process group (behind `launch`,
     e.g. mlx.launch's arguments, when given), ready when /health answers.
     `close` stops it as a Ctrl-C does (SIGINT to the group), then kills the
-    group if it has not exited in 30 s; `code` is its exit status."""
+    group if it has not exited in 30 s; `code` is its exit status. `env`:
+    variables set for it besides ours."""
 
-    def __init__(self, argv, log, launch=(), timeout=120):
+    def __init__(self, argv, log, launch=(), timeout=120, env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.code = None
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.log_path = log
         self.log = open(log, "w")
         cmd = [*launch, *(["--python"] if launch else []), sys.executable, "-m", *argv,
