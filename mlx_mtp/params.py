@@ -214,6 +214,9 @@ TABLE: Tuple[Param, ...] = (
           why="seconds; an hour is longer than any supervisor waits"),
     Param("read_timeout", float, lo=0.1, hi=3600, server=("--read-timeout",),
           why="seconds; 0 would time out every read at once"),
+    Param("idle_chunk_ms", float, lo=1, hi=10000, server=("--idle-chunk-ms",),
+          why="milliseconds a request may wait for idle-time work; past 10 s it is no "
+              "longer a chunk"),
 )
 PARAMS: Dict[str, Param] = {p.name: p for p in TABLE}
 # request field -> its row, per HTTP surface

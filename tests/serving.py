@@ -86,6 +86,15 @@ class Server:
         with open(self.log_path) as f:
             return f.read()
 
+    def wait_for_log(self, words: str, count: int = 1, timeout: float = 60) -> bool:
+        """Wait until the log holds `words` at least `count` times."""
+        deadline = time.time() + timeout
+        while self.text().count(words) < count:
+            if time.time() > deadline or self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
     def openai(self, **kw):
         import openai
 

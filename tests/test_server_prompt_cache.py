@@ -25,6 +25,7 @@ DEMO = str(demo_model_path())
 SYSTEM = {"role": "system", "content": "You are a terse Python assistant."}
 FIRST = [SYSTEM, {"role": "user", "content": "def read_config(path):"}]
 NEXT = {"role": "user", "content": "def write_config(path, data):"}
+NEXT_TURN_STORED = "next turn: its prefix of"  # (the server's log line)
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +262,9 @@ def _two_turns(checkpoint, tmp_path):
         messages = TURN1 + [{"role": "assistant", "content": text},
                             {"role": "user", "content": "and in C?"}]
         warm = greedy(s, messages, 16)
+        # both turns' next-turn prefixes stored (turn 1's as turn 2 arrived;
+        # turn 2's in idle time) before the stop
+        assert s.wait_for_log(NEXT_TURN_STORED, 2)
     finally:
         s.close()
     assert s.code == 0

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long requests in flight may still run; those "
                         "left then end with an error event in their protocol (default: 5)")
+    p.add_argument("--idle-chunk-ms", type=flag("idle_chunk_ms"), default=20.0, metavar="MS",
+                   help="idle-time work (prefilling a chat's next turn) runs in chunks of "
+                        "about this long: a request arriving meanwhile waits for one chunk")
     p.add_argument("--read-timeout", type=flag("read_timeout"), default=30.0, metavar="SECONDS",
                    help="a request (line, headers, body) that sends nothing for this long gets "
                         "408 and its connection closed (default: 30)")

@@ -375,9 +375,11 @@ class MTPResponseGenerator(ResponseGenerator):
         prompts = max(1, self.cli_args.prompt_concurrency)
         while not self._halted:
             busy = lane is not None and bool(lane.rows)
+            idle_work = not busy and lane is not None and lane.idle_work
             if not (busy and self._is_distributed and lane.cycles % SHARDED_TICK_CYCLES):
                 while True:  # take every request that is waiting before the next cycle
-                    request = self._tick(None if busy or waiting else 0.1, lane, waiting)
+                    request = self._tick(None if busy or waiting or idle_work else 0.1, lane,
+                                         waiting)
                     if request is None:
                         break
                     try:
@@ -392,6 +394,8 @@ class MTPResponseGenerator(ResponseGenerator):
                 if not busy and not joining and (lane is None or not lane.accepts(
                         settings, [], width)):
                     try:  # (the finished chats' next turns wait for the new batch to idle)
+                        if lane is not None:
+                            lane.pause()
                         lane = _Lane(self, settings, lane.next_turns if lane is not None else ())
                     except Exception as e:  # e.g. settings the sampler refuses
                         waiting.popleft()
@@ -407,8 +411,8 @@ class MTPResponseGenerator(ResponseGenerator):
                 lane.step()
                 if lane.batch is None:
                     lane = None
-                elif not lane.rows and not waiting:  # idle: the next turns' prefixes
-                    lane.prefill_next_turns()  # (never between a busy batch's cycles)
+            elif idle_work and not waiting:  # one chunk of the next turns' prefixes, then
+                lane.idle_step()  # a look for requests (never between a busy batch's cycles)
         self._end(lane, waiting)
         self.model_provider.reset()
         del self.prompt_cache

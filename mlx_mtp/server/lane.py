@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -44,14 +45,17 @@ def extras(request) -> RequestExtras:
         request.mtp = RequestExtras()
     return request.mtp
 
-# a next turn's prefix is prefilled ahead (`_Lane.prefill_next_turns`) only
-# when it costs at most the answer's tokens and this many more (the chat
-# template's closing tokens; a reasoning block re-rendered): never a whole
-# conversation a template renders differently next time
+# a next turn's prefix is prefilled ahead (`_Lane.idle_step`) only when it
+# costs at most the answer's tokens and this many more (the chat template's
+# closing tokens; a reasoning block re-rendered): never a whole conversation
+# a template renders differently next time
 NEXT_TURN_SLACK = 64
-# next turns waiting for the batch to idle (a prefill between a busy batch's
-# cycles would hold up every row); older ones send their answer's state to disk
+# chats whose next turn waits for idle time; older ones send their answer's state to disk
 NEXT_TURNS_HELD = 8
+# idle-time prefill runs in chunks of about --idle-chunk-ms (a request arriving
+# meanwhile waits for one chunk at most, never for the whole), of these many
+# tokens at the fewest and the most
+IDLE_CHUNK_TOKENS = (16, 2048)
 
 
 class MTPGenerationContext(GenerationContext):
@@ -119,11 +123,14 @@ class _RowState:
 
 @dataclass
 class _NextTurn:
-    """A chat that finished, for `_Lane.prefill_next_turns`."""
+    """A chat that finished, whose next turn's prefix is prefilled in idle time."""
 
     state: _RowState
     answered: int  # tokens of its answer (up to a stop string)
     stored: int  # the length of its answer's entry in the prefix cache (0: none)
+    tokens: Optional[list] = None  # its next turn's prefix, once rendered
+    cache: Optional[list] = None  # the cache being fed (None: from the store)
+    done: int = 0  # tokens of `tokens` that cache holds
 
 
 class _Lane:
@@ -131,6 +138,7 @@ class _Lane:
     request cannot share the present one and it has drained."""
 
     def __init__(self, gen, settings: _Settings, next_turns=()):
+        """next_turns: an earlier lane's (`next_turns`), taken over."""
         from ..batch import make_batch
 
         self.gen, self.depth = gen, settings.depth
@@ -140,7 +148,8 @@ class _Lane:
         self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
-        self.next_turns = list(next_turns)  # chats that finished (`prefill_next_turns`)
+        self.next_turns = list(next_turns)  # chats that finished (`idle_step`), oldest first
+        self.chunk = IDLE_CHUNK_TOKENS[0]  # tokens in the next idle chunk (`_chunk`)
 
     def accepts(self, settings: _Settings, joining: list, width: int) -> bool:
         """A request with these settings can join now (the `joining` settings
@@ -162,6 +171,14 @@ class _Lane:
         as rows; their first tokens come with the next cycle."""
         gen = self.gen
         collectives = gen._is_distributed
+        prompts = []
+        for (rqueue, request, args), _ in requests:
+            try:
+                prompts.append(self._tokenized(request, args)[0])
+            except Exception:  # (`_prepare` tells the request)
+                pass
+        self._continued(prompts)
+        self.pause()
         joined = []
         for (rqueue, request, args), settings in requests:
             rid = next(gen._row_ids)
@@ -187,15 +204,21 @@ class _Lane:
                 continue
             self.rows[row] = state
 
+    def _tokenized(self, request, args) -> tuple:
+        """mlx_lm's `_tokenize` of a request, rendered once (the handler's
+        preflight usually did it)."""
+        given = extras(request)
+        if given.tokenized is None or args.chat_template_kwargs != given.template_kwargs:
+            given.tokenized = self.gen._tokenize(self.gen.model_provider.tokenizer, request, args)
+            given.template_kwargs = args.chat_template_kwargs
+        return given.tokenized
+
     def _prepare(self, rid, rqueue, request, args, settings: _Settings):
         """One request's Request (for Batch.add) and its row state."""
         gen, mp = self.gen, self.gen.model_provider
         model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
         given = extras(request)
-        tokenized = given.tokenized
-        if tokenized is None or args.chat_template_kwargs != given.template_kwargs:
-            tokenized = gen._tokenize(tokenizer, request, args)
-        prompt, segments, kinds, initial_state, _ = tokenized
+        prompt, segments, kinds, initial_state, _ = self._tokenized(request, args)
         # no stop words in mlx_lm's machines: they match ids and strip text; ours end the text
         _, text_sm = gen._make_state_machine(key, tokenizer, ())
         # an exact stored prefix (GDN states cannot be cut back), leaving at
@@ -290,8 +313,8 @@ class _Lane:
             answered = len(state.key_tokens) if state.stops.found is None else \
                 prompt + answered_tokens(state.key_tokens[prompt:], state.stops.found,
                                          mp.tokenizer.decode)
-            # a chat's next turn starts from its prefix (`prefill_next_turns`,
-            # which also writes it to disk), rendered once this request has ended
+            # a chat's next turn starts from its prefix (`idle_step`, which
+            # also writes it to disk), rendered once this request has ended
             ahead = state.answer is not None and not state.left
             stored = held <= answered
             if stored:
@@ -300,63 +323,121 @@ class _Lane:
             if ahead:
                 self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
                 if len(self.next_turns) > NEXT_TURNS_HELD:
-                    self.persist(self.next_turns.pop(0))
+                    self._done(self.next_turns[0], persist=True)
         finally:
             state.rqueue.put(None)
 
-    def prefill_next_turns(self):
-        """Prefill the prefix every next turn of each chat that finished
-        starts with (`next_turn_prefix`): the chat template re-tokenizes an
-        answer's text its own way (the demo generates '\\n   ' where it writes
-        '\\n', '   '), so the answer's stored state does not start the next
-        turn; this one does, as a cold prefill of that turn reaches it, and
-        goes to disk too. Runs once the batch is idle (no row decoding,
-        none waiting), before the next request is taken, from the longest stored
-        prefix (the answer's state where the tokens agree), when that costs
-        at most the answer's tokens and NEXT_TURN_SLACK; where there is no
-        prefix, the answer's own state goes to disk instead."""
-        turns, self.next_turns = self.next_turns, []
+    @property
+    def idle_work(self) -> bool:
+        """Whether idle time has work here (next turns to prefill)."""
+        return bool(self.next_turns) and self.batch is not None
+
+    def idle_step(self):
+        """One piece of the idle-time work, each at most one chunk of
+        prefill (--idle-chunk-ms): the generation loop looks for requests
+        between pieces, and one that arrives is served first (`join` pauses
+        the work; it resumes once the batch is idle again). The work: the
+        prefix every next turn of a finished chat starts with
+        (`next_turn_prefix`). The chat template re-tokenizes an answer's text
+        its own way (the demo generates '\\n   ' where it writes '\\n', '   '),
+        so the answer's stored state does not start the next turn; this
+        prefix does, prefilled from the longest stored prefix (the answer's
+        state where the tokens agree) when that costs at most the answer's
+        tokens and NEXT_TURN_SLACK, and stored (RAM and disk). Where there
+        is no such prefix, the answer's own state goes to disk instead."""
+        gen = self.gen
+        if self.idle_work and not (gen._halted if gen._is_distributed else gen._stop):
+            self._advance(self.next_turns[0], self._chunk())
+
+    def _continued(self, prompts: list):
+        """The next turns the joining prompts continue are no longer
+        speculative: each is rendered and prefilled now, whole (from where
+        idle time left it), so its next turn starts from it."""
+        for turn in list(self.next_turns):
+            head = turn.state.ctx.prompt
+            if not any(p[:len(head)] == head for p in prompts):
+                continue
+            if turn.tokens is None:
+                self._advance(turn, None)  # (rendered)
+            if turn.tokens is not None and any(p[:len(turn.tokens)] == turn.tokens
+                                               for p in prompts):
+                while turn in self.next_turns:
+                    self._advance(turn, None)
+
+    def _advance(self, turn: _NextTurn, limit: Optional[int]):
+        """One step of a next turn's prefix: render it, or prefill up to
+        `limit` more of its tokens (None: all), storing it once whole."""
         gen, mp = self.gen, self.gen.model_provider
-        key = mp.model_key
         collectives = gen._is_distributed
-        # (sharded, only what every rank knows decides: rank 0's word to halt)
-        if not turns or self.batch is None or (gen._halted if collectives else gen._stop):
-            return
-        # rendered on rank 0 and shared: every rank prefills the same tokens
-        # (a template reading the clock could render differently on another)
-        rendered = gen._share_object([self._next_turn_prefix(t) for t in turns]
-                                     if gen._rank == 0 else None) if collectives else \
-            [self._next_turn_prefix(t) for t in turns]
-        prefixes = []  # (tokens, the Request prefilling them) of every turn that has one
-        for turn, tokens in zip(turns, rendered):
-            try:
-                usable = tokens is not None and len(tokens) < mp.context_length
-                cache, n = gen._fetch(key, tokens) if usable else (None, 0)
-                if usable and n == len(tokens):
-                    continue  # (stored already)
-                if not usable or len(tokens) - n > turn.answered + NEXT_TURN_SLACK:
-                    self.persist(turn)  # no prefix worth it
-                    continue
-                cache = cache if cache is not None else mp.model.make_cache()
-                prefixes.append((tokens, self.batch.prepare(tokens[n:], cache, 0)))
-            except Exception as e:  # (its next turn then prefills it itself)
-                if collectives:  # this rank may have left the others inside a collective
-                    raise
-                logging.warning("a next turn's prefix was not prefilled: %s: %s",
-                                type(e).__name__, e)
-        if not prefixes:
-            return
-        try:  # (together, as requests arriving at once are)
+        try:
+            if turn.tokens is None:  # rendered on rank 0 and shared: every rank prefills
+                # the same tokens (a template reading the clock could render otherwise)
+                turn.tokens = gen._share_object(self._next_turn_prefix(turn) if gen._rank == 0
+                                                else None) if collectives else \
+                    self._next_turn_prefix(turn)
+                if turn.tokens is None or len(turn.tokens) >= mp.context_length:
+                    self._done(turn, persist=True)
+                return
+            if turn.cache is None:  # (begun, or resumed after a pause)
+                cache, turn.done = gen._fetch(mp.model_key, turn.tokens)
+                left = len(turn.tokens) - turn.done
+                if left == 0:
+                    return self._done(turn)  # (stored already: by its next turn, say)
+                if left > turn.answered + NEXT_TURN_SLACK:
+                    return self._done(turn, persist=True)  # no prefix worth it
+                turn.cache = cache if cache is not None else mp.model.make_cache()
+                logging.debug("next turn: prefilling %d of %d tokens", left, len(turn.tokens))
+            piece = turn.tokens[turn.done:None if limit is None else turn.done + limit]
+            t0 = time.perf_counter()
             with mx.stream(generation_stream):
-                self.batch.add([r for _, r in prefixes])
-        except Exception as e:  # (the next turns then prefill them themselves)
-            if collectives:
+                self.batch.add([self.batch.prepare(piece, turn.cache, 0)])
+            if limit is not None:
+                self._measured(len(piece), time.perf_counter() - t0)
+            turn.done += len(piece)
+            if turn.done == len(turn.tokens):
+                gen.prompt_cache.insert_cache(mp.model_key, turn.tokens, turn.cache, persist=True)
+                logging.info("a chat's next turn: its prefix of %d tokens is prefilled and stored",
+                             turn.done)
+                self._done(turn)
+        except Exception as e:  # (its next turn then prefills it itself)
+            if collectives:  # this rank may have left the others inside a collective
                 raise
-            logging.warning("next turns' prefixes were not prefilled: %s: %s",
+            logging.warning("a next turn's prefix was not prefilled: %s: %s",
                             type(e).__name__, e)
+            self._done(turn)
+
+    def pause(self):
+        """Requests are about to join: the next turn being prefilled keeps
+        what it has, in the prefix cache (RAM); the work resumes from there
+        (the longest stored prefix) once the batch is idle again."""
+        turn = self.next_turns[0] if self.next_turns else None
+        if turn is None or turn.cache is None:
             return
-        for tokens, r in prefixes:
-            gen.prompt_cache.insert_cache(key, tokens, r.prompt_cache, persist=True)
+        if turn.done:
+            self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
+                                               turn.tokens[:turn.done], turn.cache)
+        logging.debug("next turn: paused at %d of %d tokens for a request", turn.done,
+                      len(turn.tokens))
+        turn.cache = None
+
+    def _chunk(self) -> int:
+        """Tokens in the next idle chunk: about --idle-chunk-ms of prefill at
+        the speed last measured (rank 0's measure, sharded)."""
+        chunk = self.chunk
+        if self.gen._is_distributed:
+            chunk = self.gen._share_object(chunk if self.gen._rank == 0 else None)
+        return chunk
+
+    def _measured(self, tokens: int, seconds: float):
+        lo, hi = IDLE_CHUNK_TOKENS
+        budget = self.gen.cli_args.idle_chunk_ms / 1000
+        self.chunk = max(lo, min(hi, self.gen.cli_args.prefill_step_size,
+                                 int(tokens / max(seconds, 1e-6) * budget)))
+
+    def _done(self, turn: _NextTurn, persist: bool = False):
+        self.next_turns.remove(turn)
+        if persist:
+            self.persist(turn)
 
     def persist(self, turn: _NextTurn):
         """A next turn not prefilled ahead: its answer's own state goes to disk."""
