@@ -51,8 +51,6 @@ class Recorder(BaseHTTPRequestHandler):
             received += chunk
             self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
         upstream.close()
         try:
             request_body = json.loads(body) if body else None
@@ -62,8 +60,10 @@ class Recorder(BaseHTTPRequestHandler):
                   "headers": {k.lower(): v for k, v in self.headers.items()},
                   "body": request_body, "status": answer.status,
                   "response": received.decode(errors="replace")}
-        with self.lock, open(self.log_path, "a") as f:
+        with self.lock, open(self.log_path, "a") as f:  # (before the client has it all)
             f.write(json.dumps(record) + "\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
 
     do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _forward
 

@@ -158,8 +158,9 @@ def test_codex(tools, served, tmp_path):
     assert out.strip()
     calls = calls_since(log, start, "/v1/responses")
     assert calls and all(c["status"] == 200 for c in calls), [c["status"] for c in calls]
-    kinds = [e["type"] for e in sse_events(calls[-1]["response"])]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    for c in calls:
+        kinds = [e["type"] for e in sse_events(c["response"])]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
 
 
 def test_aider(tools, served, tmp_path):

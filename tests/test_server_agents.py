@@ -67,9 +67,10 @@ def post(srv, path, body, **kw):
 
 # -- system messages anywhere ------------------------------------------------------------------
 def test_late_system_role_follows_what_the_template_renders():
-    """The probe: a template that takes a system message anywhere keeps it
-    (the demo's, Qwen3's); one that refuses (Qwen3.5's rule) or drops it (the
-    test tool template, which renders only the first) makes it a user turn."""
+    """The probe: a template that takes a system message anywhere gets it as
+    sent (the demo's, Qwen3's; the test tool template, which renders only the
+    first, as mlx_lm.server would); one that refuses (Qwen3.5's rule) makes
+    it a user turn."""
     from mlx_lm.tokenizer_utils import load
 
     import mlx_mtp.demo
@@ -79,7 +80,7 @@ def test_late_system_role_follows_what_the_template_renders():
     assert late_system_role(load(path)) == "system"
     assert late_system_role(load(path, {"chat_template": CHAT_TEMPLATE})) == "system"
     assert late_system_role(load(path, {"chat_template": FIRST_SYSTEM_TEMPLATE})) == "user"
-    assert late_system_role(load(path, {"chat_template": tool_chat_template("json")})) == "user"
+    assert late_system_role(load(path, {"chat_template": tool_chat_template("json")})) == "system"
 
 
 def test_place_system_joins_the_leading_ones_and_keeps_later_ones_in_place():
@@ -91,6 +92,8 @@ def test_place_system_joins_the_leading_ones_and_keeps_later_ones_in_place():
         {"role": "system", "content": "a\n\nb"}, {"role": "user", "content": "q"},
         {"role": "user", "content": "c"}, {"role": "assistant", "content": "r"}]
     assert place_system(msgs, "system") is msgs  # (as sent: mlx_lm.server's rendering)
+    one = [{"role": "system", "content": ""}, {"role": "user", "content": "q"}]
+    assert place_system(one, "user") is one  # (one system message, first: as sent)
 
 
 MINIMAL = {"model": "x", "max_tokens": 8, "messages": [

@@ -20,7 +20,8 @@ from ..mlx_lm_compat import NEUTRAL, CompletionRequest, generation_arguments
 from . import structured
 from .answer import Answer
 from .generation import generate_for
-from .schemas import ApiError, generation_failed, validate, warn_once
+from .lane import extras
+from .schemas import ApiError, RequestError, generation_failed, validate, warn_once
 
 # Request fields we act on, and those a client may send that do not change
 # the output (accepted, ignored); any other field is ignored with a warning
@@ -45,7 +46,8 @@ REQUEST_SCHEMA = {
         "system": {"type": ["string", "array"]},
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
         "stream": {"type": "boolean"},
-        "tools": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["name"],
+                                             "properties": {"name": {"type": "string"}}}},
         "thinking": {"type": "object", "properties": {
             "budget_tokens": {"type": "integer", "minimum": 1}}},
     },
@@ -58,12 +60,6 @@ REQUEST_SCHEMA["properties"].update({k: {} for k in FIELDS - set(REQUEST_SCHEMA[
 # stored prefix is read back (a prompt without it is rendered, cached and
 # answered alike: nothing the model sees differs between the two).
 ATTRIBUTION = "x-anthropic-billing-header:"
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
 
 
 # Content blocks by where they may appear. Read: text (its text), tool_use
@@ -157,7 +153,7 @@ def _tool_result(content, where: str, deferred: Dict[str, dict]) -> str:
             parts.append(block["text"])
             continue
         name = block.get("tool_name")
-        tool = deferred.get(name)
+        tool = deferred.get(name) if isinstance(name, str) else None
         parts.append(json.dumps(_tool(tool)["function"]) if tool is not None
                      else f"(tool {name!r})")
     return "\n".join(parts) if len(parts) > 1 else "".join(parts)
@@ -346,7 +342,10 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
         cli.chat_template_args, mp.tokenizer.has_thinking, max_tokens,
         (body.get("thinking") or {}).get("budget_tokens"))
     request = CompletionRequest("chat", "", messages, tools, None)
-    prompt = rg.preflight(request, template_args, max_tokens)
+    # a call to a deferred tool is read with its parameters (their types) too
+    call_tools = [_tool(t) for t in body.get("tools") or ()] or None
+    extras(request).call_tools = call_tools
+    prompt = rg.preflight(request, template_args, max_tokens, check_context=not count_only)
     if count_only:
         return handler._send_json(200, {"input_tokens": len(prompt)})
     structured.attach_grammar(request, wanted, mp)
@@ -369,7 +368,7 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
             handler._set_stream_headers(200)
             handler.end_headers()
             handler._write_event(*msg.start_event())
-        said = Answer(ctx, tools, mp.tokenizer)
+        said = Answer(ctx, call_tools, mp.tokenizer)
         try:
             for gen in response:
                 for part in said.feed(gen):

@@ -219,11 +219,9 @@ class MTPResponseGenerator(ResponseGenerator):
 
     def generate(self, request, generation_args, progress_callback=None):
         """mlx_lm's `generate`: (context, responses). An error before the
-        generation starts is `Refused`; the responses are also appended to
-        the request's `extras(request).seen` when the handler asks (it formats
-        their logprobs)."""
+        generation starts is `Refused`."""
         try:
-            ctx, responses = super().generate(request, generation_args, progress_callback)
+            return super().generate(request, generation_args, progress_callback)
         except ApiError as e:
             raise Refused(e) from None
         except (TypeError, ValueError) as e:  # a setting the sampler or the batch refused
@@ -231,16 +229,6 @@ class MTPResponseGenerator(ResponseGenerator):
         except Exception as e:  # (the generation thread stopped)
             raise Refused(generation_failed(e, 500 if self.generation_available() else 503)
                           ) from None
-        seen = extras(request).seen
-        if seen is None:
-            return ctx, responses
-
-        def recorded():
-            for response in responses:
-                seen.append(response)
-                yield response
-
-        return ctx, recorded()
 
     @contextlib.contextmanager
     def slot(self, count: int = 1):
@@ -260,9 +248,11 @@ class MTPResponseGenerator(ResponseGenerator):
         finally:
             held.release()
 
-    def preflight(self, request, chat_template_kwargs, max_tokens: int) -> list:
+    def preflight(self, request, chat_template_kwargs, max_tokens: int,
+                  check_context: bool = True) -> list:
         """Checks made in the request's own thread before it is queued: the
-        server can take it, the prompt renders and fits the context."""
+        server can take it, the prompt renders and (`check_context`) fits
+        the context with max_tokens."""
         if not self.generation_available():
             raise ApiError(503, "the generation thread stopped; restart the server",
                            kind="server_error")
@@ -284,7 +274,7 @@ class MTPResponseGenerator(ResponseGenerator):
             raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
         if not prompt:
             raise ApiError(400, "the prompt is empty")
-        if len(prompt) + max_tokens > mp.context_length:
+        if check_context and len(prompt) + max_tokens > mp.context_length:
             raise context_exceeded(len(prompt), max_tokens, mp.context_length,
                                    "messages" if request.request_type == "chat" else "prompt")
         return prompt
@@ -306,9 +296,12 @@ class MTPResponseGenerator(ResponseGenerator):
                        len(messages))
         kwargs = dict(self.model_provider.cli_args.chat_template_args,
                       **(args.chat_template_kwargs or {}))
-        head = tokenizer.apply_chat_template(
-            messages[:leading] + [{"role": "user", "content": ""}], tools=request.tools,
-            tokenize=True, add_generation_prompt=False, **kwargs)
+        try:
+            head = tokenizer.apply_chat_template(
+                messages[:leading] + [{"role": "user", "content": ""}], tools=request.tools,
+                tokenize=True, add_generation_prompt=False, **kwargs)
+        except Exception:  # (a template that wants more than a system prompt: no split)
+            return out
         end = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), 0)
         if not 0 < end < len(prompt):
             return out
@@ -537,10 +530,6 @@ class ClientWatch(threading.Thread):
         super().__init__(daemon=True, name="mlx_mtp-client-watch")
         self.sock, self.requests, self.done = sock, list(requests), threading.Event()
         self.start()
-
-    def watch(self, request):
-        """Another request (a further choice) of the same client."""
-        self.requests.append(request)
 
     def run(self):
         while not self.done.wait(self.POLL):

@@ -60,14 +60,16 @@ class MTPAPIHandler(APIHandler):
     """mlx_lm's request handler, with requests checked before it sees them."""
 
     stats: Optional[MTPStats] = None  # the request's, filled by the generation thread
-    seen: Optional[list] = None  # the request's Responses so far (their logprobs)
+    seen: Optional[list] = None  # the choice's Responses so far (their logprobs)
     wanted: Optional[structured.Wanted] = None  # what its output must be (structured output)
     logprobs_sent = 0  # of `seen`, those whose logprobs went out in a streamed chunk
+    _answered = False  # the status line of an answer was sent (`send_response`)
 
     def __init__(self, response_generator, *args, **kwargs):
         # socketserver applies it to the connection: an upload (or a request
         # line) that stalls this long ends with 408 and frees its thread
         self.timeout = getattr(response_generator.cli_args, "read_timeout", None)
+        self._write_lock = threading.Lock()
         super().__init__(response_generator, *args, **kwargs)
 
     def log_message(self, format, *args):
@@ -288,6 +290,17 @@ class MTPAPIHandler(APIHandler):
             self.send_api_error(e, style)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             logging.info("%s %s: the client disconnected", self.command, self.path)
+        except Exception as e:  # a bug of ours: the client hears of it, the server serves on
+            logging.exception("%s %s: %s", self.command, self.path, e)
+            if self._answered:  # (its answer began: it cannot be answered again)
+                self.close_connection = True
+            else:
+                self.send_api_error(ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                             kind="server_error"), style)
+
+    def send_response(self, code, message=None):
+        self._answered = True
+        super().send_response(code, message)
 
     def do_GET(self):
         try:
@@ -370,18 +383,16 @@ class MTPAPIHandler(APIHandler):
         def keepalive(done, total):  # (a long prompt's prefill: the connection stays open)
             logging.info("Prompt processing progress: %d/%d", done, total)
             if self.stream:
-                self.wfile.write(f": keepalive {done}/{total}\n\n".encode())
-                self.wfile.flush()
+                self._write(f": keepalive {done}/{total}\n\n")
 
         choices = []
         try:
             for i, request in enumerate(requests):
-                given = extras(request)
-                given.stats, given.seen = self.stats, []  # (rg.generate appends each Response)
+                extras(request).stats = self.stats
                 seed = None if self.seed is None else (self.seed + i) % (1 << 64)
                 ctx, responses = rg.generate(request, replace(args, seed=seed),
                                              progress_callback=keepalive)
-                choices.append(Choice(i, ctx, responses, given.seen, Answer(
+                choices.append(Choice(i, ctx, responses, Answer(
                     ctx, request.tools, rg.model_provider.tokenizer), self.stream))
             if self.stream:
                 self._set_stream_headers(200)
@@ -402,8 +413,7 @@ class MTPAPIHandler(APIHandler):
                     self._write_chunk(self._choice_response(choice, choice.said.finish().openai))
                 if self.stream_options is not None and self.stream_options.get("include_usage"):
                     self._write_chunk(self.completion_usage_response(prompt, tokens, cached))
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
+                self._write("data: [DONE]\n\n")
             else:
                 answers = [self._choice_response(c, c.said.finish().openai, prompt, tokens,
                                                  cached) for c in choices]
@@ -430,8 +440,13 @@ class MTPAPIHandler(APIHandler):
         return response
 
     def _write_chunk(self, chunk: dict):
-        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        self.wfile.flush()
+        self._write(f"data: {json.dumps(chunk)}\n\n")
+
+    def _write(self, text: str):
+        """One whole SSE event or comment (several choices' threads write keepalives)."""
+        with self._write_lock:
+            self.wfile.write(text.encode())
+            self.wfile.flush()
 
     def handle_models_request(self):
         """`GET /v1/models`: the list; `GET /v1/models/{id}`: one model
@@ -492,16 +507,18 @@ class MTPAPIHandler(APIHandler):
 
 class Choice:
     """One choice of an OpenAI answer as it is generated: its parts since
-    the last chunk (`take`), its Responses (for logprobs) and how it ended."""
+    the last chunk (`take`), its Responses (`seen`: their logprobs) and how
+    it ended."""
 
-    def __init__(self, index: int, ctx, responses, seen: list, said: Answer, stream: bool):
-        self.index, self.ctx, self.responses, self.seen, self.said = (index, ctx, responses,
-                                                                      seen, said)
+    def __init__(self, index: int, ctx, responses, said: Answer, stream: bool):
+        self.index, self.ctx, self.responses, self.said = index, ctx, responses, said
         self.stream = stream
+        self.seen: list = []
         self.logprobs_sent = 0  # of `seen`, those whose logprobs went out in a streamed chunk
         self._text, self._reasoning, self._calls = [], [], []
 
     def feed(self, gen):
+        self.seen.append(gen)
         for part in self.said.feed(gen):
             if part.kind == "calls":  # (a stream numbers its calls: `index`)
                 first = self.said.calls - len(part.calls)
@@ -524,7 +541,7 @@ def fork(request, wanted, mp):
     same prompt, its own grammar state and statistics."""
     other = copy.copy(request)
     other.mtp = replace(extras(request), constraint=None, reasoning_budget=None, stats=None,
-                        seen=None, ctx=None)
+                        ctx=None)
     structured.attach_grammar(other, wanted, mp)
     return other
 

@@ -31,11 +31,13 @@ class RequestExtras:
     generation thread: one typed attribute, `request.mtp` (`extras`)."""
 
     tokenized: Optional[tuple] = None  # mlx_lm's `_tokenize` of it, for `template_kwargs`
+    # the tools a call may name, for reading calls: the request's `tools` (those
+    # shown to the model) and Anthropic's deferred ones (`defer_loading`)
+    call_tools: Optional[list] = None
     template_kwargs: Optional[dict] = None
     constraint: Optional[Any] = None  # its grammar (structured output; constraint.Constraint)
     reasoning_budget: Optional[Any] = None  # a forced call's (structured.ReasoningBudget)
     stats: Optional[MTPStats] = None  # the handler's, filled by the generation thread
-    seen: Optional[list] = None  # the Responses, as generated (their logprobs)
     ctx: Optional[Any] = None  # its generation context, once a lane decodes it
 
 
@@ -255,7 +257,8 @@ class _Lane:
         chat = request.request_type == "chat" and tokenizer.has_chat_template
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
                           StopStrings(args.stop_words), tokenizer.detokenizer, request,
-                          Answer(ctx, request.tools, tokenizer) if chat else None)
+                          Answer(ctx, given.call_tools or request.tools, tokenizer)
+                          if chat else None)
         return r, state
 
     def step(self):

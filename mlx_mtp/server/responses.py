@@ -31,7 +31,7 @@ from ..mlx_lm_compat import NEUTRAL, CompletionRequest, generation_arguments
 from . import structured
 from .answer import Answer, ToolCall
 from .generation import generate_for
-from .schemas import ApiError, generation_failed, validate, warn_once
+from .schemas import ApiError, RequestError, generation_failed, validate, warn_once
 
 _OPENAI = params.schema("openai")
 REQUEST_SCHEMA = {
@@ -47,24 +47,23 @@ REQUEST_SCHEMA = {
         "tools": {"type": ["array", "null"], "items": {"type": "object", "required": ["type"]}},
         "tool_choice": {}, "parallel_tool_calls": {"type": ["boolean", "null"]},
         "text": {"type": ["object", "null"]}, "reasoning": {"type": ["object", "null"]},
-        "previous_response_id": {"type": "null"},
-        "background": {"enum": [False, None]},
         # accepted, changing nothing here (nothing is stored; no server-side cache key)
         "store": {}, "include": {}, "metadata": {}, "user": {}, "prompt_cache_key": {},
         "safety_identifier": {}, "service_tier": {}, "truncation": {}, "client_metadata": {},
         "stream_options": {},
     },
 }
+# what a request may ask for that this server cannot do without losing it
+REFUSED = {
+    "previous_response_id": "responses are not stored here: send the conversation in input",
+    "conversation": "conversations are not stored here: send the conversation in input",
+    "prompt": "stored prompt templates are not kept here: send the instructions and input",
+    "background": "background responses are not supported: the answer comes in this request",
+}
 HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter",
           "image_generation", "computer_use_preview", "local_shell", "mcp", "tool_search")
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}},
                      "required": ["input"]}
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -122,6 +121,8 @@ def _tools(tools, chat: Chat) -> Optional[List[dict]]:
             description = t.get("description") or ""
             if t["type"] == "custom":
                 fmt = t.get("format") or {}
+                if not isinstance(fmt, dict):
+                    raise RequestError(f"{where}.format must be an object", f"{where}.format")
                 if fmt.get("type") == "grammar":  # (the model sees the grammar's text)
                     description += f"\nThe input follows this {fmt.get('syntax', '')} " \
                                    f"grammar:\n{fmt.get('definition', '')}"
@@ -177,6 +178,7 @@ def to_chat(body: dict) -> Chat:
                 msg = assistant()
                 msg["content"] += text
             else:
+                reasoning.clear()  # (a reasoning the assistant's turn never followed)
                 messages.append({"role": "system" if role == "developer" else role,
                                  "content": text})
         elif kind in ("function_call", "custom_tool_call"):
@@ -191,6 +193,7 @@ def to_chat(body: dict) -> Chat:
                 {"id": call_id, "type": "function",
                  "function": {"name": name, "arguments": arguments}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
+            reasoning.clear()
             call_id = str(item.get("call_id"))
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": call_id,
@@ -200,8 +203,11 @@ def to_chat(body: dict) -> Chat:
         elif kind == "reasoning":
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1]["_closed"] = True  # (a new turn of the assistant begins)
-            reasoning += [c.get("text", "") for c in item.get("content") or ()
-                          if isinstance(c, dict)]
+            content = item.get("content") or []
+            if not isinstance(content, list):
+                raise RequestError(f"{where}.content must be a list", f"{where}.content")
+            reasoning += [c["text"] for c in content
+                          if isinstance(c, dict) and isinstance(c.get("text"), str)]
         else:
             raise RequestError(f"{where}: input items of type {kind!r} are not supported "
                                "(messages, function calls and their outputs, reasoning)",
@@ -234,9 +240,17 @@ def _wanted(body: dict, chat: Chat, mp) -> Optional[structured.Wanted]:
     try:
         return structured.openai(shaped, mp.tokenizer, mp.model.vocab_size)
     except ApiError as e:  # (named as the Responses fields are)
-        e.param = (e.param or "").replace("response_format.json_schema", "text.format") \
-            .replace("response_format", "text.format").replace(".function.name", ".name") or None
-        raise
+        raise _renamed(e) from None
+
+
+def _renamed(e: ApiError) -> ApiError:
+    """An error from the chat path, its fields named as the Responses API's."""
+    def rename(text: str) -> str:
+        return text.replace("response_format.json_schema", "text.format").replace(
+            "response_format", "text.format").replace(".function.name", ".name").replace(
+            "in the messages", "in the input")
+    return ApiError(e.status, rename(str(e)), e.kind,
+                    "input" if e.param == "messages" else e.param and rename(e.param), e.code)
 
 
 def _ids(kind: str) -> str:
@@ -389,7 +403,7 @@ def handle_responses(handler, body: dict, slot):
     answer as a Response, streamed as events or not."""
     rg = handler.response_generator
     mp, cli = rg.model_provider, rg.cli_args
-    validate(body, REQUEST_SCHEMA, "responses")
+    validate(body, REQUEST_SCHEMA, "responses", REFUSED)
     handler._check_model(body.get("model"))
     handler._check_limits(body, ("max_output_tokens",))
     try:
@@ -402,7 +416,10 @@ def handle_responses(handler, body: dict, slot):
     template_args, wanted = structured.thinking_for_grammar(
         asked, chat.template_args, cli.chat_template_args, mp.tokenizer.has_thinking,
         max_tokens or cli.max_tokens_limit)
-    prompt = rg.preflight(request, template_args, max_tokens or 1)
+    try:
+        prompt = rg.preflight(request, template_args, max_tokens or 1)
+    except ApiError as e:
+        raise _renamed(e) from None
     if max_tokens is None:  # (as OpenAI's: no cap but the context, and --max-tokens-limit)
         max_tokens = max(1, min(mp.context_length - len(prompt), cli.max_tokens_limit))
         _, wanted = structured.thinking_for_grammar(  # (a forced call's reasoning budget)

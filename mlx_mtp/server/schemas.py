@@ -44,6 +44,7 @@ _COMMON = {
 # Fields whose value would change the answer if ignored: refused (400 naming
 # the field) unless they ask for nothing (null, or the value in the schema).
 REFUSED = {
+    "adapters": "adapters are not supported (MTP decoding runs the model as loaded)",
     "audio": "audio output is not supported (the model writes text)",
     "functions": "the legacy 'functions' field is not supported: send 'tools'",
     "function_call": "the legacy 'function_call' field is not supported: send 'tool_choice'",
@@ -143,23 +144,38 @@ def _schema_error(e: jsonschema.ValidationError) -> ApiError:
 
 _warned: set = set()
 _warned_lock = threading.Lock()
+WARNED_KEYS = 1024  # distinct warnings kept (their keys are names clients choose)
 
 
 def warn_once(key, message: str, level: int = logging.WARNING):
     """Log `message` the first time `key` is seen (a client sends the same
-    unknown field with every request)."""
+    unknown field with every request); past WARNED_KEYS distinct keys, no
+    new ones are logged."""
     with _warned_lock:
-        if key in _warned:
+        if key in _warned or len(_warned) > WARNED_KEYS:
             return
         _warned.add(key)
+        if len(_warned) > WARNED_KEYS:
+            message = f"{WARNED_KEYS} distinct warnings about what clients send: no more are logged"
     logging.log(level, message)
 
 
-def ignore_unknown(body: dict, schema: dict, surface: str):
+class RequestError(ValueError):
+    """A request a converter (anthropic.py, responses.py) cannot take
+    without losing part of it: a 400 naming `param`."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+def ignore_unknown(body: dict, schema: dict, surface: str, refused: Optional[dict] = None):
     """Drop the fields `schema` does not name (at the top, and in each
     message where the schema names a message's fields), with a warning once
-    per name; refuse those of REFUSED that ask for something."""
-    for field, why in REFUSED.items() if surface == "openai" else ():
+    per name; refuse those of `refused` ({field: why}; OpenAI's: REFUSED)
+    that ask for something."""
+    refused = (REFUSED if surface == "openai" else {}) if refused is None else refused
+    for field, why in refused.items():
         if body.get(field) not in (None, [], {}):
             raise ApiError(400, f"{field}: {why}", param=field)
     known = schema.get("properties", {})
@@ -178,12 +194,12 @@ def ignore_unknown(body: dict, schema: dict, surface: str):
                           f"field {field!r} is not known here and is ignored")
 
 
-def validate(body: dict, schema: dict, surface: str):
+def validate(body: dict, schema: dict, surface: str, refused: Optional[dict] = None):
     """The request body against its JSON schema (jsonschema), its unknown
     fields ignored (`ignore_unknown`); a field of the parameter table
     (params.py) is refused in the table's words (name, value, what is
     allowed). surface: "openai", "anthropic" or "responses"."""
-    ignore_unknown(body, schema, surface)
+    ignore_unknown(body, schema, surface, refused)
     table = "openai" if surface == "responses" else surface  # (OpenAI's numeric fields)
     error = jsonschema.exceptions.best_match(params.Validator(schema).iter_errors(body))
     if error is None:
