@@ -22,6 +22,16 @@ previous round's prefix cache; within a round both servers get the same ones):
   same8    8 concurrent clients, greedy, 2 chats each, 64 tokens
   agent    1 client, a 4-turn conversation (system prompt + ~400 tokens of
            code per turn, the history growing), 64 tokens a turn, not streamed
+Workloads whose requests follow each other without waiting for an idle
+server, as real clients' do (the idle wait is before the workload only):
+  after_agent  agent's conversation (not timed), then at once single's 4 lone
+           chats one after another (timed): lone requests right after an agent
+  turn_ttft  4 times: an agent's turn ends (a history of ~2K tokens after the
+           first), and at that moment another client sends a short streamed
+           chat (8 tokens): its time to first token (TTFT column); then the
+           same request after a 3 s pause (printed beside it)
+  sequence single, same4, mixed4, same8 and agent back to back, as one timed
+           stream of mixed traffic
 Run only when named (--workloads):
   penalties  1 client, 4 greedy chats with presence_penalty 0.5 (mlx_lm's
              default context of 20 tokens), 96 tokens each
@@ -99,10 +109,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(argv, log: Path):
+def start(argv, log: Path, env=None):
+    """`python -m ARGV` on a free port (`env`: variables besides ours), once
+    /health answers: (process, URL). It runs in the log's folder, so that
+    `python -m` imports the package from where PYTHONPATH says, not from a
+    checkout in the current folder (bench/ab.py)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", str(port)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, **(env or {})), cwd=log.resolve().parent)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
@@ -236,7 +251,9 @@ def code_chunks(rnd: int, n: int, chars: int = 1150) -> list:
     return out
 
 
-def agent(url, max_tokens: int, rnd: int, turns: int = 4):
+def agent(url, max_tokens: int, rnd: int, turns: int = 4, after_turn=None):
+    """An agent's conversation; `after_turn(i)` runs the moment turn i's
+    answer arrived (turn_ttft's other client)."""
     messages = [{"role": "system", "content": SYSTEM}]
     out = []
     for i, chunk in enumerate(code_chunks(rnd, turns)):
@@ -245,7 +262,41 @@ def agent(url, max_tokens: int, rnd: int, turns: int = 4):
         r["greedy"] = True
         out.append(r)
         messages.append({"role": "assistant", "content": r.get("text", "")})
+        if after_turn is not None:
+            after_turn(i)
     return out
+
+
+def after_agent(url, rnd: int):
+    """agent's conversation, then at once 4 lone chats: only those are timed."""
+    untimed = [dict(r, timed=False) for r in agent(url, 64, rnd + 100)]
+    return untimed + clients(url, 1, 4, 96, rnd)
+
+
+PAUSE_S = 3.0  # turn_ttft: the pause before its request's second send (the idle case)
+
+
+def turn_ttft(url, rnd: int):
+    """A short streamed chat sent the moment each of an agent's turns ends
+    (its TTFT is what is measured: `ttft`), and again after a pause
+    (`ttft_idle`)."""
+    out = []
+
+    def other(i):
+        ask = [{"role": "user", "content": _task(rnd + 200, i)}]
+        r = chat(url, ask, 8)
+        time.sleep(PAUSE_S)
+        idle = chat(url, [{"role": "user", "content": _task(rnd + 300, i)}], 8)
+        out.append(dict(r, greedy=True, ttft_idle=idle.get("ttft")))
+
+    untimed = [dict(r, timed=False) for r in agent(url, 64, rnd + 400, after_turn=other)]
+    return untimed + out
+
+
+def sequence(url, rnd: int):
+    """The default workloads back to back, no idle wait between them."""
+    return [r for w in ("single", "same4", "mixed4", "same8", "agent")
+            for r in WORKLOADS[w](url, rnd + 500)]
 
 
 def long_prompt(url, rnd: int):
@@ -321,6 +372,9 @@ WORKLOADS = {
     "agent": lambda url, rnd: agent(url, 64, rnd),
 }
 DEFAULT = list(WORKLOADS)
+# workloads whose requests follow each other without waiting for idle
+FOLLOWING = {"after_agent": after_agent, "turn_ttft": turn_ttft, "sequence": sequence}
+WORKLOADS.update(FOLLOWING)
 WORKLOADS.update({
     "penalties": lambda url, rnd: clients(url, 1, 4, 96, rnd,
                                           fields=[{"presence_penalty": 0.5}]),
@@ -347,10 +401,17 @@ def run_order(workload: str, order: list) -> list:
 
 
 def run(workload: str, url: str, rnd: int) -> dict:
+    """One workload on one server: tok/s (completion tokens of its timed
+    requests over their wall time), TTFTs, errors, greedy texts."""
     t0 = time.perf_counter()
     results = WORKLOADS[workload](url, rnd)
     wall = time.perf_counter() - t0
+    untimed = [r for r in results if r.get("timed") is False]
+    results = [r for r in results if r.get("timed") is not False]
     ok = [r for r in results if "error" not in r]
+    if untimed and ok:  # (only the timed requests' span)
+        t0 = min(r["start"] for r in ok)
+        wall = max(r["end"] for r in ok) - t0
     tokens = sum(r["tokens"] for r in ok)
     # each free client's tok/s (workloads of free greedy chats: all their requests)
     free = [r for r in ok if r.get("free") or (workload != "json1free3" and r["greedy"])]
@@ -360,7 +421,43 @@ def run(workload: str, url: str, rnd: int) -> dict:
             "errors": [r["error"] for r in results if "error" in r],
             "valid": [r["valid"] for r in ok if "valid" in r],
             "ttft": [r["ttft"] for r in ok],
+            "ttft_idle": [r["ttft_idle"] for r in ok if r.get("ttft_idle") is not None],
             "greedy_texts": [r.get("text") if r["greedy"] else None for r in results]}
+
+
+def measure(servers: dict, workloads: list, rounds: int, out: Path, said=None):
+    """Start the servers ({name: (argv, env)}), warm each workload up on
+    each, then run `rounds` rounds: every workload on every server in turn,
+    the order rotating round by round, each run started once all servers
+    are idle (`wait_quiet`: no server's background work runs inside
+    another's timed window; a FOLLOWING workload waits only before it
+    starts). `said(round, workload, {name: run()})` after each workload.
+    Returns ({workload: [{name: run()} per round]}, {name: peak RSS MB})."""
+    procs, urls = {}, {}
+    results = {w: [] for w in workloads}
+    try:
+        for name, (argv, env) in servers.items():
+            procs[name], urls[name] = start(argv, out.with_suffix(f".{name}.log"), env)
+        for w in workloads:  # warm up: graphs traced, first allocations
+            for name in run_order(w, list(servers)):
+                run(w, urls[name], -1)
+        names = list(servers)
+        for rnd in range(rounds):
+            shift = rnd % len(names)
+            order = names[shift:] + names[:shift]
+            for w in workloads:
+                runs = {}
+                for name in run_order(w, order):
+                    wait_quiet(procs.values())
+                    runs[name] = run(w, urls[name], rnd)
+                results[w].append(runs)
+                if said is not None:
+                    said(rnd, w, runs)
+        rss = {name: peak_rss_mb(proc.pid) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    return results, rss
 
 
 def pct(xs, q):
@@ -384,41 +481,25 @@ def main(argv=None):
     from bench import blas_in_use, machine_info
     from mlx_mtp.loader import resolve_model_path
 
-    model = str(resolve_model_path(args.model))
+    model = str(Path(resolve_model_path(args.model)).resolve())
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     servers = {"mlx_lm": ["mlx_lm", "server", "--model", model],
                "mlx_mtp": ["mlx_mtp.server", "--model", model, *args.mtp_args.split()]}
     print(f"model {model}; BLAS {blas_in_use()}; {args.rounds} rounds; workloads "
           f"{', '.join(workloads)}", flush=True)
-    procs, urls = {}, {}
-    rounds = {w: [] for w in workloads}  # per round: {server: run()}
-    try:
-        for name, argv in servers.items():
-            procs[name], urls[name] = start(argv, out.with_suffix(f".{name}.log"))
-        for w in workloads:  # warm up: graphs traced, first allocations
-            for name in run_order(w, list(servers)):
-                run(w, urls[name], -1)
-        for rnd in range(args.rounds):
-            order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
-            for w in workloads:
-                pair = {}
-                for name in run_order(w, order):
-                    wait_quiet(procs.values())
-                    pair[name] = run(w, urls[name], rnd)
-                rounds[w].append(pair)
-                lm, mtp = pair["mlx_lm"], pair["mlx_mtp"]
-                print(f"round {rnd + 1} {w:>6}: mlx_lm {lm['tps']:6.1f} tok/s, mlx_mtp "
-                      f"{mtp['tps']:6.1f} tok/s, ratio {mtp['tps'] / lm['tps']:.2f}x"
-                      + (f", errors {lm['errors'] + mtp['errors']}"
-                         if lm["errors"] or mtp["errors"] else "")
-                      + (f", valid JSON mlx_lm {sum(lm['valid'])}/{len(lm['valid'])} mlx_mtp "
-                         f"{sum(mtp['valid'])}/{len(mtp['valid'])}" if mtp["valid"] else ""),
-                      flush=True)
-        rss = {name: peak_rss_mb(proc.pid) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            stop(proc)
+    def said(rnd, w, pair):
+        lm, mtp = pair["mlx_lm"], pair["mlx_mtp"]
+        print(f"round {rnd + 1} {w:>6}: mlx_lm {lm['tps']:6.1f} tok/s, mlx_mtp "
+              f"{mtp['tps']:6.1f} tok/s, ratio {mtp['tps'] / lm['tps']:.2f}x"
+              + (f", errors {lm['errors'] + mtp['errors']}"
+                 if lm["errors"] or mtp["errors"] else "")
+              + (f", valid JSON mlx_lm {sum(lm['valid'])}/{len(lm['valid'])} mlx_mtp "
+                 f"{sum(mtp['valid'])}/{len(mtp['valid'])}" if mtp["valid"] else ""),
+              flush=True)
+
+    rounds, rss = measure({name: (argv, None) for name, argv in servers.items()}, workloads,
+                          args.rounds, out, said)
 
     summary = {}
     for w in workloads:
@@ -475,6 +556,12 @@ def main(argv=None):
                        if x != y), min(len(d["mlx_lm"] or ""), len(d["mlx_mtp"] or "")))
             print(f"{w}: round {d['round']} request {d['request']}: greedy answers differ "
                   f"from character {at} (both texts in the JSON)")
+    if "turn_ttft" in rounds:
+        for name in servers:
+            after = [t for r in rounds["turn_ttft"] for t in r[name]["ttft"]]
+            idle = [t for r in rounds["turn_ttft"] for t in r[name]["ttft_idle"]]
+            print(f"turn_ttft {name}: TTFT as a turn ends p50 {pct(after, 0.5) * 1000:.0f} ms, "
+                  f"after a {PAUSE_S:g} s pause p50 {pct(idle, 0.5) * 1000:.0f} ms")
     print("peak RSS: " + ", ".join(f"{n} {v:.0f} MB" for n, v in rss.items()))
     out.write_text(json.dumps({"machine": machine_info(), "args": vars(args),
                                "command": " ".join([sys.executable] + sys.argv),

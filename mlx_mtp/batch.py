@@ -254,6 +254,16 @@ class Batch:
                 made[id(r)] = row
         return [made[id(r)] for r in requests]
 
+    def feed_prefix(self, prompt_cache: list, tokens: Sequence[int]):
+        """Feed all of `tokens` but the last to a prompt cache, as a row's
+        prefill does, without a row (the server's idle-time prefill of a
+        next turn, a piece at a time: the last token is the next piece's
+        first; the final piece is a request with max_tokens 0)."""
+        check_model_cache(prompt_cache, self.spec.model)
+        with mx.stream(generation_stream):
+            prefill(self.spec, [prompt_cache], [list(tokens)], self.options.prefill_step_size,
+                    head_window=self.spec.model.head_context)
+
     def _join(self, requests: List[Request]) -> List[Optional[Row]]:
         spec, model = self.spec, self.spec.model
         n_trunk = len(model.is_linear)

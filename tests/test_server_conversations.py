@@ -179,7 +179,7 @@ def _count(srv, words: str, before: int) -> int:
 
 def test_a_request_arriving_during_idle_work_starts_before_it_ends(srv):
     """A long answer's next turn is prefilled in idle time, in chunks (this
-    server: --idle-chunk-ms 1, 16 tokens a chunk). Another chat's request,
+    server: --idle-chunk-ms 1, 8 tokens a chunk). Another chat's request,
     sent once that work has begun, pauses it (logged with how far it got)
     and is served; the work resumes and ends after it. Its own next turn,
     sent while that turn's prefix is being prefilled, starts from it."""

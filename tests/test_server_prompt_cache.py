@@ -324,6 +324,8 @@ def test_bad_files_cost_a_log_line_and_a_cold_prefill(dense_ckpt, tmp_path):
     s = Server(argv, tmp_path / "after.log")
     try:
         cold = greedy(s, messages, 16)
+        # (the corrupt one is read by the lookup of this answer's next turn, in idle time)
+        s.wait_for_log("is skipped and removed", 3, timeout=30)
     finally:
         s.close()
     lines = [line for line in s.text().splitlines() if "is skipped and removed" in line]

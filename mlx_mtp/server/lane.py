@@ -57,7 +57,10 @@ NEXT_TURNS_HELD = 8
 # idle-time prefill runs in chunks of about --idle-chunk-ms (a request arriving
 # meanwhile waits for one chunk at most, never for the whole), of these many
 # tokens at the fewest and the most
-IDLE_CHUNK_TOKENS = (16, 2048)
+IDLE_CHUNK_TOKENS = (8, 2048)
+# tokens at the end of a chat's prompt (its generation prompt: '<|im_start|>
+# assistant\n<think>\n') its next turn may render otherwise
+GENERATION_TAIL = 16
 
 
 class MTPGenerationContext(GenerationContext):
@@ -357,7 +360,9 @@ class _Lane:
         speculative: each is rendered and prefilled now, whole (from where
         idle time left it), so its next turn starts from it."""
         for turn in list(self.next_turns):
-            head = turn.state.ctx.prompt
+            # (a cheap look first: the chat's history, its generation prompt's
+            # tail aside, which the next turn may render otherwise: a think block)
+            head = turn.state.ctx.prompt[:-GENERATION_TAIL]
             if not any(p[:len(head)] == head for p in prompts):
                 continue
             if turn.tokens is None:
@@ -390,12 +395,18 @@ class _Lane:
                     return self._done(turn, persist=True)  # no prefix worth it
                 turn.cache = cache if cache is not None else mp.model.make_cache()
                 logging.debug("next turn: prefilling %d of %d tokens", left, len(turn.tokens))
-            piece = turn.tokens[turn.done:None if limit is None else turn.done + limit]
+            end = len(turn.tokens) if limit is None else min(len(turn.tokens), turn.done + limit)
+            piece = turn.tokens[turn.done:end]
             t0 = time.perf_counter()
-            with mx.stream(generation_stream):
-                self.batch.add([self.batch.prepare(piece, turn.cache, 0)])
+            if end < len(turn.tokens):  # (one forward: the next piece starts with its last)
+                self.batch.feed_prefix(turn.cache, turn.tokens[turn.done:end + 1])
+            else:
+                with mx.stream(generation_stream):
+                    self.batch.add([self.batch.prepare(piece, turn.cache, 0)])
+            took = time.perf_counter() - t0
+            logging.debug("next turn: %d tokens prefilled in %.1f ms", len(piece), took * 1000)
             if limit is not None:
-                self._measured(len(piece), time.perf_counter() - t0)
+                self._measured(len(piece), took)
             turn.done += len(piece)
             if turn.done == len(turn.tokens):
                 gen.prompt_cache.insert_cache(mp.model_key, turn.tokens, turn.cache, persist=True)
