@@ -84,14 +84,23 @@ def srv(tmp_path_factory):
         s.close()
 
 
-def openai_turns(srv, cold, asks, max_tokens, stop=None, system=True):
+STORED = "next turn: its prefix of"  # (the server's log line)
+
+
+def openai_turns(srv, cold, asks, max_tokens, stop=None, system=True, idle=False):
     """A conversation of len(asks) turns, each checked against a cold prefill
-    of its history; returns the usage of each turn."""
+    of its history; returns the usage of each turn. idle: each next turn is
+    sent once the server stored its prefix (an agent running its tool);
+    else at once."""
     run, tok = cold
     client = srv.openai(timeout=300)
     messages = [{"role": "system", "content": SYSTEM}] if system else []
     usages = []
-    for ask in asks:
+    stored = srv.text().count(STORED)
+    for i, ask in enumerate(asks):
+        if idle and i:
+            assert srv.wait_for_log(STORED, stored + 1)
+        stored = srv.text().count(STORED)
         messages.append({"role": "user", "content": ask})
         r = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens,
                                            temperature=0, stop=stop)
@@ -103,21 +112,23 @@ def openai_turns(srv, cold, asks, max_tokens, stop=None, system=True):
     return usages
 
 
-SHAPES = {
-    "cut by max_tokens": (["class Stack:", "class Queue:", "def push(x):"], 40, None),
-    "ended by EOS": (["def fibonacci(n):", "def factorial(n):", "def gcd(a, b):"], 120, None),
+SHAPES = {  # asks, max_tokens, stop strings, next turns sent after idle time
+    "cut by max_tokens": (["class Stack:", "class Queue:", "def push(x):"], 40, None, True),
+    "ended by EOS": (["def fibonacci(n):", "def factorial(n):", "def gcd(a, b):"], 120, None,
+                     False),
     "ended by a stop string": (["def read_config(path):", "def write_config(path, data):",
-                                "def main():"], 60, ["return"]),  # (cold: cut at it)
+                                "def main():"], 60, ["return"], True),  # (cold: cut at it)
 }
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_each_turn_is_a_cold_prefill_of_its_history_up_to_ties(srv, cold, shape):
-    asks, max_tokens, stop = SHAPES[shape]
-    usages = openai_turns(srv, cold, asks, max_tokens, stop)
-    # the answers are re-used: each next turn reads its previous prompt and answer
-    for (u, _, _), (prev, prompt, answer) in zip(usages[1:], usages):
-        assert u.prompt_tokens_details.cached_tokens >= prompt + answer - 4, (u, prompt, answer)
+    asks, max_tokens, stop, idle = SHAPES[shape]
+    usages = openai_turns(srv, cold, asks, max_tokens, stop, idle=idle)
+    if idle:  # the answers are re-used: each next turn reads its previous prompt and answer
+        for (u, _, _), (prev, prompt, answer) in zip(usages[1:], usages):
+            assert u.prompt_tokens_details.cached_tokens >= prompt + answer - 4, (
+                u, prompt, answer)
 
 
 def test_two_conversations_at_once(srv, cold):
@@ -208,7 +219,9 @@ def test_a_request_arriving_during_idle_work_starts_before_it_ends(srv):
     assert paused < served < stored, (paused, served, stored)
     assert any("prefilling" in line for line in lines[paused:stored])  # (resumed)
 
-    # the chat's own next turn, sent while its prefix is prefilled: starts from it
+    # the chat's own next turn, sent while its prefix is prefilled: the work
+    # stops there (the request prefills the rest with its message) and the
+    # request starts from what idle time prefilled
     since = len(srv.text().splitlines())
     first = [{"role": "user", "content": "class Heap:"}]
     r1 = client.chat.completions.create(model="m", messages=first, max_tokens=300,
@@ -218,5 +231,7 @@ def test_a_request_arriving_during_idle_work_starts_before_it_ends(srv):
     r2 = client.chat.completions.create(model="m", temperature=0, max_tokens=4, messages=first + [
         {"role": "assistant", "content": r1.choices[0].message.content},
         {"role": "user", "content": "class Deque:"}])
-    assert (r2.usage.prompt_tokens_details.cached_tokens
-            >= r1.usage.prompt_tokens + r1.usage.completion_tokens - 4)
+    paused = [line for line in _lines(srv, since) if "paused at" in line]
+    assert paused, "the next turn arrived after its prefix was done: nothing to show"
+    done = int(re.search(r"paused at (\d+) of", paused[-1]).group(1))
+    assert r2.usage.prompt_tokens_details.cached_tokens >= done > r1.usage.prompt_tokens

@@ -17,7 +17,7 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.loader import demo_model_path  # noqa: E402
-from serving import Server, greedy_until_eos, proc_status  # noqa: E402
+from serving import Server, greedy_until_eos, rss  # noqa: E402
 
 DEMO = str(demo_model_path())
 # the demo answers this with code whose indentation it writes as one token
@@ -85,8 +85,11 @@ def test_the_next_turn_finds_the_prompt_and_the_answer_cached(demo, demo_referen
     messages = FIRST + [{"role": "assistant", "content": answer}, NEXT]
     prompt1 = tok.apply_chat_template(FIRST, add_generation_prompt=True)
     prompt2 = tok.apply_chat_template(messages, add_generation_prompt=True)
+    stored = demo.text().count(NEXT_TURN_STORED)
     ids1 = greedy(demo, FIRST, 100)[0]  # (the same answer, its ids: a RAM hit)
     assert tok.decode(ids1[:-1]) == answer and first.usage.completion_tokens == len(ids1)
+    # the next turn's prefix is prefilled in idle time (an agent runs its tool meanwhile)
+    assert demo.wait_for_log(NEXT_TURN_STORED, stored + 1)
     # the seam: the ids generated are not what the template writes for them
     assert prompt2[:len(prompt1) + len(ids1)] != prompt1 + ids1
     second = client.chat.completions.create(model="m", messages=messages, max_tokens=30,
@@ -109,7 +112,9 @@ def test_anthropic_usage_counts_cache_reads_and_writes(demo, demo_reference):
     client = anthropic.Anthropic(base_url=demo.url, api_key="none", max_retries=0, timeout=300)
     msgs = [{"role": "user", "content": "class LRUCache:"}]
     system = SYSTEM["content"]
+    stored = demo.text().count(NEXT_TURN_STORED)
     r1 = client.messages.create(model="m", max_tokens=80, system=system, messages=msgs)
+    assert demo.wait_for_log(NEXT_TURN_STORED, stored + 1)  # (idle time before turn 2)
     u1 = r1.usage
     total1 = u1.input_tokens + u1.cache_read_input_tokens + u1.cache_creation_input_tokens
     chat1 = [SYSTEM] + msgs
@@ -162,12 +167,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 def test_an_agents_tool_loop_finds_its_history_cached(tmp_path):
     """An agent's turn: a (forced) tool call, then the tool's result sent
-    back. OpenAI without thinking: the result's turn finds the call's prompt
-    and answer cached (all but 4 tokens at most), however the template
-    writes the call's JSON. Anthropic with thinking (Claude Code's way: the
-    thinking and tool_use blocks sent back, the template dropping the
-    reasoning): only the tool result's message is prefilled. Both answer as
-    a cold prefill does."""
+    back once the tool ran (the server's idle time: the next turn's prefix
+    is stored by then). OpenAI without thinking: the result's turn finds the
+    call's prompt and answer cached (all but 4 tokens at most), however the
+    template writes the call's JSON. Anthropic with thinking (Claude Code's
+    way: the thinking and tool_use blocks sent back, the template dropping
+    the reasoning): only the tool result's message is prefilled. Both answer
+    as a cold prefill does."""
     from mlx_mtp.testing.synthetic import write_checkpoint
 
     path = write_checkpoint(tmp_path / "ck", tools="json", thinking=True, seed=7)
@@ -178,6 +184,7 @@ def test_an_agents_tool_loop_finds_its_history_cached(tmp_path):
             messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0,
             **off)).json()
         call = r1["choices"][0]["message"]["tool_calls"][0]
+        assert s.wait_for_log(NEXT_TURN_STORED, 1)  # (the tool runs)
         messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
                           {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
         ids, _, _, usage = greedy(s, messages, 12, tools=TOOLS, **off)
@@ -190,6 +197,7 @@ def test_an_agents_tool_loop_finds_its_history_cached(tmp_path):
         a1 = client.messages.create(model="m", max_tokens=120, messages=ASK, tools=tools,
                                     tool_choice={"type": "any"}, thinking=thinking)
         use = next(b for b in a1.content if b.type == "tool_use")
+        assert s.wait_for_log(NEXT_TURN_STORED, 3)  # (the tool runs)
         assert any(b.type == "thinking" for b in a1.content)
         history = ASK + [{"role": "assistant", "content": [b.model_dump() for b in a1.content]},
                          {"role": "user", "content": [{"type": "tool_result",
@@ -259,12 +267,11 @@ def _two_turns(checkpoint, tmp_path):
     s = Server(argv, tmp_path / "before.log")
     try:
         text = greedy(s, TURN1, 12)[2]
+        assert s.wait_for_log(NEXT_TURN_STORED, 1)  # (idle time before turn 2)
         messages = TURN1 + [{"role": "assistant", "content": text},
                             {"role": "user", "content": "and in C?"}]
         warm = greedy(s, messages, 16)
-        # both turns' next-turn prefixes stored (turn 1's as turn 2 arrived;
-        # turn 2's in idle time) before the stop
-        assert s.wait_for_log(NEXT_TURN_STORED, 2)
+        assert s.wait_for_log(NEXT_TURN_STORED, 2)  # (and before the stop)
     finally:
         s.close()
     assert s.code == 0
@@ -353,9 +360,9 @@ def test_the_folder_keeps_its_cap_and_the_server_its_memory(tmp_path, requests_)
     try:
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(ask, range(requests_ // 3)))
-            rss = proc_status(s.proc.pid, "VmRSS")
+            before = rss(s.proc.pid)
             list(pool.map(ask, range(requests_ // 3, requests_)))
-        grown = proc_status(s.proc.pid, "VmRSS") - rss
+        grown = rss(s.proc.pid) - before
     finally:
         s.close()
     assert s.code == 0

@@ -370,9 +370,11 @@ class MTPResponseGenerator(ResponseGenerator):
             busy = lane is not None and bool(lane.rows)
             idle_work = not busy and lane is not None and lane.idle_work
             if not (busy and self._is_distributed and lane.cycles % SHARDED_TICK_CYCLES):
+                # (idle work waits IDLE_GRACE_S for a client's next request first)
+                wait = None if busy or waiting else ((lane.idle_in() or None) if idle_work else 0.1)
                 while True:  # take every request that is waiting before the next cycle
-                    request = self._tick(None if busy or waiting or idle_work else 0.1, lane,
-                                         waiting)
+                    request = self._tick(wait, lane, waiting)
+                    wait = None
                     if request is None:
                         break
                     try:
@@ -404,8 +406,9 @@ class MTPResponseGenerator(ResponseGenerator):
                 lane.step()
                 if lane.batch is None:
                     lane = None
-            elif idle_work and not waiting:  # one chunk of the next turns' prefixes, then
-                lane.idle_step()  # a look for requests (never between a busy batch's cycles)
+            elif idle_work and not waiting and not lane.idle_in():  # one chunk of the next
+                lane.idle_step()  # turns' prefixes, then a look for requests (never between
+                # a busy batch's cycles)
         self._end(lane, waiting)
         self.model_provider.reset()
         del self.prompt_cache

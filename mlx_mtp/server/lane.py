@@ -58,6 +58,11 @@ NEXT_TURNS_HELD = 8
 # meanwhile waits for one chunk at most, never for the whole), of these many
 # tokens at the fewest and the most
 IDLE_CHUNK_TOKENS = (8, 2048)
+# idle time starts this long after the last row finished: a client that
+# sends its next request as soon as it has the answer (a script, a benchmark,
+# an agent's quick next call) finds no idle work begun (one process only:
+# under mlx.launch every rank must take the same steps, so it starts at once)
+IDLE_GRACE_S = 0.05
 # tokens at the end of a chat's prompt (its generation prompt: '<|im_start|>
 # assistant\n<think>\n') its next turn may render otherwise
 GENERATION_TAIL = 16
@@ -155,6 +160,7 @@ class _Lane:
         self.cycles = 0
         self.next_turns = list(next_turns)  # chats that finished (`idle_step`), oldest first
         self.chunk = IDLE_CHUNK_TOKENS[0]  # tokens in the next idle chunk (`_chunk`)
+        self.quiet_since = time.perf_counter()  # when the last row finished (`idle_in`)
 
     def accepts(self, settings: _Settings, joining: list, width: int) -> bool:
         """A request with these settings can join now (the `joining` settings
@@ -307,6 +313,7 @@ class _Lane:
         if finish is None and not state.left:
             return
         del self.rows[event.row]
+        self.quiet_since = time.perf_counter()
         try:  # (the request ends once its answer is stored: a next turn finds it)
             if not event.row.done:
                 with mx.stream(generation_stream):
@@ -338,6 +345,13 @@ class _Lane:
         """Whether idle time has work here (next turns to prefill)."""
         return bool(self.next_turns) and self.batch is not None
 
+    def idle_in(self) -> float:
+        """Seconds until idle time begins (IDLE_GRACE_S after the last row
+        finished; at once under mlx.launch), 0 once it has."""
+        if self.gen._is_distributed:
+            return 0.0
+        return max(0.0, self.quiet_since + IDLE_GRACE_S - time.perf_counter())
+
     def idle_step(self):
         """One piece of the idle-time work, each at most one chunk of
         prefill (--idle-chunk-ms): the generation loop looks for requests
@@ -356,25 +370,23 @@ class _Lane:
             self._advance(self.next_turns[0], self._chunk())
 
     def _continued(self, prompts: list):
-        """The next turns the joining prompts continue are no longer
-        speculative: each is rendered and prefilled now, whole (from where
-        idle time left it), so its next turn starts from it."""
+        """The next turns the joining prompts continue are no longer work
+        for idle time: their requests prefill what is left themselves, in
+        the same forward as their new messages (a separate forward for the
+        rest of a prefix would cost a whole pass over the weights). What
+        idle time prefilled stays stored, and they start there."""
         for turn in list(self.next_turns):
-            # (a cheap look first: the chat's history, its generation prompt's
-            # tail aside, which the next turn may render otherwise: a think block)
+            # the chat's history, its generation prompt's tail aside (the next
+            # turn may render it otherwise: a think block)
             head = turn.state.ctx.prompt[:-GENERATION_TAIL]
-            if not any(p[:len(head)] == head for p in prompts):
-                continue
-            if turn.tokens is None:
-                self._advance(turn, None)  # (rendered)
-            if turn.tokens is not None and any(p[:len(turn.tokens)] == turn.tokens
-                                               for p in prompts):
-                while turn in self.next_turns:
-                    self._advance(turn, None)
+            if any(p[:len(head)] == head for p in prompts):
+                if turn is self.next_turns[0]:
+                    self.pause()
+                self._done(turn)
 
-    def _advance(self, turn: _NextTurn, limit: Optional[int]):
+    def _advance(self, turn: _NextTurn, limit: int):
         """One step of a next turn's prefix: render it, or prefill up to
-        `limit` more of its tokens (None: all), storing it once whole."""
+        `limit` more of its tokens, storing it once whole."""
         gen, mp = self.gen, self.gen.model_provider
         collectives = gen._is_distributed
         try:
@@ -395,7 +407,7 @@ class _Lane:
                     return self._done(turn, persist=True)  # no prefix worth it
                 turn.cache = cache if cache is not None else mp.model.make_cache()
                 logging.debug("next turn: prefilling %d of %d tokens", left, len(turn.tokens))
-            end = len(turn.tokens) if limit is None else min(len(turn.tokens), turn.done + limit)
+            end = min(len(turn.tokens), turn.done + limit)
             piece = turn.tokens[turn.done:end]
             t0 = time.perf_counter()
             if end < len(turn.tokens):  # (one forward: the next piece starts with its last)
@@ -405,8 +417,7 @@ class _Lane:
                     self.batch.add([self.batch.prepare(piece, turn.cache, 0)])
             took = time.perf_counter() - t0
             logging.debug("next turn: %d tokens prefilled in %.1f ms", len(piece), took * 1000)
-            if limit is not None:
-                self._measured(len(piece), took)
+            self._measured(len(piece), took)
             turn.done += len(piece)
             if turn.done == len(turn.tokens):
                 gen.prompt_cache.insert_cache(mp.model_key, turn.tokens, turn.cache, persist=True)
