@@ -45,7 +45,7 @@ def _greedy_parity(path, depths=(1, 2, 3)):
     from mlx_lm.utils import load_model
 
     # strict=False: mlx_lm 0.32's qwen3_next drops mtp.* only from unconverted
-    # checkpoints, so a converted folder with a head needs it (README, Families)
+    # checkpoints, so a converted folder with a head needs it (docs/guide.md, "Supported models")
     ref_model, _ = load_model(path, strict=False)
     want = reference(ref_model, PROMPT, N)
     model, _ = mlx_mtp.load(path, quiet=True)

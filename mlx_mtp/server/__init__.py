@@ -31,7 +31,7 @@ with three subclasses:
 
 At temperature 0 the text equals mlx_lm.server's for the same request, up
 to where a stop string ends it (tests/test_server.py runs both as processes;
-README's table of differences). See docs/design.md, "Server".
+docs/server.md's table of differences). See docs/design.md, "Server".
 
 Under `mlx.launch` (a model sharded with `sharded_load`, `--pipeline` as in
 mlx_lm.server) rank 0 serves HTTP and every rank runs the generation loop in
