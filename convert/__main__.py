@@ -145,7 +145,7 @@ def _run(argv, g) -> int:
              f"nothing was changed{left or (', temporary files removed' if g.made_temps else '')}")
         return 128 + signum
     if error is not None:
-        if os.environ.get("MLX_MTP_DEBUG"):
+        if params.env_flag("MLX_MTP_DEBUG"):
             raise error
         _say(f"mlx_mtp.convert: error: {_one_line(error)}{left}")
         return 1

@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+from .. import params
 from . import selfcheck
 
 __all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "quantized_matmul", "backend",
@@ -79,7 +80,7 @@ def fused_default() -> bool:
 def _fast(fused: Optional[bool]) -> bool:
     if fused is not None:
         return fused
-    return os.environ.get("MLX_MTP_FAST_KERNELS", "0") not in ("", "0")
+    return params.env_flag("MLX_MTP_FAST_KERNELS")
 
 
 def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None,

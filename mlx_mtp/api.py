@@ -56,8 +56,8 @@ def _check_options(kwargs: dict) -> dict:
             raise ValueError(f"mlx_mtp does not support {name} ({what})")
     for name in ("kv_group_size", "quantized_kv_start"):  # only meaningful with kv_bits
         kwargs.pop(name, None)
-    kwargs["draft_tokens"] = checks.one_depth(kwargs.get("draft_tokens", "auto"),
-                                              kwargs.pop("num_draft_tokens", None))
+    depth = kwargs.get("draft_tokens", DecodeOptions.draft_tokens)
+    kwargs["draft_tokens"] = checks.one_depth(depth, kwargs.pop("num_draft_tokens", None))
     if "logits_processors" in kwargs:
         checks.logits_processors(kwargs["logits_processors"])
     return kwargs
@@ -82,11 +82,11 @@ def generate_step(
     sampler=None,
     logits_processors=None,
     prompt_cache: Optional[list] = None,
-    prefill_step_size: int = 2048,
+    prefill_step_size: int = DecodeOptions.prefill_step_size,
     prompt_progress_callback=None,
-    draft_tokens: Union[int, str] = "auto",
+    draft_tokens: Union[int, str] = DecodeOptions.draft_tokens,
     num_draft_tokens: Optional[int] = None,
-    max_draft_tokens: int = 4,
+    max_draft_tokens: int = DecodeOptions.max_draft_tokens,
     seed: Optional[int] = None,
     lookahead: bool = True,
     compiled: bool = True,
@@ -153,7 +153,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, mx.array, List[int]],
     max_tokens: int = 256,
-    draft_tokens: Union[int, str] = "auto",
+    draft_tokens: Union[int, str] = DecodeOptions.draft_tokens,
     **kwargs,
 ) -> Generator[MTPGenerationResponse, None, None]:
     """Like mlx_lm.stream_generate, decoding with the model's MTP head.
@@ -215,7 +215,7 @@ def generate(
     tokenizer,
     prompt: Union[str, List[int]],
     max_tokens: int = 256,
-    draft_tokens: Union[int, str] = "auto",
+    draft_tokens: Union[int, str] = DecodeOptions.draft_tokens,
     verbose: bool = False,
     sampler=None,
     logits_processors=None,
@@ -250,13 +250,13 @@ def batch_generate(
     return_prompt_caches: bool = False,
     return_token_ids: bool = False,
     *,
-    draft_tokens: Union[int, str] = "auto",
-    max_draft_tokens: int = 4,
+    draft_tokens: Union[int, str] = DecodeOptions.draft_tokens,
+    max_draft_tokens: int = DecodeOptions.max_draft_tokens,
     sampler=None,
     logits_processors=None,
     seeds: Optional[List[Optional[int]]] = None,
     completion_batch_size: int = 32,
-    prefill_step_size: int = 2048,
+    prefill_step_size: int = DecodeOptions.prefill_step_size,
     stats: Optional[List[MTPStats]] = None,
     constraint=None,
 ) -> BatchResponse:

@@ -20,7 +20,6 @@ keeps (the tokens handed out up to there).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections import deque
 
@@ -36,16 +35,16 @@ from .cycle import RING, DecodeState, Graphs, Guidance, Spec, init_ring, is_host
 from .depth import DepthController, cost_sample
 from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
-from .params import DecodeOptions
+from .params import DecodeOptions, env_flag
 from .prefill import feed, prefill
-from .rows import (Finish, HeldCache, Launched, Ledger, Lengths, MTPStats,  # noqa: F401
+from .rows import (FinishPoint, HeldCache, Launched, Ledger, Lengths, MTPStats,  # noqa: F401
                    Pending, Request, Row, row_key)  # (MTPStats: re-exported)
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
                        SamplerArrays, bias_row, start_window)
 
 
 def mtp_disabled_by_env() -> bool:
-    return os.environ.get("MLX_MTP_DISABLE", "0") not in ("", "0", "false", "False")
+    return env_flag("MLX_MTP_DISABLE")
 
 
 
@@ -315,7 +314,7 @@ class Batch:
                 state = init_ring(state.replace(g=g))
             row = Row(held, r.max_tokens, r.stop_tokens, r.feed_tail, r.stats, lens, r.sampling,
                       r.processors, matcher=r.matcher)
-            row.last = Finish(state.without_buffers() if held.keep else None, len(states),
+            row.last = FinishPoint(state.without_buffers() if held.keep else None, len(states),
                               lens, y, [])
             if r.processors:
                 row.history = mx.array([*r.cached_tokens, *r.prompt], dtype=mx.int32)
@@ -696,7 +695,7 @@ class Batch:
             _check_ids(tokens, int(bad_drafts[i]), self.spec.model.vocab_size)
             before_lens = self.ledger.read(row, cycle, i, a)
             y = (row.last.tokens or [row.last.y])[-1]
-            row.last, row.used = Finish(cycle.before, i, before_lens, y, tokens), 0
+            row.last, row.used = FinishPoint(cycle.before, i, before_lens, y, tokens), 0
             row.landed += len(tokens)
             row.stats.record(0 if cycle.jump else k, a)  # (a jump's drafts are not the head's)
             row.stats.jumps += cycle.jump

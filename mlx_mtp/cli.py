@@ -88,14 +88,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", "-m", type=flag("max_tokens"), default=100,
                    help="tokens to generate (-1: no limit)")
     p.add_argument("--draft-tokens", "--num-draft-tokens", type=flag("draft_tokens"),
-                   default="auto",
+                   default=params.DecodeOptions.draft_tokens,
                    help="MTP draft depth k, or 'auto' (default): chosen per cycle from "
                         "measured acceptance and cost, 0 (plain decoding) included")
     p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
                    help="A folder holding the model's MTP head, drafted with instead of the "
                         "checkpoint's own (mlx-vlm's split drafter, or mtp.* safetensors with "
                         "their config). A separate draft model is refused: the head drafts")
-    p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"), default=4,
+    p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"),
+                   default=params.DecodeOptions.max_draft_tokens,
                    help="largest depth 'auto' tries")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers over the ranks (pipeline "
@@ -132,7 +133,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template-config", type=_json_object("--chat-template-config"),
                    default=None, help="JSON of extra chat-template arguments")
     p.add_argument("--extra-eos-token", type=str, nargs="+", default=())
-    p.add_argument("--prefill-step-size", type=flag("prefill_step_size"), default=2048)
+    p.add_argument("--prefill-step-size", type=flag("prefill_step_size"),
+                   default=params.DecodeOptions.prefill_step_size)
     p.add_argument("--prompt-cache-file", type=str, default=None,
                    help="A prompt cache from mlx_lm.cache_prompt (or save_prompt_cache): "
                         "the prompt continues after the cached one")

@@ -33,12 +33,38 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jsonschema
 
 SURFACES = ("openai", "anthropic", "generate", "server", "api")
+
+# The environment's on/off flags (README's guide lists them), read by `env_flag`:
+# name -> (default, what it turns on)
+ENV_FLAGS = {
+    "MLX_MTP_DISABLE": (False, "plain decoding everywhere (no drafts)"),
+    "MLX_MTP_QMV_ROWS": (True, "the verify's quantized products through qmv_rows on a GPU"),
+    "MLX_MTP_FAST_KERNELS": (False, "the fused kernels that are not bitwise exact"),
+    "MLX_MTP_CHECK_COUNTS": (False, "each read checks the host's counters against the device's"),
+    "MLX_MTP_DEBUG": (False, "the converter raises its errors with their traceback"),
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment flag (ENV_FLAGS): 1, true, yes, on are on; 0,
+    false, no, off are off (any case, spaces ignored); unset or empty is its
+    default; anything else is one ValueError naming it."""
+    default = ENV_FLAGS[name][0]
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(f"{name} must be one of {', '.join(_TRUE + _FALSE)} (or unset), not "
+                     f"{os.environ[name]!r}")
 MAX_DEPTH = 16  # draft_tokens above this only cost time: acceptance decays per position
 
 # Logits of a language model span tens of nats. A temperature of 100 already
@@ -318,6 +344,10 @@ def markdown() -> str:
         cells = [p.name, p.kind.__name__, allowed, *(", ".join(getattr(p, s)) or "-"
                                                      for s in SURFACES), notes]
         rows.append("| " + " | ".join(cells) + " |")
+    rows += ["", "| environment flag | default | on: |", "| --- | --- | --- |"]
+    rows += [f"| {name} | {'on' if default else 'off'} | {what} |"
+             for name, (default, what) in ENV_FLAGS.items()]
+    rows.append(f"\nOn: {', '.join(_TRUE)}; off: {', '.join(_FALSE)} (any case); unset: the default.")
     return "\n".join(rows)
 
 

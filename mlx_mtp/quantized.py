@@ -11,12 +11,12 @@ mlx_lm uses them unchanged.
 
 from __future__ import annotations
 
-import os
 
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from . import metal
+from .params import env_flag
 
 
 def _shared_read(layer, x):
@@ -60,6 +60,6 @@ def share_weight_reads(model: nn.Module) -> int:
 def use_shared_reads(model: nn.Module) -> int:
     """share_weight_reads on a GPU kernel backend, unless MLX_MTP_QMV_ROWS=0
     (MLX's own op for every product: the comparison the benches make)."""
-    if metal.backend() == "ref" or os.environ.get("MLX_MTP_QMV_ROWS", "1") == "0":
+    if metal.backend() == "ref" or not env_flag("MLX_MTP_QMV_ROWS"):
         return 0
     return share_weight_reads(model)

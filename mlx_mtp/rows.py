@@ -11,7 +11,6 @@ nothing drafted or rejected.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 from .cache import MTPCache, fill_empty, head_caches
 from .cycle import RING, DecodeState, Forwarded, Spec, ring_order
+from .params import env_flag
 from .prefill import catch_up, feed
 from .sampling import RowSampling
 
@@ -103,6 +103,16 @@ class MTPStats:
     def tokens_per_cycle(self) -> float:
         return self.emitted / self.cycles if self.cycles else 0.0
 
+    def usage(self) -> dict:
+        """As the server reports them (`usage.mtp`; a grammar's forced drafts
+        and the runs verified alone when it forced any)."""
+        out = {"drafted": self.drafted, "accepted": self.accepted,
+               "acceptance": [round(a, 4) for a in self.acceptance],
+               "tokens_per_cycle": round(self.tokens_per_cycle, 4), "cycles": self.cycles}
+        if self.forced:
+            out.update(forced=self.forced, jumps=self.jumps)
+        return out
+
 
 @dataclass
 class Lengths:
@@ -146,7 +156,7 @@ class Request:
     matcher: Optional["Matcher"] = None  # the row's grammar (constraint.py), at its start
 
 
-class Finish(NamedTuple):
+class FinishPoint(NamedTuple):
     """A row's finishing point: where its prompt cache is written from."""
 
     before: Optional[DecodeState]  # the state before its last read cycle (no KV buffers)
@@ -180,7 +190,7 @@ class Row:
     processors: tuple = ()
     landed: int = 0  # tokens read so far
     emitted: int = 0  # tokens handed to the caller (events)
-    last: Optional[Finish] = None  # its finishing point
+    last: Optional[FinishPoint] = None  # its finishing point
     used: int = 0  # of its last read cycle's tokens, those handed out
     history: Optional[mx.array] = None  # the row's tokens (logits processors)
     bias: Optional[mx.array] = None  # [V]: its logit bias, built once
@@ -217,7 +227,7 @@ class Ledger:
 
     def __init__(self):
         self.ring = 0  # plain steps' pairs waiting for the head, as launched
-        self.checking = os.environ.get("MLX_MTP_CHECK_COUNTS", "0") not in ("", "0")
+        self.checking = env_flag("MLX_MTP_CHECK_COUNTS")
 
     def launched(self, cycle: "Launched", use_head: bool, state: DecodeState):
         """A cycle was queued, leaving the device in `state`."""

@@ -37,7 +37,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors as _mlx_lm_make_logits_processors
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
-from .mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
+from .mlx_lm_compat import apply_top_k, apply_top_p, greedy_sampler
 from .params import SAMPLER_DEFAULTS
 
 __all__ = ["MTPSampler", "make_sampler", "make_logits_processors", "speculative_sample",
@@ -109,39 +109,6 @@ class MTPSampler:
     def speculative(self) -> bool:
         """True when the decoder can verify drafts by Leviathan–Chen."""
         return not self.greedy and self.xtc_probability <= 0.0
-
-    def filter(self, logprobs: mx.array) -> mx.array:
-        """top-p, min-p, top-k in mlx_lm's order (row-wise over [..., V]);
-        removed tokens get -inf. Temperature is not applied."""
-        if 0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        if self.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
-        if self.top_k > 0:
-            logprobs = apply_top_k(logprobs, self.top_k)
-        return logprobs
-
-    def target_logits(self, logprobs: mx.array) -> mx.array:
-        """Logits whose softmax is the target distribution p (mlx_lm samples
-        categorical(filter(logprobs) / temp))."""
-        return self.filter(logprobs) * (1.0 / self.temp)
-
-    def draft(self, logprobs: mx.array, key: mx.array) -> Tuple[mx.array, mx.array]:
-        """Sample one draft per row of the head's (processed) log-probs
-        [..., V]; returns (tokens [...] int32, q [..., V] float32)."""
-        filtered = self.filter(logprobs)
-        t = self.temp if self.draft_temp is None else self.draft_temp
-        if t == 0:
-            tok = mx.argmax(filtered, axis=-1).astype(mx.int32)
-            q = (mx.arange(filtered.shape[-1]) == tok[..., None]).astype(mx.float32)
-            return tok, q
-        logits = filtered.astype(mx.float32) * (1.0 / t)
-        tok = mx.random.categorical(logits, key=key).astype(mx.int32)
-        return tok, mx.softmax(logits, axis=-1)
-
-    def sample(self, logprobs: mx.array, key: mx.array) -> mx.array:
-        """A token per row of target log-probs, from p, with an explicit key."""
-        return mx.random.categorical(self.target_logits(logprobs), key=key).astype(mx.int32)
 
 
 def make_sampler(

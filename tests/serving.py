@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import psutil
 import requests
 
 
@@ -121,7 +122,7 @@ def chat_text(server, req, stream=False):
 def cut_at_stop(text: str, finish: str, stops) -> tuple:
     """An answer generated without stop strings, ended where the first one
     begins: (text, finish_reason) as the stop strings make it here.
-    (mlx_lm.server deletes each one from the text and generates on: README,
+    (mlx_lm.server deletes each one from the text and generates on: docs/server.md,
     the table of differences.)"""
     found = [text.find(s) for s in stops or () if s in text]
     return (text[:min(found)], "stop") if found else (text, finish)
@@ -157,27 +158,44 @@ def greedy_until_eos(model, prompt, max_tokens, eos):
     return want if stop is None else want[:stop + 1]
 
 
-def proc_status(pid: int, field: str) -> int:
-    """A field of /proc/PID/status in bytes (VmRSS, VmHWM) or as a count (Threads)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                value = line.split()[1]
-                return int(value) * (1024 if line.rstrip().endswith("kB") else 1)
-    raise KeyError(field)
+# A process's memory, threads and CPU time, read portably (psutil: Linux,
+# macOS, Windows), so the bounded-memory tests run where users run.
+def rss(pid: int) -> int:
+    """Resident memory of a process, bytes."""
+    return psutil.Process(pid).memory_info().rss
+
+
+def threads(pid: int) -> int:
+    return psutil.Process(pid).num_threads()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _high_water_mark(pid: int):
+    """Linux's peak resident memory (VmHWM), None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
 
 
 class PeakRSS:
     """The peak resident memory of a process while the block runs, less its
-    resident memory before: the kernel's high-water mark (VmHWM, reset at the
-    start through /proc/PID/clear_refs), and resident memory sampled every
-    5 ms where that reset is not allowed. `growth`: bytes."""
+    resident memory before: resident memory sampled every 5 ms, and on Linux
+    the kernel's high-water mark too (reset at the start through
+    /proc/PID/clear_refs, where that is allowed). `growth`: bytes."""
 
     def __init__(self, pid: int):
         self.pid = pid
 
     def __enter__(self):
-        self.before = proc_status(self.pid, "VmRSS")
+        self.before = rss(self.pid)
         try:
             with open(f"/proc/{self.pid}/clear_refs", "w") as f:
                 f.write("5")
@@ -191,10 +209,10 @@ class PeakRSS:
 
     def _sample(self):
         while not self.done.wait(0.005):
-            self.sampled = max(self.sampled, proc_status(self.pid, "VmRSS"))
+            self.sampled = max(self.sampled, rss(self.pid))
 
     def __exit__(self, *exc):
         self.done.set()
         self.thread.join()
-        peak = max(self.sampled, proc_status(self.pid, "VmHWM") if self.hwm else 0)
+        peak = max(self.sampled, (_high_water_mark(self.pid) or 0) if self.hwm else 0)
         self.growth = peak - self.before

@@ -248,3 +248,47 @@ def test_null_auto_and_not_json(srv):
     r = requests.post(srv.url + "/v1/messages", data=raw, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert "Infinity is not a JSON number" in r.json()["error"]["message"]
+
+
+# -- environment flags: one truth table (params.env_flag), read where each one acts ----------
+ON, OFF = ("1", "true", "TRUE", "yes", "On"), ("0", "false", "False", "no", "OFF", " off ")
+
+
+def _readers(monkeypatch, tmp_path):
+    """Each flag's reader where it acts: flag -> a function of no arguments
+    giving what the flag decides there."""
+    from mlx_mtp import batch, metal, quantized, rows
+
+    monkeypatch.setattr(metal, "backend", lambda: "metal")
+    monkeypatch.setattr(quantized, "share_weight_reads", lambda model: 1)
+
+    def converter_raises() -> bool:
+        from mlx_mtp.convert.__main__ import main
+
+        try:
+            main(["--hf-path", str(tmp_path / "missing"), "--mlx-path", str(tmp_path / "out")])
+        except Exception:
+            return True
+        return False
+
+    return {"MLX_MTP_DISABLE": batch.mtp_disabled_by_env,
+            "MLX_MTP_QMV_ROWS": lambda: quantized.use_shared_reads(None) == 1,
+            "MLX_MTP_FAST_KERNELS": metal.fused_default,
+            "MLX_MTP_CHECK_COUNTS": lambda: rows.Ledger().checking,
+            "MLX_MTP_DEBUG": converter_raises}
+
+
+@pytest.mark.parametrize("flag", list(params.ENV_FLAGS))
+def test_each_environment_flag_reads_one_truth_table(flag, monkeypatch, tmp_path):
+    reader = _readers(monkeypatch, tmp_path)[flag]
+    for value in ON:
+        monkeypatch.setenv(flag, value)
+        assert reader() is True, (flag, value)
+    for value in OFF:
+        monkeypatch.setenv(flag, value)
+        assert reader() is False, (flag, value)
+    monkeypatch.delenv(flag, raising=False)
+    assert reader() is params.ENV_FLAGS[flag][0]
+    monkeypatch.setenv(flag, "maybe")
+    with pytest.raises(ValueError, match=f"{flag} must be one of"):
+        params.env_flag(flag)

@@ -5,7 +5,6 @@ across turns, concurrency, a client leaving mid-stream, bad input; and a
 qwen4_exp model served against in-process greedy decoding."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from mlx_mtp.loader import demo_model_path  # noqa: E402
-from serving import (LONG_MESSAGES, Server, chat_text, cut_at_stop,  # noqa: E402
+from serving import (LONG_MESSAGES, Server, chat_text, cpu_seconds, cut_at_stop,  # noqa: E402
                      greedy_ids, greedy_until_eos, stopped_chat_text)
 
 DEMO = str(demo_model_path())
@@ -193,14 +192,6 @@ def test_disconnect_mid_stream(mtp):
     assert requests.get(mtp.url + "/health").json() == {"status": "ok"}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", dict(messages=LONG_MESSAGES, max_tokens=3000)),
     ("/v1/messages", dict(model="default_model", messages=LONG_MESSAGES,
@@ -217,11 +208,11 @@ def test_client_leaving_a_non_streamed_request_stops_it(mtp, path, body):
                    f"Content-Length: {len(payload)}\r\n\r\n{payload}").encode())
         deadline = time.time() + 30
         while True:  # until it decodes
-            busy = _cpu_seconds(mtp.proc.pid)
+            busy = cpu_seconds(mtp.proc.pid)
             time.sleep(0.5)
-            if _cpu_seconds(mtp.proc.pid) - busy > 0.2 or time.time() > deadline:
+            if cpu_seconds(mtp.proc.pid) - busy > 0.2 or time.time() > deadline:
                 break
-        assert _cpu_seconds(mtp.proc.pid) - busy > 0.2  # (it was decoding)
+        assert cpu_seconds(mtp.proc.pid) - busy > 0.2  # (it was decoding)
     deadline = time.time() + 30  # the watch polls 4 times a second; the row leaves at its next cycle
     while "non-streamed request left" not in mtp.text() and time.time() < deadline:
         time.sleep(0.1)
@@ -229,11 +220,11 @@ def test_client_leaving_a_non_streamed_request_stops_it(mtp, path, body):
     # few hundred tokens of prefill; the row left would decode 3000 tokens)
     deadline = time.time() + 10
     while True:
-        idle = _cpu_seconds(mtp.proc.pid)
+        idle = cpu_seconds(mtp.proc.pid)
         time.sleep(1.5)
-        if _cpu_seconds(mtp.proc.pid) - idle < 0.25 or time.time() > deadline:
+        if cpu_seconds(mtp.proc.pid) - idle < 0.25 or time.time() > deadline:
             break
-    assert _cpu_seconds(mtp.proc.pid) - idle < 0.25
+    assert cpu_seconds(mtp.proc.pid) - idle < 0.25
     assert chat_text(mtp, CHATS[1]) == want
     assert "non-streamed request left" in mtp.text()
 

@@ -19,7 +19,7 @@ anthropic = pytest.importorskip("anthropic")
 requests = pytest.importorskip("requests")
 
 from serving import (LONG_PROMPT, PeakRSS, Server, chat_text, greedy_ids,  # noqa: E402
-                     proc_status)
+                     threads)
 
 SERVED = "mlx-mtp-demo"  # the demo model's id (no --model)
 READ_TIMEOUT = 2  # the server's --read-timeout here
@@ -385,7 +385,6 @@ def test_a_bad_size_flag_is_one_line():
 
 
 # -- memory and threads a client can hold --------------------------------------------------------
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_50_mb_body_is_refused_at_once_in_bounded_memory(srv):
     """Refused from its Content-Length (larger than a prompt filling the
     context can need), read and dropped a chunk at a time: under 2 s, and the
@@ -402,7 +401,6 @@ def test_a_50_mb_body_is_refused_at_once_in_bounded_memory(srv):
     assert healthy(srv)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("path,field", [("/v1/chat/completions", "messages"),
                                         ("/v1/completions", "prompt"),
                                         ("/v1/messages", None)])
@@ -433,12 +431,11 @@ def test_a_prompt_longer_than_the_context_in_characters_is_refused_before_tokeni
     assert rss.growth < 100 << 20, f"the server grew by {rss.growth / 2**20:.0f} MiB"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_stalled_uploads_are_timed_out_and_free_their_threads(srv):
     """20 uploads that stop after 10 bytes of their body, and one that stops
     inside its headers: each is answered 408 (or closed) after
     --read-timeout, and the server's threads return to their number."""
-    threads = proc_status(srv.proc.pid, "Threads")
+    before = threads(srv.proc.pid)
     socks = []
     for _ in range(20):
         s = socket.create_connection(("127.0.0.1", srv.port))
@@ -448,9 +445,9 @@ def test_stalled_uploads_are_timed_out_and_free_their_threads(srv):
     header = socket.create_connection(("127.0.0.1", srv.port))
     header.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
     deadline = time.time() + 1.5
-    while proc_status(srv.proc.pid, "Threads") < threads + 20 and time.time() < deadline:
+    while threads(srv.proc.pid) < before + 20 and time.time() < deadline:
         time.sleep(0.05)
-    assert proc_status(srv.proc.pid, "Threads") >= threads + 20  # (each holds one)
+    assert threads(srv.proc.pid) >= before + 20  # (each holds one)
     t0 = time.perf_counter()
     for s in socks + [header]:
         s.settimeout(READ_TIMEOUT + 5)
@@ -467,7 +464,7 @@ def test_stalled_uploads_are_timed_out_and_free_their_threads(srv):
                 "request_timeout"
     assert time.perf_counter() - t0 < READ_TIMEOUT + 3
     deadline = time.time() + 5
-    while proc_status(srv.proc.pid, "Threads") > threads + 1 and time.time() < deadline:
+    while threads(srv.proc.pid) > before + 1 and time.time() < deadline:
         time.sleep(0.1)
-    assert proc_status(srv.proc.pid, "Threads") <= threads + 1
+    assert threads(srv.proc.pid) <= before + 1
     assert healthy(srv)

@@ -38,7 +38,7 @@ class Part:
 
 
 @dataclass(frozen=True)
-class Finish:
+class Ending:
     """How an answer ended, in each API's words."""
 
     openai: str  # finish_reason: "stop", "length" or "tool_calls"
@@ -46,17 +46,17 @@ class Finish:
     stop_sequence: Optional[str] = None  # the stop string that ended it
 
 
-def finish(ended: str, stop_sequence: Optional[str], has_calls: bool) -> Finish:
+def finish(ended: str, stop_sequence: Optional[str], has_calls: bool) -> Ending:
     """The finish reasons of an answer that `ended` ("stop": EOS or a stop
     string, "length": max_tokens) with `stop_sequence` (or None), with or
     without tool calls read."""
     if ended == "length":
-        return Finish("length", "max_tokens")
+        return Ending("length", "max_tokens")
     if stop_sequence is not None:
-        return Finish("stop", "stop_sequence", stop_sequence)
+        return Ending("stop", "stop_sequence", stop_sequence)
     if has_calls:
-        return Finish("tool_calls", "tool_use")
-    return Finish("stop", "end_turn")
+        return Ending("tool_calls", "tool_use")
+    return Ending("stop", "end_turn")
 
 
 def openai_call(call: ToolCall, index: Optional[int] = None) -> dict:
@@ -125,7 +125,7 @@ class Answer:
                 "name": c.name, "arguments": c.arguments}} for c in calls]
         return msg
 
-    def finish(self) -> Finish:
+    def finish(self) -> Ending:
         return finish(self.ended or "stop", self._ctx.stop_sequence, self.calls > 0)
 
     def _read_call(self, closed: bool) -> Part:

@@ -292,7 +292,7 @@ class Message:
         return out
 
     def finish(self, ending, output_tokens: int):
-        """ending: the answer's (answer.Finish: its stop_reason and stop string)."""
+        """ending: the answer's (answer.Ending: its stop_reason and stop string)."""
         self._stop()
         self.usage["output_tokens"] = output_tokens
         self.stop_reason, self.stop_sequence = ending.anthropic, ending.stop_sequence

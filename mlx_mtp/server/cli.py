@@ -44,9 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", type=str, default=None,
                    help="require 'Authorization: Bearer KEY' (or x-api-key) on every request")
     p.add_argument("--draft-tokens", "--num-draft-tokens", dest="draft_tokens",
-                   type=flag("draft_tokens"), default="auto",
+                   type=flag("draft_tokens"),
+                   default=params.DecodeOptions.draft_tokens,
                    help="MTP draft depth, or 'auto' (default)")
-    p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"), default=4,
+    p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"),
+                   default=params.DecodeOptions.max_draft_tokens,
                    help="largest depth 'auto' tries")
     p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
                    help="a folder holding an MTP head for a trunk without one (mlx-vlm's "
@@ -66,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most tokens a request may ask for")
     p.add_argument("--chat-template-args", type=json.loads, default="{}",
                    help="JSON of chat template arguments, e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--prefill-step-size", type=flag("prefill_step_size"), default=2048)
+    p.add_argument("--prefill-step-size", type=flag("prefill_step_size"),
+                   default=params.DecodeOptions.prefill_step_size)
     p.add_argument("--prompt-cache-size", type=flag("prompt_cache_size"), default=10,
                    help="prompt cache entries kept (least recently used dropped first)")
     p.add_argument("--prompt-cache-bytes", type=size("--prompt-cache-bytes"), default=None,

@@ -468,14 +468,8 @@ class MTPAPIHandler(APIHandler):
 
     # -- responses: usage with MTP statistics, logprobs in OpenAI's shape ---------------------
     def _mtp_usage(self, response: dict) -> dict:
-        stats = self.stats
-        if stats is not None and "usage" in response:
-            response["usage"]["mtp"] = {
-                "drafted": stats.drafted, "accepted": stats.accepted,
-                "acceptance": [round(a, 4) for a in stats.acceptance],
-                "tokens_per_cycle": round(stats.tokens_per_cycle, 4), "cycles": stats.cycles}
-            if stats.forced:  # a grammar's: drafts it forced, runs verified alone
-                response["usage"]["mtp"].update(forced=stats.forced, jumps=stats.jumps)
+        if self.stats is not None and "usage" in response:
+            response["usage"]["mtp"] = self.stats.usage()
         return response
 
     def generate_response(self, *args, **kwargs):
