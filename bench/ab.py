@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,25 +47,38 @@ REPO = Path(__file__).resolve().parent.parent
 REGRESSION = 0.97  # a median head/base below this, its spread short of 1.0: a regression
 
 
-def install(revision: str, into: Path) -> Path:
-    """The revision's package installed in a folder of its own (a git
-    worktree of it, `pip install --target`); returns the folder to put on
-    PYTHONPATH. revision None: this checkout as it is."""
-    source = REPO
+def install(revision: str, into: Path, cwd: Path) -> Path:
+    """The revision's package installed in a folder of its own (from a git
+    worktree of it, or for None a copy of this checkout's files as they are:
+    tracked, and untracked ones git does not ignore; `pip install
+    --target`); returns the folder to put on PYTHONPATH. `cwd`: where the
+    servers run (checked: the package imports from the folder there)."""
+    source = into / "src"
     if revision is not None:
-        source = into / "src"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force",
                         str(source), revision], check=True, capture_output=True)
+    else:
+        files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"],
+                               check=True, capture_output=True, text=True).stdout.split()
+        for name in files:
+            if (REPO / name).is_file():
+                (source / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / name, source / name)
     site = into / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), str(source)], check=True, capture_output=True)
     found = subprocess.run([sys.executable, "-c", "import mlx_mtp; print(mlx_mtp.__file__)"],
-                           env=dict(os.environ, PYTHONPATH=str(site)), cwd=into, text=True,
-                           capture_output=True, check=True).stdout.strip()
+                           env=dict(os.environ, PYTHONPATH=pythonpath(site)), cwd=cwd,
+                           text=True, capture_output=True, check=True).stdout.strip()
     if not found.startswith(str(site)):  # (the server must run this revision's code)
         raise RuntimeError(f"{revision or 'the checkout'}: mlx_mtp imports from {found}, "
                            f"not from {site}")
     return site
+
+
+def pythonpath(site: Path) -> str:
+    """PYTHONPATH with `site` first (the environment's own after it)."""
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
 
 
 def spread(xs):
@@ -88,6 +102,11 @@ def main(argv=None) -> int:
     from mlx_mtp.loader import resolve_model_path
 
     workloads = args.workloads.split(",")
+    known = serve_bench.DEFAULT + list(serve_bench.FOLLOWING) + [
+        w for w in serve_bench.WORKLOADS if w != "jsonlen"]  # (jsonlen: mlx_mtp first, 2 servers)
+    unknown = [w for w in workloads if w not in known]
+    if unknown:
+        p.error(f"unknown workload {unknown[0]!r}; choose from {', '.join(dict.fromkeys(known))}")
     model = str(Path(resolve_model_path(args.model)).resolve())
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,10 +116,10 @@ def main(argv=None) -> int:
         try:
             for name, rev in (("base", args.base), ("head", args.head)):
                 (Path(tmp) / name).mkdir()
-                sites[name] = install(rev, Path(tmp) / name)
+                sites[name] = install(rev, Path(tmp) / name, Path(tmp))
             mtp = ["mlx_mtp.server", "--model", model, *args.mtp_args.split()]
-            servers = {"base": (mtp, {"PYTHONPATH": str(sites["base"])}),
-                       "head": (mtp, {"PYTHONPATH": str(sites["head"])}),
+            servers = {"base": (mtp, {"PYTHONPATH": pythonpath(sites["base"])}),
+                       "head": (mtp, {"PYTHONPATH": pythonpath(sites["head"])}),
                        "mlx_lm": (["mlx_lm", "server", "--model", model], None)}
             print(f"model {model}; BLAS {blas_in_use()}; base {args.base}, head {head_name}; "
                   f"{args.rounds} rounds; workloads {', '.join(workloads)}", flush=True)
@@ -112,7 +131,8 @@ def main(argv=None) -> int:
                     + "".join(f", {n} errors {r['errors']}" for n, r in runs.items()
                               if r["errors"]), flush=True)
 
-            rounds, rss = serve_bench.measure(servers, workloads, args.rounds, out, said)
+            rounds, rss = serve_bench.measure(servers, workloads, args.rounds, out, said,
+                                              cwd=Path(tmp))
         finally:
             for name in ("base", "head"):
                 src = Path(tmp) / name / "src"

@@ -109,15 +109,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(argv, log: Path, env=None):
+def start(argv, log: Path, env=None, cwd=None):
     """`python -m ARGV` on a free port (`env`: variables besides ours), once
-    /health answers: (process, URL). It runs in the log's folder, so that
-    `python -m` imports the package from where PYTHONPATH says, not from a
-    checkout in the current folder (bench/ab.py)."""
+    /health answers: (process, URL). It runs in `cwd` (default: the log's
+    folder): `python -m` imports a package from its current folder first."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", str(port)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, **(env or {})), cwd=log.resolve().parent)
+                            env=dict(os.environ, **(env or {})),
+                            cwd=cwd or log.resolve().parent)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
@@ -425,19 +425,20 @@ def run(workload: str, url: str, rnd: int) -> dict:
             "greedy_texts": [r.get("text") if r["greedy"] else None for r in results]}
 
 
-def measure(servers: dict, workloads: list, rounds: int, out: Path, said=None):
+def measure(servers: dict, workloads: list, rounds: int, out: Path, said=None, cwd=None):
     """Start the servers ({name: (argv, env)}), warm each workload up on
     each, then run `rounds` rounds: every workload on every server in turn,
     the order rotating round by round, each run started once all servers
     are idle (`wait_quiet`: no server's background work runs inside
     another's timed window; a FOLLOWING workload waits only before it
-    starts). `said(round, workload, {name: run()})` after each workload.
+    starts). `said(round, workload, {name: run()})` after each workload;
+    `cwd`: the servers' folder (`start`).
     Returns ({workload: [{name: run()} per round]}, {name: peak RSS MB})."""
     procs, urls = {}, {}
     results = {w: [] for w in workloads}
     try:
         for name, (argv, env) in servers.items():
-            procs[name], urls[name] = start(argv, out.with_suffix(f".{name}.log"), env)
+            procs[name], urls[name] = start(argv, out.with_suffix(f".{name}.log"), env, cwd)
         for w in workloads:  # warm up: graphs traced, first allocations
             for name in run_order(w, list(servers)):
                 run(w, urls[name], -1)

@@ -261,7 +261,7 @@ class Batch:
         check_model_cache(prompt_cache, self.spec.model)
         with mx.stream(generation_stream):
             prefill(self.spec, [prompt_cache], [list(tokens)], self.options.prefill_step_size,
-                    head_window=self.spec.model.head_context)
+                    head_window=self.spec.model.head_context, last_pair=False)
 
     def _join(self, requests: List[Request]) -> List[Optional[Row]]:
         spec, model = self.spec, self.spec.model

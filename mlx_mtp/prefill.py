@@ -45,7 +45,7 @@ def _pieces(n: int, step: int, stops) -> List[int]:
 def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_step_size: int,
             progress: Callable = lambda i, done, total: None, stops=None,
             snapshot: Callable = lambda i, n: None,
-            head_window: Optional[int] = None) -> List[Prefilled]:
+            head_window: Optional[int] = None, last_pair: bool = True) -> List[Prefilled]:
     """Feed each prompt but its last token to its prompt cache (mlx_lm's
     objects, updated in place), as mlx_lm feeds a prompt: pieces of at most
     `prefill_step_size` tokens. Several prompts go through the trunk together
@@ -60,7 +60,10 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
 
     stops[i]: token counts of prompt i after which `snapshot(i, n)` is called
     while its prompt cache holds exactly its first n tokens (the server's
-    prefix cache). progress(i, done, total) per piece."""
+    prefix cache). progress(i, done, total) per piece. last_pair False: the
+    last pair is left for the next call, whose first token the prompt's last
+    is (a prompt fed piece by piece, `Batch.feed_prefix`): the head then
+    stays one position behind the trunk, as the prompt cache keeps it."""
     model = spec.model
     n_trunk = len(model.is_linear)
     n_rows = len(prompts)
@@ -130,8 +133,8 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
                     _split_back(spec, caches, trunk, head, batched, [i], last)
                     snapshot(i, done[i])
         mx.clear_cache()
-    if head is not None:  # the last pair: (h at the last fed position, the last token)
-        head_pass(None, [1] * n_rows)
+    if head is not None and last_pair:  # the last pair: (h at the last fed position,
+        head_pass(None, [1] * n_rows)  # the last token)
         mx.eval([c.state for c in head], [x for x in g if x is not None])
     _split_back(spec, caches, trunk, head, batched, list(range(n_rows)), last)
     return [Prefilled(last[i], g[i]) for i in range(n_rows)]

@@ -561,3 +561,36 @@ def test_rows_with_host_processors_get_a_batch_of_their_own(loaded):
                                                 logits_processors=host.processors)])
     lane.rows[row] = None
     assert lane.accepts(host, [], 8) and not lane.accepts(free, [], 8)
+
+
+def test_a_prefix_fed_piece_by_piece_is_the_prefix_fed_at_once(loaded):
+    """The server's idle-time prefill (`Batch.feed_prefix`, pieces sharing a
+    token: each piece's last is the next one's first) leaves the prompt
+    cache as one prefill of the whole prefix does: the trunk holds every
+    token, the head one position behind it, and the states agree up to
+    rounding (the pieces are other matmul shapes)."""
+    import numpy as np
+
+    from mlx_mtp.cache import entry_length, head_caches
+    from mlx_mtp.distributed import trunk_length
+
+    model, _, tok = loaded("dense")
+    batch = make_batch(model, draft_tokens=2)
+    tokens = tok.encode(LONG)[:45]
+    whole = model.make_cache()
+    batch.add([batch.prepare(tokens, whole, 0)])
+    pieces = model.make_cache()
+    done = 0
+    for end in (8, 17, 30):
+        batch.feed_prefix(pieces, tokens[done:end + 1])
+        done = end
+    batch.add([batch.prepare(tokens[done:], pieces, 0)])
+    n_trunk = len(model.is_linear)
+    for cache in (whole, pieces):
+        assert trunk_length(cache, model) == len(tokens)
+        assert entry_length(head_caches(cache, n_trunk)[0]) == len(tokens) - 1
+    for a, b in zip(whole, pieces):
+        for x, y in zip(a.state, b.state):
+            if isinstance(x, mx.array):
+                np.testing.assert_allclose(np.array(x, dtype=np.float32),
+                                           np.array(y, dtype=np.float32), rtol=1e-4, atol=1e-4)

@@ -121,7 +121,8 @@ SHAPES = {  # asks, max_tokens, stop strings, next turns sent after idle time
 }
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.slow)
+                                   if s == "cut by max_tokens" else s for s in SHAPES])
 def test_each_turn_is_a_cold_prefill_of_its_history_up_to_ties(srv, cold, shape):
     asks, max_tokens, stop, idle = SHAPES[shape]
     usages = openai_turns(srv, cold, asks, max_tokens, stop, idle=idle)
@@ -131,6 +132,7 @@ def test_each_turn_is_a_cold_prefill_of_its_history_up_to_ties(srv, cold, shape)
                 u, prompt, answer)
 
 
+@pytest.mark.slow  # (the default tier: each shape alone; batch rows: test_batch, test_server)
 def test_two_conversations_at_once(srv, cold):
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(openai_turns, srv, cold, asks, 48, None, system)
@@ -140,6 +142,7 @@ def test_two_conversations_at_once(srv, cold):
             f.result()
 
 
+@pytest.mark.slow  # (the default tier: Anthropic's cache reads, test_server_prompt_cache)
 def test_anthropic_turns_with_a_system_prompt(srv, cold):
     run, tok = cold
     client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=300)
@@ -191,9 +194,10 @@ def _count(srv, words: str, before: int) -> int:
 def test_a_request_arriving_during_idle_work_starts_before_it_ends(srv):
     """A long answer's next turn is prefilled in idle time, in chunks (this
     server: --idle-chunk-ms 1, 8 tokens a chunk). Another chat's request,
-    sent once that work has begun, pauses it (logged with how far it got)
-    and is served; the work resumes and ends after it. Its own next turn,
-    sent while that turn's prefix is being prefilled, starts from it."""
+    sent once that work has begun, finds it midway (logged with how far it
+    got) and is served; the work goes on and ends after it. Its own next
+    turn, sent while that turn's prefix is being prefilled, starts from
+    what was prefilled."""
     client = srv.openai(timeout=300)
     since = len(srv.text().splitlines())
     long = client.chat.completions.create(model="m", messages=LONG_MESSAGES, max_tokens=600,
@@ -209,15 +213,15 @@ def test_a_request_arriving_during_idle_work_starts_before_it_ends(srv):
                                                                   since))
     lines = _lines(srv, since)
     began = next(i for i, line in enumerate(lines) if "next turn: prefilling" in line)
-    paused = next(i for i, line in enumerate(lines) if "paused at" in line and i > began)
-    done, total = map(int, re.search(r"paused at (\d+) of (\d+)", lines[paused]).groups())
+    paused = next(i for i, line in enumerate(lines) if "waits at" in line and i > began)
+    done, total = map(int, re.search(r"waits at (\d+) of (\d+)", lines[paused]).groups())
     assert 0 < done < total  # (paused midway: the request did not wait for the rest)
     served = next(i for i, line in enumerate(lines)
                   if "POST /v1/chat/completions" in line and i > paused)
     stored = next(i for i, line in enumerate(lines)
                   if "is prefilled and stored" in line and i > paused)
     assert paused < served < stored, (paused, served, stored)
-    assert any("prefilling" in line for line in lines[paused:stored])  # (resumed)
+    assert any("tokens prefilled in" in line for line in lines[served:stored])  # (went on)
 
     # the chat's own next turn, sent while its prefix is prefilled: the work
     # stops there (the request prefills the rest with its message) and the

@@ -389,8 +389,6 @@ class MTPResponseGenerator(ResponseGenerator):
                 if not busy and not joining and (lane is None or not lane.accepts(
                         settings, [], width)):
                     try:  # (the finished chats' next turns wait for the new batch to idle)
-                        if lane is not None:
-                            lane.pause()
                         lane = _Lane(self, settings, lane.next_turns if lane is not None else ())
                     except Exception as e:  # e.g. settings the sampler refuses
                         waiting.popleft()
@@ -404,7 +402,9 @@ class MTPResponseGenerator(ResponseGenerator):
                 continue
             if busy:
                 lane.step()
-                if lane.batch is None:
+                if lane.batch is None:  # (it failed: its finished chats' answers go to disk)
+                    for turn in lane.next_turns:
+                        lane.persist(turn)
                     lane = None
             elif idle_work and not waiting and not lane.idle_in():  # one chunk of the next
                 lane.idle_step()  # turns' prefixes, then a look for requests (never between

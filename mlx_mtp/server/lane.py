@@ -189,7 +189,10 @@ class _Lane:
             except Exception:  # (`_prepare` tells the request)
                 pass
         self._continued(prompts)
-        self.pause()
+        if self.next_turns and self.next_turns[0].cache is not None:  # (it waits, kept as is)
+            turn = self.next_turns[0]
+            logging.debug("next turn: waits at %d of %d tokens for a request", turn.done,
+                          len(turn.tokens))
         joined = []
         for (rqueue, request, args), settings in requests:
             rid = next(gen._row_ids)
@@ -355,8 +358,9 @@ class _Lane:
     def idle_step(self):
         """One piece of the idle-time work, each at most one chunk of
         prefill (--idle-chunk-ms): the generation loop looks for requests
-        between pieces, and one that arrives is served first (`join` pauses
-        the work; it resumes once the batch is idle again). The work: the
+        between pieces, and one that arrives is served first (the work waits,
+        its cache kept on the turn, and goes on once the batch is idle
+        again). The work: the
         prefix every next turn of a finished chat starts with
         (`next_turn_prefix`). The chat template re-tokenizes an answer's text
         its own way (the demo generates '\\n   ' where it writes '\\n', '   '),
@@ -374,14 +378,16 @@ class _Lane:
         for idle time: their requests prefill what is left themselves, in
         the same forward as their new messages (a separate forward for the
         rest of a prefix would cost a whole pass over the weights). What
-        idle time prefilled stays stored, and they start there."""
+        idle time prefilled is stored, and they start there. A next turn is
+        longer than its chat's prompt and starts with its history (the
+        prompt's generation tail aside: the next turn may render it
+        otherwise, a think block), or with the prefix rendered for it."""
         for turn in list(self.next_turns):
-            # the chat's history, its generation prompt's tail aside (the next
-            # turn may render it otherwise: a think block)
-            head = turn.state.ctx.prompt[:-GENERATION_TAIL]
-            if any(p[:len(head)] == head for p in prompts):
-                if turn is self.next_turns[0]:
-                    self.pause()
+            prompt = turn.state.ctx.prompt
+            head = turn.tokens[:max(turn.done, 1)] if turn.tokens is not None else \
+                prompt[:max(1, len(prompt) - GENERATION_TAIL)]
+            if any(len(p) > len(prompt) and p[:len(head)] == head for p in prompts):
+                self._store_partial(turn)
                 self._done(turn)
 
     def _advance(self, turn: _NextTurn, limit: int):
@@ -398,7 +404,7 @@ class _Lane:
                 if turn.tokens is None or len(turn.tokens) >= mp.context_length:
                     self._done(turn, persist=True)
                 return
-            if turn.cache is None:  # (begun, or resumed after a pause)
+            if turn.cache is None:  # (begun)
                 cache, turn.done = gen._fetch(mp.model_key, turn.tokens)
                 left = len(turn.tokens) - turn.done
                 if left == 0:
@@ -429,20 +435,20 @@ class _Lane:
                 raise
             logging.warning("a next turn's prefix was not prefilled: %s: %s",
                             type(e).__name__, e)
-            self._done(turn)
+            turn.cache = None
+            self._done(turn, persist=True)
 
-    def pause(self):
-        """Requests are about to join: the next turn being prefilled keeps
-        what it has, in the prefix cache (RAM); the work resumes from there
-        (the longest stored prefix) once the batch is idle again."""
-        turn = self.next_turns[0] if self.next_turns else None
-        if turn is None or turn.cache is None:
+    def _store_partial(self, turn: _NextTurn):
+        """A next turn's prefix, as far as idle time prefilled it, goes to
+        the prefix cache (RAM) for the request that continues it (the turn
+        is then dropped: its cache is not touched again)."""
+        if turn.cache is None:
             return
+        logging.debug("next turn: paused at %d of %d tokens for its request", turn.done,
+                      len(turn.tokens))
         if turn.done:
             self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
                                                turn.tokens[:turn.done], turn.cache)
-        logging.debug("next turn: paused at %d of %d tokens for a request", turn.done,
-                      len(turn.tokens))
         turn.cache = None
 
     def _chunk(self) -> int:
@@ -460,9 +466,17 @@ class _Lane:
                                  int(tokens / max(seconds, 1e-6) * budget)))
 
     def _done(self, turn: _NextTurn, persist: bool = False):
+        """The turn leaves the idle work (once: a second call does nothing),
+        its answer's state sent to disk if `persist`."""
+        if turn not in self.next_turns:
+            return
         self.next_turns.remove(turn)
         if persist:
-            self.persist(turn)
+            try:
+                self.persist(turn)
+            except Exception as e:  # (the disk tier logs its own faults; never the loop's)
+                logging.warning("an answer's state was not sent to disk: %s: %s",
+                                type(e).__name__, e)
 
     def persist(self, turn: _NextTurn):
         """A next turn not prefilled ahead: its answer's own state goes to disk."""
