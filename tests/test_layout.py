@@ -167,3 +167,19 @@ def test_the_documented_walk_of_one_cycle_is_the_trace(monkeypatch):
     section = design.split("### One cycle, file by file", 1)[1].split("\n#", 1)[0]
     listed = sorted(set(re.findall(r"^\s*((?:mlx_mtp|metal)/[\w/]+\.py)", section, re.M)))
     assert listed == files, (listed, files)
+
+
+def test_the_server_lane_reads_nothing_private_of_the_generator():
+    """lane.py asks the generation thread (generation.py) through its public
+    methods (`fetch`, `store`, `render`, `from_rank0`, ...), never through
+    mlx_lm's or our private attributes: the seam stays one interface."""
+    tree = ast.parse((ROOT / "mlx_mtp" / "server" / "lane.py").read_text())
+    private = sorted({f"{node.value.id}.{node.attr}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                      and not node.attr.startswith("__")
+                      and isinstance(node.value, ast.Name) and node.value.id == "gen"}
+                     | {f"self.gen.{node.attr}" for node in ast.walk(tree)
+                        if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                        and isinstance(node.value, ast.Attribute)
+                        and node.value.attr == "gen"})
+    assert not private, private

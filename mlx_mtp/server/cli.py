@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     generator = MTPResponseGenerator(provider, cache)
     if rank:  # the other ranks follow rank 0's generation loop, which tells them to stop
         generator.join()  # (or fails them with one line when rank 0 is gone)
-        return _exit(1 if generator._generation_failed else 0)
+        return _exit(1 if generator.failed else 0)
     code = 0
     try:
         warnings.filterwarnings("ignore", message="mlx_lm.server is not recommended")
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     if disk is not None:  # entries still queued are written (a killed server loses them, whole)
         disk.close(timeout=DISK_FLUSH_S)
     logging.info("stopped")
-    if rank is not None and generator._generation_failed:  # sharded: a rank was lost
+    if rank is not None and generator.failed:  # sharded: a rank was lost
         code = 1
     return _exit(code)
 

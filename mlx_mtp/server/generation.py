@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 from queue import Empty as QueueEmpty, Queue
 from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -322,9 +322,53 @@ class MTPResponseGenerator(ResponseGenerator):
             raise context_exceeded(fewest, max_tokens, mp.context_length,
                                    "prompt" if text else "messages", chars=chars)
 
-    def _depth(self, args):
+    # -- what a lane asks of the generator (lane.py reads nothing private) -------------------
+    @property
+    def sharded(self) -> bool:
+        """Whether this process is one rank of several (mlx.launch)."""
+        return self._is_distributed
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the generation loop is ending (sharded: rank 0's word)."""
+        return self._halted if self._is_distributed else self._stop
+
+    @property
+    def failed(self) -> bool:
+        """Whether the generation thread stopped on an error."""
+        return self._generation_failed
+
+    def from_rank0(self, make: Callable[[], Any]) -> Any:
+        """`make()`, made on rank 0 and shared with the other ranks (sharded:
+        every rank then acts on the same value), made here otherwise."""
+        if not self._is_distributed:
+            return make()
+        return self._share_object(make() if self._rank == 0 else None)
+
+    def next_row_id(self) -> int:
+        """A row's id, the same on every rank (rows join in lockstep)."""
+        return next(self._row_ids)
+
+    def depth(self, args):
+        """A request's draft depth: its own, else the server's."""
         return self.cli_args.draft_tokens if args.num_draft_tokens is None else \
             parse_depth(args.num_draft_tokens)
+
+    def render(self, request, args) -> tuple:
+        """mlx_lm's `_tokenize` of a request (ours: `_tokenize`)."""
+        return self._tokenize(self.model_provider.tokenizer, request, args)
+
+    def text_state_machine(self):
+        """mlx_lm's text state machine for a request (no stop words: ours end the text)."""
+        mp = self.model_provider
+        return self._make_state_machine(mp.model_key, mp.tokenizer, ())[1]
+
+    def store(self, tokens: list, cache: list, persist: bool = False,
+              kind: str = "assistant"):
+        """A prefix's cache into the prompt cache (RAM; `persist`: and disk),
+        `kind` its entry's type in mlx_lm's LRU."""
+        self.prompt_cache.insert_cache(self.model_provider.model_key, tokens, cache,
+                                       cache_type=kind, persist=persist)
 
     def next_turn_prefix(self, request, args, answer: dict) -> Optional[list]:
         """The tokens every next turn of a chat starts with: its messages, its
@@ -468,14 +512,15 @@ class MTPResponseGenerator(ResponseGenerator):
         for rqueue in queues:
             _Lane._fail(rqueue, shutdown_error(self.grace))
 
-    def _fetch(self, key, tokens: list):
+    def fetch(self, tokens: list):
         """The longest stored prefix of `tokens`: a copy of its cache (or
         None) and its length. Sharded, each rank keeps its own store (each
         bounded on its own share), so the ranks settle on a prefix all of
         them hold, shortening until they agree (0 at worst)."""
         n = len(tokens)
         while True:
-            cache, rest = (self.prompt_cache.fetch_nearest_cache(key, tokens[:n]) if n
+            cache, rest = (self.prompt_cache.fetch_nearest_cache(
+                self.model_provider.model_key, tokens[:n]) if n
                            else (None, []))
             got = n - len(rest)
             if not self._is_distributed:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ..distributed import trunk_length
-from ..batch import MTPStats
+from ..stats import MTPStats
 from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
                              logits_processors_for, xtc_special_tokens)
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
@@ -98,7 +98,7 @@ class _Settings:
     @classmethod
     def of(cls, gen, request, args) -> "_Settings":
         lg = args.logits
-        depth = gen._depth(args)
+        depth = gen.depth(args)
         sampler = _sampler(args, gen.model_provider.tokenizer)
         penalties = Penalties.of(**{f"{kind}_{part}": getattr(lg, f"{kind}_{part}")
                                     for kind in PENALTY_KINDS
@@ -181,7 +181,7 @@ class _Lane:
         stored prefix, snapshots stored at its message boundaries) and add them
         as rows; their first tokens come with the next cycle."""
         gen = self.gen
-        collectives = gen._is_distributed
+        collectives = gen.sharded
         prompts = []
         for (rqueue, request, args), _ in requests:
             try:
@@ -195,7 +195,7 @@ class _Lane:
                           len(turn.tokens))
         joined = []
         for (rqueue, request, args), settings in requests:
-            rid = next(gen._row_ids)
+            rid = gen.next_row_id()
             try:
                 joined.append(self._prepare(rid, rqueue, request, args, settings))
             except Exception as e:
@@ -223,21 +223,21 @@ class _Lane:
         preflight usually did it)."""
         given = extras(request)
         if given.tokenized is None or args.chat_template_kwargs != given.template_kwargs:
-            given.tokenized = self.gen._tokenize(self.gen.model_provider.tokenizer, request, args)
+            given.tokenized = self.gen.render(request, args)
             given.template_kwargs = args.chat_template_kwargs
         return given.tokenized
 
     def _prepare(self, rid, rqueue, request, args, settings: _Settings):
         """One request's Request (for Batch.add) and its row state."""
         gen, mp = self.gen, self.gen.model_provider
-        model, tokenizer, key = mp.model, mp.tokenizer, mp.model_key
+        model, tokenizer = mp.model, mp.tokenizer
         given = extras(request)
         prompt, segments, kinds, initial_state, _ = self._tokenized(request, args)
         # no stop words in mlx_lm's machines: they match ids and strip text; ours end the text
-        _, text_sm = gen._make_state_machine(key, tokenizer, ())
+        text_sm = gen.text_state_machine()
         # an exact stored prefix (GDN states cannot be cut back), leaving at
         # least the last prompt token to run
-        cache, n = gen._fetch(key, prompt[:-1])
+        cache, n = gen.fetch(prompt[:-1])
         ctx = MTPGenerationContext(
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm,
@@ -252,9 +252,8 @@ class _Lane:
                                            gen.cli_args.prompt_snapshots)
 
         def snapshot(done):  # (the end of a system prompt is what many conversations share)
-            gen.prompt_cache.insert_cache(key, prompt[:n + done], copy.deepcopy(cache),
-                                          cache_type=kinds_at[done],
-                                          persist=kinds_at[done] == "system")
+            gen.store(prompt[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
+                      persist=kinds_at[done] == "system")
 
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed,
@@ -287,7 +286,7 @@ class _Lane:
                 self._fail(state.rqueue, e)
             self.rows.clear()
             self.batch = None  # the generation thread starts a new lane
-            if self.gen._is_distributed:  # (sharded: this rank may be out of step)
+            if self.gen.sharded:  # (sharded: this rank may be out of step)
                 raise
 
     def _emit(self, event, state: _RowState):
@@ -334,8 +333,7 @@ class _Lane:
             ahead = state.answer is not None and not state.left
             stored = held <= answered
             if stored:
-                self.gen.prompt_cache.insert_cache(mp.model_key, state.key_tokens[:held],
-                                                   state.cache, persist=not ahead)
+                self.gen.store(state.key_tokens[:held], state.cache, persist=not ahead)
             if ahead:
                 self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
                 if len(self.next_turns) > NEXT_TURNS_HELD:
@@ -351,7 +349,7 @@ class _Lane:
     def idle_in(self) -> float:
         """Seconds until idle time begins (IDLE_GRACE_S after the last row
         finished; at once under mlx.launch), 0 once it has."""
-        if self.gen._is_distributed:
+        if self.gen.sharded:
             return 0.0
         return max(0.0, self.quiet_since + IDLE_GRACE_S - time.perf_counter())
 
@@ -370,7 +368,7 @@ class _Lane:
         tokens and NEXT_TURN_SLACK, and stored (RAM and disk). Where there
         is no such prefix, the answer's own state goes to disk instead."""
         gen = self.gen
-        if self.idle_work and not (gen._halted if gen._is_distributed else gen._stop):
+        if self.idle_work and not gen.stopping:
             self._advance(self.next_turns[0], self._chunk())
 
     def _continued(self, prompts: list):
@@ -394,18 +392,16 @@ class _Lane:
         """One step of a next turn's prefix: render it, or prefill up to
         `limit` more of its tokens, storing it once whole."""
         gen, mp = self.gen, self.gen.model_provider
-        collectives = gen._is_distributed
+        collectives = gen.sharded
         try:
             if turn.tokens is None:  # rendered on rank 0 and shared: every rank prefills
                 # the same tokens (a template reading the clock could render otherwise)
-                turn.tokens = gen._share_object(self._next_turn_prefix(turn) if gen._rank == 0
-                                                else None) if collectives else \
-                    self._next_turn_prefix(turn)
+                turn.tokens = gen.from_rank0(lambda: self._next_turn_prefix(turn))
                 if turn.tokens is None or len(turn.tokens) >= mp.context_length:
                     self._done(turn, persist=True)
                 return
             if turn.cache is None:  # (begun)
-                cache, turn.done = gen._fetch(mp.model_key, turn.tokens)
+                cache, turn.done = gen.fetch(turn.tokens)
                 left = len(turn.tokens) - turn.done
                 if left == 0:
                     return self._done(turn)  # (stored already: by its next turn, say)
@@ -426,7 +422,7 @@ class _Lane:
             self._measured(len(piece), took)
             turn.done += len(piece)
             if turn.done == len(turn.tokens):
-                gen.prompt_cache.insert_cache(mp.model_key, turn.tokens, turn.cache, persist=True)
+                gen.store(turn.tokens, turn.cache, persist=True)
                 logging.info("a chat's next turn: its prefix of %d tokens is prefilled and stored",
                              turn.done)
                 self._done(turn)
@@ -447,17 +443,13 @@ class _Lane:
         logging.debug("next turn: paused at %d of %d tokens for its request", turn.done,
                       len(turn.tokens))
         if turn.done:
-            self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
-                                               turn.tokens[:turn.done], turn.cache)
+            self.gen.store(turn.tokens[:turn.done], turn.cache)
         turn.cache = None
 
     def _chunk(self) -> int:
         """Tokens in the next idle chunk: about --idle-chunk-ms of prefill at
         the speed last measured (rank 0's measure, sharded)."""
-        chunk = self.chunk
-        if self.gen._is_distributed:
-            chunk = self.gen._share_object(chunk if self.gen._rank == 0 else None)
-        return chunk
+        return self.gen.from_rank0(lambda: self.chunk)
 
     def _measured(self, tokens: int, seconds: float):
         lo, hi = IDLE_CHUNK_TOKENS
@@ -481,9 +473,7 @@ class _Lane:
     def persist(self, turn: _NextTurn):
         """A next turn not prefilled ahead: its answer's own state goes to disk."""
         if turn.stored:
-            self.gen.prompt_cache.insert_cache(self.gen.model_provider.model_key,
-                                               turn.state.key_tokens[:turn.stored],
-                                               turn.state.cache, persist=True)
+            self.gen.store(turn.state.key_tokens[:turn.stored], turn.state.cache, persist=True)
 
     def _next_turn_prefix(self, turn: _NextTurn) -> Optional[list]:
         state = turn.state
