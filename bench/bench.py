@@ -474,7 +474,7 @@ def main(argv=None):
     import mlx_mtp
     from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import generate_tokens
-    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.stats import MTPStats
     from mlx_mtp.loader import resolve_model_path
 
     rates = [None] if args.oracle_rate is None else [float(r) for r in args.oracle_rate.split(",")]
@@ -727,7 +727,7 @@ def constrained_bench(args, path, model, ref_model, tok, prompts, prompt_ids, de
     from mlx_lm.generate import generate_step as lm_step
 
     import mlx_mtp
-    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.stats import MTPStats
     from mlx_mtp.constraint import MaskingProcessor
 
     schema = json.loads(constraint.source)

@@ -78,7 +78,7 @@ def main():
 
     import mlx_mtp
     from mlx_mtp.distributed import sharded_load
-    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.stats import MTPStats
 
     group = mx.distributed.init()
     model, tok = sharded_load(args.model, pipeline_group=group if args.pipeline else None,

@@ -67,9 +67,8 @@ def describe() -> str:
 
 
 def _reference(kernel: str, be: str, why: str):
-    # written in place, not through a call: the CPU path stays in this file
-    selfcheck.PATHS[kernel] = "reference (" + (
-        "the CPU runs the ops references" if be == "ref" else why) + ")"
+    selfcheck.took(kernel, "reference (" + (
+        "the CPU runs the ops references" if be == "ref" else why) + ")")
 
 
 def fused_default() -> bool:

@@ -24,8 +24,7 @@ log = logging.getLogger("mlx_mtp")
 KERNELS = ("gdn_verify", "conv_verify", "commit", "draft_project", "qmv_rows")
 # (kernel, backend, variant) -> (the form that passed, or None; why the others failed)
 _results: Dict[tuple, Tuple[Optional[str], str]] = {}
-# kernel -> the path it last took, in words (the dispatch in __init__.py writes
-# its reference paths here directly)
+# kernel -> the path it last took, in words (written by took())
 PATHS: Dict[str, str] = {}
 _lock = threading.RLock()
 

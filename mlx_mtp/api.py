@@ -16,7 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import checks, params
 from .params import DecodeOptions
 from .batch import make_batch
-from .rows import MTPStats
+from .stats import MTPStats
 from .loop import decode_rows, generate_events, generate_tokens
 from .mlx_lm_compat import generation_stream, wired_limit
 from .sampling import RowSampling

@@ -37,10 +37,11 @@ from .distributed import agree, first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
 from .params import DecodeOptions, env_flag
 from .prefill import feed, prefill
-from .rows import (FinishPoint, HeldCache, Launched, Ledger, Lengths, MTPStats,  # noqa: F401
-                   Pending, Request, Row, row_key)  # (MTPStats: re-exported)
+from .held_cache import HeldCache
+from .rows import FinishPoint, Launched, Ledger, Lengths, Pending, Plan, Request, Row
+from .stats import MTPStats
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
-                       SamplerArrays, bias_row, start_window)
+                       SamplerArrays, bias_row, row_key, start_window)
 
 
 def mtp_disabled_by_env() -> bool:
@@ -441,7 +442,7 @@ class Batch:
             return None
         if self._parked_graphs is None:
             spec = dataclasses.replace(self.spec, use_head=False, draft_vocab=None,
-                                       drafter=None, draft_rows=None)
+                                       drafter=None, vocab_head_rows=None)
             self._parked_graphs = Graphs(spec, self.graphs.compiled)
         return self._parked_graphs
 
@@ -542,10 +543,10 @@ class Batch:
         fits = [j for j in JUMPS if j <= min(len(r) for r in runs)]
         return fits[-1] if fits and fits[-1] > depth else 0
 
-    def _launch(self) -> bool:
-        """Queue the next cycle (False: a guided batch's next cycle drafts, so
-        it waits for the one in flight to be read)."""
-        spec, ctl = self.spec, self._controller()
+    def _plan(self) -> Optional[Plan]:
+        """The next cycle, decided in one place (None: a guided batch's next
+        cycle drafts, so it waits for the one in flight to be read)."""
+        ctl = self._controller()
         depth, budget = self.depth if ctl is None else ctl.k, self._draft_budget()
         runs = self._forced_runs(depth, budget)
         jump = self._jump(depth, runs)
@@ -553,22 +554,32 @@ class Batch:
         k = jump or (ctl.next_depth() if ctl is not None else self.depth)
         if budget is not None:
             k = min(k, budget)
-        ahead = self.guided and bool(self.inflight)  # (a plain step's forward only)
-        if ahead and k:
+        forward_only = self.guided and bool(self.inflight)
+        if forward_only and k:
+            return None
+        return Plan(k=k, jump=bool(jump), catch_up=k > 0 and self.ledger.ring > 0,
+                    cold=self._cold(ctl, k) is not None, forward_only=forward_only,
+                    guided=self.guided and not forward_only,
+                    runs=None if runs is None else tuple(tuple(r) for r in runs))
+
+    def _launch(self) -> bool:
+        """Queue the next cycle as planned (`_plan`); False when none may be."""
+        plan = self._plan()
+        if plan is None:
             return False
-        catch_up = k > 0 and self.ledger.ring > 0
-        cold = self._cold(ctl, k)
-        self._grow(k, catch_up)
+        spec, k = self.spec, plan.k
+        cold = self._parked_graphs if plan.cold else None
+        self._grow(k, plan.catch_up)
         history = None
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
             history = [(r.processors, r.history[:-1]) if r.processors else None
                        for r in self.rows]
-        guidance, masks = self._guidance(k, runs) if self.guided and not ahead else (None, None)
+        guidance, masks = self._guidance(k, plan.runs) if plan.guided else (None, None)
         keep = any(r.held.keep for r in self.rows)
         before, traces = self.state.without_buffers() if keep else None, self.graphs.traces
         t0 = time.perf_counter()
         out, pending = None, None
-        if ahead:
+        if plan.forward_only:
             graphs = cold if cold is not None else self.graphs
             mid, fwd = graphs.forward(self.state.without_head() if cold is not None
                                       else self.state)
@@ -576,18 +587,24 @@ class Batch:
         elif cold is not None:
             new, out = cold.step(self.state.without_head(), 0, False, history, guidance)
             self.state = new.with_head_of(self.state)
+        elif guidance is not None and k:  # the host reads the drafts for the masks
+            mid, proposals, verified = self.graphs.propose(self.state, k, plan.catch_up,
+                                                           history, guidance)
+            words = masks(None if guidance.forced_all else np.array(proposals.drafts))
+            self.state, out = self.graphs.settle(mid, proposals, verified, words,
+                                                 plan.catch_up, history, guidance)
         else:
-            self.state, out = self.graphs.step(self.state, k, catch_up, history, guidance, masks)
+            self.state, out = self.graphs.step(self.state, k, plan.catch_up, history, guidance)
         built = time.perf_counter()
-        if ahead:
+        if plan.forward_only:
             mx.async_eval(fwd.logits, fwd.h, _arrays(mid))
         else:
             mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
         t1 = time.perf_counter()
         launched = Launched(k, out, before, self.graphs.traces > traces, list(self.rows),
-                            dict(build0=t0, build1=built, queued=t1), cold=cold is not None,
-                            pending=pending, jump=bool(jump))
-        if not ahead:
+                            dict(build0=t0, build1=built, queued=t1), cold=plan.cold,
+                            pending=pending, jump=plan.jump)
+        if not plan.forward_only:
             self.ledger.launched(launched, spec.use_head, self.state)
         self.inflight.append(launched)
         self._launched += 1

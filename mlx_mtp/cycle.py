@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -62,7 +62,7 @@ from . import metal
 from .cache import Capture, CaptureCache, MTPCache
 from .distributed import share
 from .constraint import apply_bitmask
-from .sampling import (Filters, SamplerArrays, accept_sampled_rows, advance_window, draft_rows,
+from .sampling import (Filters, SamplerArrays, accept_sampled_rows, advance_window, sample_drafts,
                        is_greedy, penalize_rows, sample_rows, split_rows)
 
 RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
@@ -234,7 +234,7 @@ class Spec:
     processors: bool = False  # some row has logits processors (host history)
     draft_vocab: Optional[mx.array] = None  # greedy/sampled drafts over these ids only
     drafter: Optional[Drafter] = None  # tests and benchmarks (testing/drafters.py)
-    draft_rows: Optional[dict] = field(default=None, repr=False)
+    vocab_head_rows: Optional[dict] = field(default=None, repr=False)
     group: Any = None  # sharded model: the ranks that take rank 0's decisions
     first_stage: Optional[int] = None  # pipeline: the rank that embeds the tokens
 
@@ -257,8 +257,8 @@ class Spec:
     def __post_init__(self):
         if self.sampler is not None and is_greedy(self.sampler):
             self.sampler = None  # greedy rows are per-row settings too
-        if self.draft_vocab is not None and self.draft_rows is None and self.speculative:
-            self.draft_rows = _gather_rows(self.model, self.draft_vocab)  # sampled drafts project them
+        if self.draft_vocab is not None and self.vocab_head_rows is None and self.speculative:
+            self.vocab_head_rows = _vocab_head_rows(self.model, self.draft_vocab)  # sampled drafts project them
 
     @property
     def speculative(self) -> bool:
@@ -292,15 +292,15 @@ class Spec:
 
     def static(self) -> "Spec":
         """This spec without the arrays of one call (a graph gets those in `aux`)."""
-        return dataclasses.replace(self, draft_vocab=None, draft_rows=None)
+        return dataclasses.replace(self, draft_vocab=None, vocab_head_rows=None)
 
     def aux(self) -> dict:
         """Arrays a graph reads besides the state (passed, not baked in)."""
-        return {"rows": self.draft_rows, "vocab": self.draft_vocab,
+        return {"vocab_head_rows": self.vocab_head_rows, "vocab": self.draft_vocab,
                 "drafter": self.drafter.arrays() if self.drafter is not None else None}
 
 
-def _gather_rows(model, ids: mx.array) -> dict:
+def _vocab_head_rows(model, ids: mx.array) -> dict:
     """The lm_head rows of a draft vocabulary, gathered once per generation."""
     w = dict(model.lm_head_weights())
     rows = {"weight": w["weight"][ids]}
@@ -382,10 +382,10 @@ def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, hist
     trimmed draft vocabulary only its rows are projected (the rest get -inf:
     q = 0 there, still exact since Leviathan–Chen's residual covers them)."""
     model = spec.model
-    if aux["rows"] is None:
+    if aux["vocab_head_rows"] is None:
         logits = model.logits_from_hidden(g)[:, -1]
     else:
-        r, h = aux["rows"], model.lm_input(g[:, -1])
+        r, h = aux["vocab_head_rows"], model.lm_input(g[:, -1])
         if "scales" in r:
             w = model.lm_head_weights()
             sub = mx.quantized_matmul(h, r["weight"], r["scales"], r["biases"], transpose=True,
@@ -427,7 +427,7 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
         words = guidance.first if guidance is not None and j == 0 else None
         if spec.speculative:  # each row with its own key
             lp = _draft_logprobs(spec, aux, state, g, history, drafts, words)
-            d, q = draft_rows(lp, state.sampling, spec.filters, keys[:, j])
+            d, q = sample_drafts(lp, state.sampling, spec.filters, keys[:, j])
         elif full:  # greedy drafts from processed logits
             d, q = mx.argmax(_draft_logprobs(spec, aux, state, g, history, drafts, words),
                              axis=-1), None
@@ -712,6 +712,60 @@ def init_ring(state: DecodeState) -> DecodeState:
 
 
 # -- compiled graphs ------------------------------------------------------------------------
+class Static(NamedTuple):
+    """What a compiled graph knows besides its inputs (part of its key)."""
+
+    spec: Spec  # without the arrays of one call (Spec.static)
+    k: int
+    catch_up: bool
+    chained: int  # entries the head's chain adds (Proposals.chained)
+    forced_all: bool  # the grammars force every draft (no read between the halves)
+
+
+def _chained(spec: Spec, k: int, forced_all: bool) -> int:
+    replaced = spec.drafter is not None and spec.drafter.replaces_head
+    return 0 if forced_all or replaced else k - 1
+
+
+def _emitted(state: DecodeState, out: StepOutput) -> tuple:
+    return state.tree(), out.packed, out.logprobs
+
+
+def _stage_forward(g: Static, state: DecodeState, aux: dict):
+    state, fwd = plain_forward(g.spec, state)
+    return state.tree(), fwd.tree()
+
+
+def _stage_propose(g: Static, state: DecodeState, aux: dict, guidance):
+    state, proposals = propose(g.spec, aux, state, g.k, g.catch_up, None,
+                               Guidance.from_tree(guidance, g.forced_all))
+    state, verified = verify(g.spec, state, proposals)
+    return state.tree(), proposals.tree(), verified.tree()
+
+
+# The graphs a batch runs, by name: each a function of (what the graph knows,
+# the state, the spec's arrays, the call's other inputs as trees).
+STAGES: Dict[str, Callable] = {
+    # a drafted cycle, and a plain step (depth 0)
+    "cycle": lambda g, state, aux: _emitted(*drafted_cycle(g.spec, aux, state, g.k, g.catch_up)),
+    "plain": lambda g, state, aux: _emitted(*plain_step(g.spec, aux, state)),
+    # the head catches up without drafting (before rows join)
+    "flush": lambda g, state, aux: flush_ring(g.spec, aux, state).tree(),
+    # a plain step under the grammars' masks
+    "guided-plain": lambda g, state, aux, guidance: _emitted(*plain_step(
+        g.spec, aux, state, None, Guidance.from_tree(guidance, g.forced_all))),
+    # a guided drafted cycle's halves (the host reads the drafts between them)
+    "propose": _stage_propose,
+    "settle": lambda g, state, aux, proposals, verified, words: _emitted(*settle(
+        g.spec, state, Proposals.from_tree(proposals, g.chained),
+        Verified.from_tree(verified), None, words)),
+    # a guided plain step queued ahead, its halves (the host reads the cycle before)
+    "forward": _stage_forward,
+    "sample": lambda g, state, aux, fwd, guidance: _emitted(*plain_sample(
+        g.spec, state, Forwarded.from_tree(fwd), None, Guidance.from_tree(guidance, False))),
+}
+
+
 class Graphs:
     """Runs steps through graphs compiled once per (step, depth, spec key) and
     kept on the model (`model.runtime`), so later generations do not retrace;
@@ -741,75 +795,31 @@ class Graphs:
         return fn
 
     def _build(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool):
-        """One of the graphs: "cycle" (a drafted cycle), "plain", "flush",
-        "guided-plain" (a plain step under the grammars' masks), a guided
-        cycle's two halves, "propose" (propose and verify) and "settle",
-        between which the host reads the drafts, or a guided plain step's,
-        "forward" and "sample", between which the host reads the cycle before."""
+        """One of the graphs: a stage of `STAGES` compiled for this depth,
+        catch-up, cache layout and spec."""
         key = (name, k, catch_up, layout, forced_all) + self.spec.graph_key()
         # the graph keeps only what its key describes (no arrays of this call)
-        spec, runtime = self.spec.static(), self.runtime
-        chained = 0 if forced_all or (spec.drafter is not None and spec.drafter.replaces_head) \
-            else k - 1
+        static = Static(self.spec.static(), k, catch_up, _chained(self.spec, k, forced_all),
+                        forced_all)
+        stage, runtime = STAGES[name], self.runtime
 
         def run(tree, aux, *rest):
             runtime.traces[key] = runtime.traces.get(key, 0) + 1
-            state = DecodeState.from_tree(tree, layout)
-            guidance = Guidance.from_tree(rest[0], forced_all) \
-                if name in ("propose", "guided-plain") else None
-            if name == "flush":
-                return flush_ring(spec, aux, state).tree()
-            if name == "forward":
-                state, fwd = plain_forward(spec, state)
-                return state.tree(), fwd.tree()
-            if name == "sample":
-                new, out = plain_sample(spec, state, Forwarded.from_tree(rest[0]), None,
-                                        Guidance.from_tree(rest[1], False))
-                return new.tree(), out.packed, out.logprobs
-            if name == "propose":
-                state, proposals = propose(spec, aux, state, k, catch_up, None, guidance)
-                state, verified = verify(spec, state, proposals)
-                return state.tree(), proposals.tree(), verified.tree()
-            if name == "settle":
-                proposals = Proposals.from_tree(rest[0], chained)
-                verified, words = Verified.from_tree(rest[1]), rest[2]
-                new, out = settle(spec, state, proposals, verified, None, words)
-            elif name == "cycle":
-                new, out = drafted_cycle(spec, aux, state, k, catch_up)
-            else:
-                new, out = plain_step(spec, aux, state, None, guidance)
-            return new.tree(), out.packed, out.logprobs
+            return stage(static, DecodeState.from_tree(tree, layout), aux, *rest)
 
         # the weights are inputs, read at every call: a graph never runs with
         # weights the model no longer has (and keeps none alive)
-        return runtime.graph(key, lambda: mx.compile(run, inputs=spec.model.state))
+        return runtime.graph(key, lambda: mx.compile(run, inputs=static.spec.model.state))
 
     def step(self, state: DecodeState, k: int, catch_up: bool = False, history=None,
-             guidance: Optional[Guidance] = None,
-             masks: Optional[Callable[[np.ndarray], mx.array]] = None
-             ) -> Tuple[DecodeState, StepOutput]:
+             guidance: Optional[Guidance] = None) -> Tuple[DecodeState, StepOutput]:
         """A drafted cycle of depth k (catching the head up first), or a plain
-        step (k == 0). With guidance (rows with grammars) a drafted cycle runs
-        as two graphs: propose and verify, then the host reads the drafts and
-        `masks(drafts)` gives the grammars' masks after each draft prefix
-        ([B, k+1, W]), then settle: one host round trip besides the cycle's read
-        (none when the grammars forced every draft: `masks(None)`)."""
-        compiled = self.compiled and self.spec.compilable
+        step (k == 0; under the grammars' masks with `guidance`). A guided
+        drafted cycle is two calls with a read of the drafts between them:
+        `propose`, then `settle`."""
         if guidance is not None and k:
-            if compiled:
-                layout = state.cache.layout
-                tree, ptree, vtree = self._fn("propose", k, catch_up, layout, guidance.forced_all)(
-                    state.tree(), self.aux, guidance.tree())
-                words = masks(None if guidance.forced_all else np.array(ptree["drafts"]))
-                tree, packed, logprobs = self._fn("settle", k, catch_up, layout,
-                                                  guidance.forced_all)(
-                    tree, self.aux, ptree, vtree, words)
-                return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
-            state, proposals = propose(self.spec, self.aux, state, k, catch_up, history, guidance)
-            state, verified = verify(self.spec, state, proposals)
-            words = masks(None if guidance.forced_all else np.array(proposals.drafts))
-            return settle(self.spec, state, proposals, verified, history, words)
-        if not compiled:
+            raise ValueError("a guided drafted cycle runs as propose and settle")
+        if not (self.compiled and self.spec.compilable):
             if k == 0:
                 return plain_step(self.spec, self.aux, state, history, guidance)
             return drafted_cycle(self.spec, self.aux, state, k, catch_up, history)
@@ -820,6 +830,35 @@ class Graphs:
         else:
             tree, packed, logprobs = self._fn("cycle" if k else "plain", k, catch_up, layout)(
                 state.tree(), self.aux)
+        return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
+
+    def propose(self, state: DecodeState, k: int, catch_up: bool, history,
+                guidance: Guidance) -> Tuple[DecodeState, Proposals, Verified]:
+        """A guided drafted cycle's first half: (catch the head up,) draft k
+        tokens and verify them. The batch then reads the drafts for the
+        grammars' masks after each draft prefix (none to read when the
+        grammars forced every draft) and calls `settle`."""
+        if not (self.compiled and self.spec.compilable):
+            state, proposals = propose(self.spec, self.aux, state, k, catch_up, history, guidance)
+            state, verified = verify(self.spec, state, proposals)
+            return state, proposals, verified
+        layout, forced_all = state.cache.layout, guidance.forced_all
+        tree, ptree, vtree = self._fn("propose", k, catch_up, layout, forced_all)(
+            state.tree(), self.aux, guidance.tree())
+        return (DecodeState.from_tree(tree, layout),
+                Proposals.from_tree(ptree, _chained(self.spec, k, forced_all)),
+                Verified.from_tree(vtree))
+
+    def settle(self, state: DecodeState, proposals: Proposals, verified: Verified, words,
+               catch_up: bool, history, guidance: Guidance
+               ) -> Tuple[DecodeState, StepOutput]:
+        """Its second half: acceptance under the grammars' masks `words`
+        ([B, k+1, W]), the commit, the head's next hidden."""
+        if not (self.compiled and self.spec.compilable):
+            return settle(self.spec, state, proposals, verified, history, words)
+        layout, k = state.cache.layout, proposals.drafts.shape[1]
+        tree, packed, logprobs = self._fn("settle", k, catch_up, layout, guidance.forced_all)(
+            state.tree(), self.aux, proposals.tree(), verified.tree(), words)
         return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
 
     def forward(self, state: DecodeState) -> Tuple[DecodeState, Forwarded]:

@@ -18,7 +18,9 @@ import mlx.core as mx
 from .batch import Batch, Event, make_batch
 from .mlx_lm_compat import generation_stream
 from .params import DecodeOptions
-from .rows import HeldCache, MTPStats, Request
+from .held_cache import HeldCache
+from .rows import Request
+from .stats import MTPStats
 
 
 def generate_events(

@@ -1,117 +1,27 @@
-"""Rows: what a request brings to a batch, what the host keeps for it while
-it decodes, and how it leaves (docs/design.md, "Finishing").
-
-A row's prompt cache (mlx_lm's objects) is held while the row decodes: its
-arrays move into the batch's decoding state (`HeldCache.take`), and when the
-row finishes the state at its finishing point is written back and the tokens
-it emitted up to there are fed (`HeldCache.give_back`), so the cache holds
-exactly what mlx_lm's would: the prompt and every token the caller used,
-nothing drafted or rejected.
-"""
+"""Rows: what a request brings to a batch (`Request`), what the host keeps
+for it while it decodes (`Row`, its `Lengths`), the cycles queued on the
+device (`Launched`) and the host's copies of the device's counters
+(`Ledger`); where a row finishes (`FinishPoint`). Its prompt cache while it
+decodes: held_cache.py; its counters: stats.py."""
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, FrozenSet, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import CacheList, KVCache
 
-from .cache import MTPCache, fill_empty, head_caches
-from .cycle import RING, DecodeState, Forwarded, Spec, ring_order
+from .cycle import RING, DecodeState, Forwarded
 from .params import env_flag
-from .prefill import catch_up, feed
 from .sampling import RowSampling
 
 if TYPE_CHECKING:
     from .constraint import Matcher
     from .cycle import Graphs
-
-
-
-def mix_seed(seed: int) -> int:
-    """splitmix64 of the user's seed. MLX keys of nearby seeds give measurably
-    correlated samples; mixing makes runs with seeds 0, 1, 2, ... independent."""
-    m = (1 << 64) - 1
-    z = (int(seed) + 0x9E3779B97F4A7C15) & m
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-    return z ^ (z >> 31)
-
-
-def row_key(sampling: Optional[RowSampling], seed: Optional[int]) -> Optional[mx.array]:
-    """A sampled row's key [1, 2] (None when greedy): from the seed, else
-    drawn from mx.random (so mx.random.seed makes runs repeatable too)."""
-    if sampling is None or sampling.greedy:
-        return None
-    key = (mx.random.key(mix_seed(seed)) if seed is not None
-           else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
-    return key[None]
-
-
-@dataclass
-class MTPStats:
-    """Counters of one generation. Acceptance at position i is the fraction of
-    cycles that drafted a token at position i and had it accepted."""
-
-    cycles: int = 0
-    emitted: int = 0
-    drafted_at: List[int] = field(default_factory=list)
-    accepted_at: List[int] = field(default_factory=list)
-    forced: int = 0  # drafts a grammar forced (they take the head's place)
-    jumps: int = 0  # cycles that verified a forced run alone (no head draft)
-
-    def record(self, depth: int, accepted: int):
-        self.cycles += 1
-        self.emitted += accepted + 1
-        while len(self.drafted_at) < depth:
-            self.drafted_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(depth):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += int(i < accepted)
-
-    def add(self, other: "MTPStats"):
-        """Add another generation's counters to these (benches pool runs)."""
-        self.cycles += other.cycles
-        self.emitted += other.emitted
-        self.forced += other.forced
-        self.jumps += other.jumps
-        for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
-            while len(self.drafted_at) <= i:
-                self.drafted_at.append(0)
-                self.accepted_at.append(0)
-            self.drafted_at[i] += d
-            self.accepted_at[i] += a
-
-    @property
-    def drafted(self) -> int:
-        return sum(self.drafted_at)
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.accepted_at)
-
-    @property
-    def acceptance(self) -> List[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
-
-    @property
-    def tokens_per_cycle(self) -> float:
-        return self.emitted / self.cycles if self.cycles else 0.0
-
-    def usage(self) -> dict:
-        """As the server reports them (`usage.mtp`; a grammar's forced drafts
-        and the runs verified alone when it forced any)."""
-        out = {"drafted": self.drafted, "accepted": self.accepted,
-               "acceptance": [round(a, 4) for a in self.acceptance],
-               "tokens_per_cycle": round(self.tokens_per_cycle, 4), "cycles": self.cycles}
-        if self.forced:
-            out.update(forced=self.forced, jumps=self.jumps)
-        return out
+    from .held_cache import HeldCache
+    from .stats import MTPStats
 
 
 @dataclass
@@ -197,6 +107,20 @@ class Row:
     matcher: Optional["Matcher"] = None  # its grammar, at the tokens read so far
     done: bool = False
 
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next cycle, as the batch decided it (`Batch._plan`) before queuing
+    it (`Batch._launch`): nothing else decides."""
+
+    k: int  # its depth (drafts verified; a jump's forced run length)
+    jump: bool  # it verifies the grammars' forced run alone, no head draft
+    catch_up: bool  # the head first catches up on the ring's plain steps
+    cold: bool  # a parked plain step on depth 0's graphs (the ring dropped)
+    forward_only: bool  # a guided plain step queued ahead: its forward, sampled at its read
+    guided: bool  # the rows' grammars mask it now
+    runs: Optional[tuple] = None  # each row's forced run, when known
 
 
 @dataclass
@@ -286,75 +210,3 @@ def _compare(lens: Lengths, counts: dict, index: int):
         raise AssertionError(f"host counters differ from the device's (host, device): {wrong}")
 
 
-def _let_go(caches: list):
-    """Empty mlx_lm cache objects (their arrays live in the decoding form)."""
-    for c in caches:
-        if isinstance(c, KVCache):
-            c.keys = c.values = None
-            c.offset = 0
-        elif isinstance(c, CacheList):
-            _let_go(list(c.caches))
-        else:
-            c.cache = [None] * len(c.cache)
-
-
-class HeldCache:
-    """A row's prompt cache (mlx_lm's objects) while the row decodes on it:
-    the row takes its arrays into the decoding state, leaving the objects
-    empty (an array referenced twice would be copied by every in-place
-    write), and gives back the state at its finishing point. `keep`: the
-    caller holds the cache (else nobody sees it and nothing is given back).
-
-    One generation at a time may hold a caller's cache: two would each write
-    their own state into it. A second is refused while the first is open
-    (`claim`; the caller's caches are only ever held by `loop.generate_events`:
-    batch_generate decodes on copies, the server on its own)."""
-
-    # the open generation on each cache, keyed weakly by the cache's first
-    # object (a cache its caller dropped drops its entry)
-    _open: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-    def __init__(self, prompt_cache: list, keep: bool):
-        self.prompt_cache, self.keep = prompt_cache, keep
-
-    @classmethod
-    def claim(cls, prompt_cache: list, owner, gen):
-        """`gen` holds the caller's cache until `release`: refused while
-        another generation that still lives holds it."""
-        entry = cls._open.get(prompt_cache[0])
-        if entry is not None and entry[1]() is not None:
-            raise ValueError("this prompt_cache is in use by a generation that is still open: "
-                             "finish iterating it or call its close() first (two generations "
-                             "on one cache would each write their own state into it)")
-        cls._open[prompt_cache[0]] = (owner, weakref.ref(gen))
-
-    @classmethod
-    def release(cls, prompt_cache: list, owner):
-        if cls._open.get(prompt_cache[0], (None,))[0] is owner:
-            del cls._open[prompt_cache[0]]
-
-    def take(self, model, use_head: bool) -> MTPCache:
-        """The decoding form of the cache; its objects let go of the arrays."""
-        n_trunk = len(model.is_linear)
-        fill_empty(self.prompt_cache, model,
-                   n_trunk + (len(model.mtp.layers) if use_head else 0))
-        cache = MTPCache.from_prompt_cache(self.prompt_cache, n_trunk, use_head)
-        _let_go(self.prompt_cache[:n_trunk] + (
-            head_caches(self.prompt_cache, n_trunk) if use_head else []))
-        return cache
-
-    def give_back(self, spec: Spec, state: DecodeState, lens, tail: List[int]):
-        """Write the row's state at its finishing point back into the cache,
-        and feed the tokens it had emitted up to there (the last one used
-        included), or none (tail empty)."""
-        prompt_cache, n_trunk = self.prompt_cache, len(spec.model.is_linear)
-        state.cache.write_back(prompt_cache, n_trunk, lens.trunk, lens.head)
-        ring = None
-        if spec.use_head and lens.ring:
-            order = ring_order(lens.ring)
-            ring = (state.ring_h[:, order], state.ring_tok[:, order])
-        if tail:
-            feed(spec, prompt_cache, tail, ring)
-        else:  # the head catches up; the ring's last hidden is the trunk's last one
-            catch_up(spec, prompt_cache, ring)  # (no ring: none is kept, a gap)
-        mx.eval([c.state for c in prompt_cache])

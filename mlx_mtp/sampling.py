@@ -573,7 +573,7 @@ def sample_rows(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -> 
     return mx.where(arrays.inv_temp > 0, drawn, greedy)
 
 
-def draft_rows(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -> Tuple[mx.array, mx.array]:
+def sample_drafts(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -> Tuple[mx.array, mx.array]:
     """Each row's draft from the head's log-probs [B, V] and the distribution
     q [B, V] it was drawn from (one-hot for greedy drafts)."""
     kept = filter_rows(logprobs, arrays, f, top_k=False)  # once, for both kinds of draft
@@ -597,3 +597,24 @@ def accept_sampled_rows(logprobs: mx.array, q: mx.array, drafts: mx.array, array
     sampled = arrays.inv_temp > 0
     return (mx.where(sampled, acc_s, greedy_accepted.astype(mx.int32)),
             mx.where(sampled[:, None], out_s, greedy))
+
+
+# -- a sampled row's key ------------------------------------------------------------
+def mix_seed(seed: int) -> int:
+    """splitmix64 of the user's seed. MLX keys of nearby seeds give measurably
+    correlated samples; mixing makes runs with seeds 0, 1, 2, ... independent."""
+    m = (1 << 64) - 1
+    z = (int(seed) + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def row_key(sampling: Optional[RowSampling], seed: Optional[int]) -> Optional[mx.array]:
+    """A sampled row's key [1, 2] (None when greedy): from the seed, else
+    drawn from mx.random (so mx.random.seed makes runs repeatable too)."""
+    if sampling is None or sampling.greedy:
+        return None
+    key = (mx.random.key(mix_seed(seed)) if seed is not None
+           else mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
+    return key[None]

@@ -397,6 +397,44 @@ def test_parked_steps_run_depth_zeros_graph(loaded, monkeypatch, drafted, compil
         assert sum(r.stats.accepted for r in requests) > 0
 
 
+def test_each_cycle_is_queued_as_its_plan_says(loaded, monkeypatch):
+    """One place decides the next cycle (`Batch._plan`, a frozen Plan) and
+    `_launch` only executes it: the depth controller is asked only while
+    planning, and each cycle queued runs the graph, depth and catch-up its
+    plan named (parked cold steps, warm ones, drafted ones with a catch-up)."""
+    import inspect
+
+    from mlx_mtp import cycle
+    from mlx_mtp.batch import Batch
+
+    model, ref_model, tok = loaded("dense")
+    ids = [tok.encode(p) for p in PROMPTS[:2]]
+    plans, graphs = [], []
+    plan, step = Batch._plan, cycle.Graphs.step
+    monkeypatch.setattr(Batch, "_plan", lambda self: (plans.append(plan(self)), plans[-1])[1])
+    monkeypatch.setattr(cycle.Graphs, "step", lambda self, state, k, catch_up=False, *rest: (
+        graphs.append((self.spec.use_head, k, catch_up)), step(self, state, k, catch_up, *rest))[1])
+
+    class Asked(Scheduled):
+        def next_depth(self):
+            callers = [f.function for f in inspect.stack()[1:4]]
+            assert "_plan" in callers and "_launch" not in callers[:1], callers
+            return super().next_depth()
+
+    batch = make_batch(model, draft_tokens="auto", compiled=False,
+                       controller=Asked(set(range(20, 26)), drafting=25, k=2))
+    requests = [batch.prepare(p, None, 40) for p in ids]
+    got = [[] for _ in ids]
+    for i, t in row_tokens(decode_rows(batch, requests, 2)):
+        got[i].append(t)
+    assert got == [reference(ref_model, i, 40) for i in ids]
+    planned = [(not p.cold, p.k, p.catch_up) for p in plans if p is not None]
+    assert planned == graphs
+    assert {"cold", "warm", "drafted"} <= {"cold" if p.cold else "drafted" if p.k else "warm"
+                                          for p in plans}
+    assert any(p.catch_up for p in plans)
+
+
 def test_catch_up_has_room_at_a_block_boundary(loaded, monkeypatch):
     """A catch-up runs the head over all RING ring slots at the head's
     length before trimming the unwritten ones: the head's buffer must have

@@ -541,7 +541,7 @@ def test_mtp_through_the_processor_path_is_the_reference(demo, depth):
     (depth 2 runs the same code)."""
     import mlx_mtp
     from mlx_mtp.constraint import MaskingProcessor
-    from mlx_mtp.loop import MTPStats
+    from mlx_mtp.stats import MTPStats
     from mlx_mtp.testing.constrained import constrained_plain_generate
 
     model, tok = demo

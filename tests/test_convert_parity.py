@@ -39,7 +39,7 @@ def test_greedy_parity_with_mlx_lm(converted, name):
     import mlx_mtp
     from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import generate_tokens
-    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.stats import MTPStats
 
     ref, _, _ = reference(converted[name])
     model, _ = mlx_mtp.load(converted[name], quiet=True)

@@ -78,7 +78,7 @@ def test_quantized_drafter_on_q4_trunk_greedy_parity(folders):
 
     from mlx_mtp.testing.drafters import OracleDrafter
     from mlx_mtp.loop import generate_tokens
-    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.stats import MTPStats
 
     ref_model, _ = mlx_lm.load(str(folders["lm_q4"]))
     want = reference(ref_model, PROMPT, N)
@@ -262,7 +262,7 @@ def test_qwen4_exp_drafter_greedy_equals_plain(q4x):
     from util import mtp, reference
 
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.stats import MTPStats
 
     model, _ = mlx_mtp.load(q4x["nohead"], draft=q4x["vlm"], quiet=True)
     want = reference(model, Q4X_PROMPT, N)
@@ -282,7 +282,7 @@ def test_qwen4_exp_quantized_drafter_on_q4_trunk(q4x):
     from util import mtp, reference
 
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.batch import MTPStats
+    from mlx_mtp.stats import MTPStats
 
     own, _ = mlx_mtp.load(q4x["hf"], quiet=True)
     nn.quantize(own.mtp, group_size=64, bits=4, class_predicate=lambda p, m: (

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_mtp
-from mlx_mtp.batch import MTPStats
+from mlx_mtp.stats import MTPStats
 from util import SAME, SHORT, mtp
 
 SAMPLING = [(0, dict(temp=1.0)), (1, dict(temp=10.0)), (2, dict(temp=5.0, top_k=100)),

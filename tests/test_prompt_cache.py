@@ -19,7 +19,7 @@ import mlx_lm
 import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import OracleDrafter
-from mlx_mtp.batch import MTPStats
+from mlx_mtp.stats import MTPStats
 from util import (LONG, SHORT, assert_head_follows, assert_trunk_equal, mtp, plain_cache, reference,
                   row_tokens, slow)
 
@@ -274,7 +274,7 @@ def test_open_generations_are_forgotten(loaded):
     its entry (no registry grows with requests)."""
     import gc
 
-    from mlx_mtp.rows import HeldCache
+    from mlx_mtp.held_cache import HeldCache
 
     model, _, tok = loaded("dense")
     ids = mx.array(tok.encode(TURNS[0]))

@@ -19,7 +19,7 @@ from mlx_mtp.convert import convert, graft
 from mlx_mtp.testing.drafters import OracleDrafter
 from mlx_mtp.evaluate import teacher_forced_logits
 from mlx_mtp.loop import generate_tokens
-from mlx_mtp.batch import MTPStats
+from mlx_mtp.stats import MTPStats
 from mlx_mtp.testing.synthetic import write_checkpoint
 
 PROMPT = [3, 17, 99, 42, 7, 7, 150, 201, 12, 64, 88]

@@ -21,7 +21,7 @@ import mlx_mtp
 from mlx_mtp.convert import ConvertError, convert, graft
 from mlx_mtp.convert.__main__ import main as cli
 from mlx_mtp.testing.drafters import OracleDrafter
-from mlx_mtp.batch import MTPStats
+from mlx_mtp.stats import MTPStats
 from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 OVERRIDES = {"hidden_size": 64, "ple_embed_dim": 256}  # n-gram rows: 256 / 4 heads = 64

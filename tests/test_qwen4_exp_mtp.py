@@ -23,7 +23,7 @@ from mlx_mtp.cache import PaddedCacheList
 from mlx_mtp.testing.drafters import BigramDrafter, OracleDrafter
 from mlx_mtp.batch import make_batch
 from mlx_mtp.loop import decode_rows
-from mlx_mtp.batch import MTPStats
+from mlx_mtp.stats import MTPStats
 from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 
 # 16 tokens with an EOS (258): QSA picks 2 of up to 8 two-token blocks, n-grams are cut

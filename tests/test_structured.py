@@ -16,7 +16,7 @@ from test_sampling import ALPHA, chi2_pvalue
 from util import assert_trunk_equal, reference
 
 import mlx_mtp
-from mlx_mtp.batch import MTPStats
+from mlx_mtp.stats import MTPStats
 from mlx_mtp.constraint import MaskingProcessor
 from mlx_mtp.testing.constrained import constrained_plain_generate
 

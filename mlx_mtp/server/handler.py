@@ -26,7 +26,7 @@ from typing import Optional
 from urllib.parse import unquote, urlsplit
 
 from .. import checks
-from ..batch import MTPStats
+from ..stats import MTPStats
 from ..mlx_lm_compat import (APIHandler, generation_arguments,
                              hand_body_to, validate_depth)
 from . import anthropic, responses, structured
