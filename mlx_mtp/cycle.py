@@ -785,13 +785,16 @@ class Graphs:
 
     @property
     def traces(self) -> int:
-        return sum(self.runtime.traces.values())
+        """Slow launches so far: traces, and eager runs of a graph not compiled yet."""
+        return sum(self.runtime.traces.values()) + self.runtime.eager_runs
 
     def _fn(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool = False):
         key = (name, k, catch_up, layout, forced_all)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = self._build(name, k, catch_up, layout, forced_all)
+            fn, compiled = self._build(name, k, catch_up, layout, forced_all)
+            if compiled:
+                self._fns[key] = fn
         return fn
 
     def _build(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool):
@@ -803,13 +806,18 @@ class Graphs:
                         forced_all)
         stage, runtime = STAGES[name], self.runtime
 
-        def run(tree, aux, *rest):
-            runtime.traces[key] = runtime.traces.get(key, 0) + 1
+        def apply(tree, aux, *rest):
             return stage(static, DecodeState.from_tree(tree, layout), aux, *rest)
 
+        def run(tree, aux, *rest):
+            runtime.traces[key] = runtime.traces.get(key, 0) + 1
+            return apply(tree, aux, *rest)
+
+        if key not in runtime.graphs and runtime.runs_eagerly(key):
+            return apply, False  # (params.CPU_EAGER_USES)
         # the weights are inputs, read at every call: a graph never runs with
         # weights the model no longer has (and keeps none alive)
-        return runtime.graph(key, lambda: mx.compile(run, inputs=static.spec.model.state))
+        return runtime.graph(key, lambda: mx.compile(run, inputs=static.spec.model.state)), True
 
     def step(self, state: DecodeState, k: int, catch_up: bool = False, history=None,
              guidance: Optional[Guidance] = None) -> Tuple[DecodeState, StepOutput]:

@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from . import metal
+from . import params
 from .mlx_lm_compat import create_attention_mask
 
 
@@ -142,6 +143,20 @@ class Runtime:
         self.graphs: "OrderedDict[tuple, object]" = OrderedDict()
         self.traces: Dict[tuple, int] = {}
         self.controllers: Dict[tuple, object] = {}
+        # a graph's first uses that run eagerly (params.CPU_EAGER_USES), and
+        # how many eager runs there were (not cost samples: cycle.Graphs.traces)
+        self.eager_uses = params.CPU_EAGER_USES if mx.default_device() == mx.cpu else 0
+        self.eager: Dict[tuple, int] = {}
+        self.eager_runs = 0
+
+    def runs_eagerly(self, key: tuple) -> bool:
+        """Whether this use of graph `key` runs eagerly (counted)."""
+        n = self.eager.get(key, 0)
+        if n >= self.eager_uses:
+            return False
+        self.eager[key] = n + 1
+        self.eager_runs += 1
+        return True
 
     def graph(self, key: tuple, make):
         fn = self.graphs.get(key)
@@ -157,6 +172,7 @@ class Runtime:
         self.graphs.clear()
         self.traces.clear()
         self.controllers.clear()
+        self.eager.clear()
 
 
 class LanguageModelTrunk:

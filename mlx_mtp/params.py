@@ -363,6 +363,14 @@ def depth(v: Any, name: str = "draft_tokens"):
     return check("draft_tokens", v, name)
 
 
+# On MLX's CPU backend a compiled graph's first run compiles its fused kernels
+# with the system's C++ compiler (about 0.7 s each on a 2-core machine, cached
+# under $TMPDIR/mlx/ afterwards): a graph runs eagerly for its first this many
+# uses in a process, so a short first generation compiles nothing of ours
+# (docs/design.md, "Compiled graphs"). GPUs compile at the first use.
+CPU_EAGER_USES = 48
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """How a generation decodes, besides what each request brings (its

@@ -19,7 +19,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
+import mlx_mtp.params  # noqa: E402
 from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
+
+# The tests in this process compile every graph at its first use, as a GPU
+# does (their short generations would otherwise run eagerly: params.CPU_EAGER_USES);
+# servers and CLIs they start keep the CPU default. test_compiled checks both.
+mlx_mtp.params.CPU_EAGER_USES = 0
 
 
 def _ckpt(factory, name, **kw):

@@ -183,3 +183,59 @@ def test_the_server_lane_reads_nothing_private_of_the_generator():
                         and isinstance(node.value, ast.Attribute)
                         and node.value.attr == "gen"})
     assert not private, private
+
+
+ENGINE = ("mlx_mtp/batch.py", "mlx_mtp/cycle.py", "mlx_mtp/rows.py", "mlx_mtp/stats.py",
+          "mlx_mtp/held_cache.py", "mlx_mtp/sampling.py", "mlx_mtp/cache.py",
+          "mlx_mtp/model.py", "mlx_mtp/prefill.py", "mlx_mtp/depth.py", "mlx_mtp/families/",
+          "metal/")
+
+
+def transfers(guided: bool) -> set:
+    """Where one steady-state `Batch.step()` at depth 2 moves arrays to the
+    host (`np.array` calls made by the engine's files: (file, function)),
+    greedy or with a grammar on its row; eager, so the cycle's Python runs."""
+    import sys
+
+    import numpy as np
+
+    import mlx_mtp
+    from mlx_mtp.batch import make_batch
+
+    model, tok = mlx_mtp.load()
+    batch = make_batch(model, draft_tokens=2, compiled=False)
+    constraint = mlx_mtp.constrain(regex=r"[a-z =:()\n]+") if guided else None
+    batch.add([batch.prepare(tok.encode("def f(x):"), None, 40, constraint=constraint,
+                             tokenizer=tok)])
+    for _ in range(3):
+        list(batch.step())
+    sites = set()
+
+    def record(frame, event, arg):
+        if event == "c_call" and arg is np.array:
+            path = Path(frame.f_code.co_filename)
+            if ROOT in path.parents:
+                name = path.relative_to(ROOT).as_posix()
+                if name.startswith(ENGINE):
+                    sites.add((name, frame.f_code.co_name))
+
+    sys.setprofile(record)
+    try:
+        events = list(batch.step())
+    finally:
+        sys.setprofile(None)
+    assert events
+    return sites
+
+
+def test_only_the_batch_reads_the_device(monkeypatch):
+    """One place reads the device: in a steady-state cycle every host
+    transfer the engine makes is the batch's, its cycle's one read
+    (`Batch._read`) and, under a grammar, the drafts read between a drafted
+    cycle's two graphs (`Batch._launch`, for the masks); the graphs (cycle.py)
+    read nothing."""
+    monkeypatch.setenv("MLX_MTP_KERNELS", "ref")
+    monkeypatch.delenv("MLX_MTP_CHECK_COUNTS", raising=False)  # (its check reads counters)
+    assert transfers(guided=False) == {("mlx_mtp/batch.py", "_read")}
+    assert transfers(guided=True) == {("mlx_mtp/batch.py", "_read"),
+                                      ("mlx_mtp/batch.py", "_launch")}
