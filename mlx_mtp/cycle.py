@@ -814,7 +814,7 @@ class Graphs:
             return apply(tree, aux, *rest)
 
         if key not in runtime.graphs and runtime.runs_eagerly(key):
-            return apply, False  # (params.CPU_EAGER_USES)
+            return apply, False  # (params.CPU_EAGER_RUNS)
         # the weights are inputs, read at every call: a graph never runs with
         # weights the model no longer has (and keeps none alive)
         return runtime.graph(key, lambda: mx.compile(run, inputs=static.spec.model.state)), True

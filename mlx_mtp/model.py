@@ -143,18 +143,15 @@ class Runtime:
         self.graphs: "OrderedDict[tuple, object]" = OrderedDict()
         self.traces: Dict[tuple, int] = {}
         self.controllers: Dict[tuple, object] = {}
-        # a graph's first uses that run eagerly (params.CPU_EAGER_USES), and
-        # how many eager runs there were (not cost samples: cycle.Graphs.traces)
-        self.eager_uses = params.CPU_EAGER_USES if mx.default_device() == mx.cpu else 0
-        self.eager: Dict[tuple, int] = {}
+        # the process's first graph runs, eager (params.CPU_EAGER_RUNS); they
+        # are not cost samples (cycle.Graphs.traces)
+        self.eager_runs_left = params.CPU_EAGER_RUNS if mx.default_device() == mx.cpu else 0
         self.eager_runs = 0
 
     def runs_eagerly(self, key: tuple) -> bool:
-        """Whether this use of graph `key` runs eagerly (counted)."""
-        n = self.eager.get(key, 0)
-        if n >= self.eager_uses:
+        """Whether this run of graph `key` (not compiled yet) is eager (counted)."""
+        if self.eager_runs >= self.eager_runs_left:
             return False
-        self.eager[key] = n + 1
         self.eager_runs += 1
         return True
 
@@ -172,7 +169,6 @@ class Runtime:
         self.graphs.clear()
         self.traces.clear()
         self.controllers.clear()
-        self.eager.clear()
 
 
 class LanguageModelTrunk:

@@ -365,10 +365,12 @@ def depth(v: Any, name: str = "draft_tokens"):
 
 # On MLX's CPU backend a compiled graph's first run compiles its fused kernels
 # with the system's C++ compiler (about 0.7 s each on a 2-core machine, cached
-# under $TMPDIR/mlx/ afterwards): a graph runs eagerly for its first this many
-# uses in a process, so a short first generation compiles nothing of ours
-# (docs/design.md, "Compiled graphs"). GPUs compile at the first use.
-CPU_EAGER_USES = 48
+# under $TMPDIR/mlx/ afterwards): a model's first this many graph runs in a
+# process are eager, so a short first generation compiles nothing of ours;
+# every graph after them compiles at its first use, as on a GPU (a per-graph
+# count would keep mixed traffic, whose specs change, eager for long)
+# (docs/design.md, "Compiled graphs").
+CPU_EAGER_RUNS = 48
 
 
 @dataclass(frozen=True)

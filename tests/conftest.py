@@ -23,9 +23,9 @@ import mlx_mtp.params  # noqa: E402
 from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
 
 # The tests in this process compile every graph at its first use, as a GPU
-# does (their short generations would otherwise run eagerly: params.CPU_EAGER_USES);
+# does (their short generations would otherwise run eagerly: params.CPU_EAGER_RUNS);
 # servers and CLIs they start keep the CPU default. test_compiled checks both.
-mlx_mtp.params.CPU_EAGER_USES = 0
+mlx_mtp.params.CPU_EAGER_RUNS = 0
 
 
 def _ckpt(factory, name, **kw):

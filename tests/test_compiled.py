@@ -46,26 +46,28 @@ def test_two_generations_trace_each_depth_once(loaded):
     assert all(n == 1 for n in model.runtime.traces.values()), model.runtime.traces
 
 
-def test_a_graph_runs_eagerly_for_its_first_uses_on_the_cpu(loaded, monkeypatch):
-    """On MLX's CPU backend a graph's first params.CPU_EAGER_USES uses run
-    eagerly (its kernels would otherwise be compiled with the C++ compiler
-    before the first token), then it is compiled once; the tokens are
-    mlx_lm's either way, and eager runs are not cost samples."""
+def test_a_process_first_graph_runs_are_eager_on_the_cpu(loaded, monkeypatch):
+    """On MLX's CPU backend a model's first params.CPU_EAGER_RUNS graph runs
+    are eager (their kernels would otherwise be compiled with the C++
+    compiler before the first token), then every graph is compiled at its
+    first use; the tokens are mlx_lm's either way."""
     from mlx_mtp import params
     from mlx_mtp.model import Runtime
 
     model, ref_model, tok = loaded("dense")
-    monkeypatch.setattr(params, "CPU_EAGER_USES", 5)
+    monkeypatch.setattr(params, "CPU_EAGER_RUNS", 5)
     monkeypatch.setattr(model, "runtime", Runtime())
-    assert model.runtime.eager_uses == (5 if mx.default_device() == mx.cpu else 0)
+    cpu = mx.default_device() == mx.cpu
     ids = tok.encode(LONG)
     assert mtp(model, ids, 2, 4) == reference(ref_model, ids, 4)  # 1-3 cycles: none compiled
-    if mx.default_device() == mx.cpu:
-        assert not model.runtime.traces and model.runtime.eager_runs
+    if cpu:
+        assert not model.runtime.traces and 0 < model.runtime.eager_runs <= 5
     assert mtp(model, ids, 2, 40) == reference(ref_model, ids, 40)
     assert traces_by_depth(model).get(("cycle", 2)) == 1
-    assert all(n == 5 for key, n in model.runtime.eager.items()
-               if key in model.runtime.graphs)
+    assert model.runtime.eager_runs == (5 if cpu else 0)
+    assert mtp(model, ids, 1, 20) == reference(ref_model, ids, 20)
+    assert traces_by_depth(model).get(("cycle", 1)) == 1  # (compiled at its first use)
+    assert model.runtime.eager_runs == (5 if cpu else 0)
 
 
 def test_retrace_only_when_capacity_grows(loaded, monkeypatch):

@@ -134,6 +134,8 @@ def test_claude_code(tools, served, tmp_path):
                                                add_generation_prompt=True))
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
     usage = [e for e in sse_events(b["response"]) if e["type"] == "message_delta"][-1]["usage"]
+    print(f"Claude Code's second session: {usage['cache_read_input_tokens']} of "
+          f"{len(prompts[1])} prompt tokens read from the cache (the sessions share {shared})")
     assert usage["cache_read_input_tokens"] >= 0.9 * shared, (usage, shared, len(prompts[1]))
     counted = requests.post(server.url + "/v1/messages/count_tokens?beta=true", json=b["body"],
                             timeout=120)
