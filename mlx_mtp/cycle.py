@@ -813,7 +813,7 @@ class Graphs:
             runtime.traces[key] = runtime.traces.get(key, 0) + 1
             return apply(tree, aux, *rest)
 
-        if key not in runtime.graphs and runtime.runs_eagerly(key):
+        if key not in runtime.graphs and runtime.runs_eagerly():
             return apply, False  # (params.CPU_EAGER_RUNS)
         # the weights are inputs, read at every call: a graph never runs with
         # weights the model no longer has (and keeps none alive)

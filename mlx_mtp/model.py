@@ -145,12 +145,12 @@ class Runtime:
         self.controllers: Dict[tuple, object] = {}
         # the process's first graph runs, eager (params.CPU_EAGER_RUNS); they
         # are not cost samples (cycle.Graphs.traces)
-        self.eager_runs_left = params.CPU_EAGER_RUNS if mx.default_device() == mx.cpu else 0
+        self.eager_limit = params.CPU_EAGER_RUNS if mx.default_device() == mx.cpu else 0
         self.eager_runs = 0
 
-    def runs_eagerly(self, key: tuple) -> bool:
-        """Whether this run of graph `key` (not compiled yet) is eager (counted)."""
-        if self.eager_runs >= self.eager_runs_left:
+    def runs_eagerly(self) -> bool:
+        """Whether the next run of a graph not compiled yet is eager (counted)."""
+        if self.eager_runs >= self.eager_limit:
             return False
         self.eager_runs += 1
         return True
