@@ -242,7 +242,7 @@ def step_costs(model, prompt_ids, depths, reps=20) -> dict:
 def warm_auto(model, ids, max_depth):
     """Trace the adaptive loop's graphs at every depth (a scripted controller)."""
     from mlx_mtp.depth import DepthController
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
 
     class EveryDepth(DepthController):
         def next_depth(self):
@@ -263,7 +263,7 @@ def multi_turn(args, model, ref_model, tok) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
 
     context = Path(args.context_file).read_text() if args.context_file else Path(
         json.__file__).with_name("decoder.py").read_text()
@@ -317,12 +317,12 @@ def multi_turn(args, model, ref_model, tok) -> dict:
 
 def trace_run(model, ids, k, n_cycles, pipeline: bool) -> tuple:
     """One generation of `n_cycles` cycles at depth k on prompt ids through the
-    decode loop (mlx_mtp.loop), which stamps each cycle it reads with
+    decode loop (mlx_mtp.decode), which stamps each cycle it reads with
     time.perf_counter(): build0/build1 (graph built), queued (async_eval
     returned), wait0/wait1 (the read), land1 (bookkeeping), yield. In the
     pipelined loop a record's build/queue stamps are of the cycle launched in
     the same iteration (the next one). Returns (records, emitted tokens)."""
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
 
     recs = []
     gen = generate_tokens(mx.array(ids), model, max_tokens=-1, draft_tokens=k,
@@ -473,7 +473,7 @@ def main(argv=None):
 
     import mlx_mtp
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
     from mlx_mtp.stats import MTPStats
     from mlx_mtp.loader import resolve_model_path
 

@@ -36,7 +36,7 @@ def measure(src, bits_list=(16, 8, 4), q_bits: Optional[int] = None, dtype: Opti
     import mlx.core as mx
 
     import mlx_mtp
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
     from mlx_mtp.stats import MTPStats
     from mlx_mtp.evaluate import expected_acceptance
 

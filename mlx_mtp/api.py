@@ -17,7 +17,7 @@ from . import checks, params
 from .params import DecodeOptions
 from .batch import make_batch
 from .stats import MTPStats
-from .loop import decode_rows, generate_events, generate_tokens
+from .decode import decode_rows, generate_events, generate_tokens
 from .mlx_lm_compat import generation_stream, wired_limit
 from .sampling import RowSampling
 

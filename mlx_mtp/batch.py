@@ -1,12 +1,13 @@
-"""A batch of rows decoding together: scheduling, lookahead and the host's
-bookkeeping (docs/design.md, "One cycle, file by file").
+"""A batch of rows decoding together: rows join and leave, each cycle is
+queued as the schedule plans it (schedule.py) and read, and the host keeps
+its books (docs/design.md, "One cycle, file by file").
 
 One trunk forward per cycle for all rows, each row accepting its own number
 of drafts (per-row lengths on the device) and sampling with its own
 settings. Rows join (`add`: their prompts prefilled together, then merged)
 and leave (`finish`) between cycles. With a lookahead of 1 (the default)
-cycle n+1 is built and queued (`mx.async_eval`) before cycle n is read, so
-the device never waits for Python; with 0 (logits processors, host-side
+cycle n+1 is built and queued (`mx.async_eval`, the batch's `next`) before
+cycle n (its `current`) is read, so the device never waits for Python; with 0 (logits processors, host-side
 drafters, `lookahead=False`) each cycle is read before the next is built.
 Either way a cycle is read with one host transfer, and a cycle launched
 past a row's end is never read.
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
-
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
@@ -32,13 +31,14 @@ from mlx.utils import tree_flatten
 from . import checks
 from .cache import cache_length, check_model_cache, entry_length, head_caches
 from .cycle import RING, DecodeState, Graphs, Guidance, Spec, init_ring, is_host_side, unpack
-from .depth import DepthController, cost_sample
-from .distributed import agree, first_stage, trunk_length
+from .depth import cost_sample
+from .distributed import first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
 from .params import DecodeOptions, env_flag
 from .prefill import feed, prefill
 from .held_cache import HeldCache
-from .rows import FinishPoint, Launched, Ledger, Lengths, Pending, Plan, Request, Row
+from .rows import FinishPoint, Launched, Ledger, Lengths, Pending, Request, Row
+from .schedule import Schedule, needs_more
 from .stats import MTPStats
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
                        SamplerArrays, bias_row, row_key, start_window)
@@ -103,9 +103,6 @@ def make_batch(model, options: Optional[DecodeOptions] = None, *,
                  default_sampler=sampler, default_processors=logits_processors or ())
 
 
-# a run the grammars force past the depth is verified alone in one forward
-# of one of these lengths (a graph each; what is left of a run goes next cycle)
-JUMPS = (2, 3, 4, 6, 8, 12, 16)
 
 # prompts of at most this many new tokens join in one batched prefill
 # (mlx_lm.server's --prompt-concurrency default); longer ones alone
@@ -123,20 +120,21 @@ class Batch:
     def __init__(self, spec: Spec, graphs: Graphs, options: DecodeOptions, depth,
                  controller=None, default_sampler=None, default_processors=()):
         self.spec, self.graphs, self.options = spec, graphs, options
-        self.may_look_ahead, self.max_depth = options.lookahead, options.max_draft_tokens
-        self.depth, self.controller = depth, controller
+        self.schedule = Schedule(depth, options.max_draft_tokens, controller, options.lookahead)
         self.timeline, self.default_sampler = options.timeline, default_sampler
         self.default_processors = default_processors
         self.limit_prefill(PREFILL_BATCH)
         self.state: Optional[DecodeState] = None
         self.rows: List[Row] = []
-        self.inflight: deque = deque()
+        # the double buffer: the cycle read next, and one queued behind it
+        self.current: Optional[Launched] = None
+        self.next: Optional[Launched] = None
         self.ledger = Ledger()
-        self._parked_graphs: Optional[Graphs] = None  # depth 0's, for cold parked steps
+        self._parked: Optional[Graphs] = None  # depth 0's, for cold parked steps
         self.cycles = 0
         self._tic = time.perf_counter()
         self._launched = 0  # cycles launched since the last read
-        self._starting = True  # no cycle read since the batch was last empty
+        self.starting = True  # no cycle read since the batch was last empty
         self.reads = 0  # host reads of device results (cycles, and a guided cycle's drafts)
         self._settings()
 
@@ -282,7 +280,7 @@ class Batch:
         # and the head drafts from a history with a gap if it drafts again
         # (acceptance may dip, exactness cannot; docs/design.md, "Parking"); a
         # prompt only cached (max_tokens 0) is there for later drafting: it follows
-        follows = use_head and (not self._parked(len(self.rows) + len(requests))
+        follows = use_head and (not self.schedule.parked(spec, len(self.rows) + len(requests))
                                 or any(r.max_tokens == 0 for r in requests))
         with mx.stream(generation_stream):
             prefilled = prefill(spec if follows else dataclasses.replace(spec, use_head=False),
@@ -337,7 +335,7 @@ class Batch:
             if self.ledger.ring:  # every row's ring empty, so they stay in step
                 self._grow(0, catch_up=True)
                 self.state = self.graphs.flush(self.state)
-                self.ledger.flushed(self.inflight, self.rows)
+                self._flushed()
             self.state = _concat(self.state, new)
         base = len(self.rows)
         for row in rows:
@@ -374,9 +372,9 @@ class Batch:
         keep = [i for i in range(len(self.rows) + 1) if i != index]
         self.state = self.state.take_rows(keep) if self.rows else None
         if not self.rows:
-            self.inflight.clear()
+            self.current = self.next = None
             self.ledger = Ledger()
-            self._starting = True
+            self.starting = True
         self._settings()
 
     def _settings(self):
@@ -389,13 +387,8 @@ class Batch:
         if (filters, processors) != (spec.filters, spec.processors):
             self.spec = spec = dataclasses.replace(spec, filters=filters, processors=processors)
             self.graphs.use(spec)
-            self._parked_graphs = None
-        # a grammar's masks for a cycle need the cycle before it read: a guided
-        # batch queues ahead only a plain step's forward (`_ahead`)
-        self.guided = any(r.matcher is not None for r in self.rows)
-        may = self.may_look_ahead and not spec.host_history and spec.trusted_sampler
-        self.lookahead = 1 if may and not self.guided else 0
-        self.guided_ahead = may and self.guided
+            self._parked = None
+        self.schedule.settle(spec, self.rows)
         if self.state is None or spec.sampler is not None:
             return
         f = spec.filters
@@ -416,35 +409,28 @@ class Batch:
         self.prefill_batch = max(1, prompts)
 
     # -- cycles ------------------------------------------------------------------------------
-    def _controller(self, batch_size: Optional[int] = None):
-        """The `auto` controller of this batch (of `batch_size` rows: default
-        the present ones), or None at a fixed depth."""
-        if self.depth != "auto":
-            return None
-        if self.controller is not None:
-            return self.controller
-        return controller_for(self.spec, self.max_depth,
-                              len(self.rows) if batch_size is None else batch_size)
+    @property
+    def in_flight(self) -> tuple:
+        """The cycles queued and not read yet, oldest first."""
+        return tuple(c for c in (self.current, self.next) if c is not None)
 
-    def _parked(self, batch_size: int) -> bool:
-        """Whether `auto` has a batch of this size decoding plainly (depth 0)."""
-        ctl = self._controller(batch_size)
-        return ctl is not None and ctl.k == 0
-
-    def _cold(self, ctl, k: int) -> Optional[Graphs]:
-        """Depth 0's graphs when this plain step of a parked batch can skip the
-        head's part of the state: no probe within the ring's length (the ring
-        then holds the last plain steps when the head catches up). Parking
-        then costs what fixed depth 0 costs (docs/design.md §3, plain_step).
-        Not for sharded models (every rank must run the same graphs)."""
-        if (k or ctl is None or ctl.k or self.spec.group is not None or not self.spec.use_head
-                or ctl.quiet_cycles() <= RING + max(self.lookahead, int(self.guided_ahead))):
-            return None
-        if self._parked_graphs is None:
+    def _parked_graphs(self) -> Graphs:
+        """Depth 0's graphs, for a parked batch's cold plain steps (Plan.cold)."""
+        if self._parked is None:
             spec = dataclasses.replace(self.spec, use_head=False, draft_vocab=None,
                                        drafter=None, vocab_head_rows=None)
-            self._parked_graphs = Graphs(spec, self.graphs.compiled)
-        return self._parked_graphs
+            self._parked = Graphs(spec, self.graphs.compiled)
+        return self._parked
+
+    def _flushed(self):
+        """The head caught up on the ring: the rows' lengths count it once the
+        cycles launched before it are read."""
+        newest = self.next or self.current
+        self.ledger.flushed(self.rows, in_flight=newest is not None)
+        if self.next is not None:
+            self.next = dataclasses.replace(self.next, flush_after=True)
+        elif self.current is not None:
+            self.current = dataclasses.replace(self.current, flush_after=True)
 
     def _grow(self, k: int, catch_up: bool):
         """Room in the caches for a cycle of depth k: the trunk's k + 1
@@ -452,7 +438,7 @@ class Batch:
         all RING slots at its length before trimming the unwritten ones, so
         it needs RING entries there (a write past a buffer's end would
         corrupt memory: MLX does not check a dynamic slice_update)."""
-        bounds = [self.ledger.bound(r, self.inflight) for r in self.rows]
+        bounds = [self.ledger.bound(r, self.in_flight) for r in self.rows]
         head = max(b.flushed().head + k + 1 for b in bounds)
         if catch_up:
             head = max(head, max(b.head for b in bounds) + RING)
@@ -464,111 +450,13 @@ class Batch:
                                f"may write up to ({trunk}, {head})")
         self.state = self.state.replace(cache=cache)
 
-    def _in_flight(self, row: Row) -> List[Launched]:
-        return [c for c in self.inflight if row in c.rows]
-
-    def _needs_more(self, row: Row) -> bool:
-        """Each cycle emits at least one token for each of its rows."""
-        return row.max_tokens < 0 or row.landed + len(self._in_flight(row)) < row.max_tokens
-
-    def _ahead(self) -> int:
-        """Cycles queued before the oldest is read. A guided batch queues one
-        ahead only while its next cycle is surely a plain step: then its
-        forward, whose masked sample follows once the cycle before is read
-        (`_complete`); a drafted cycle's drafts need their masks at once."""
-        if self._starting:
-            return 0
-        if not self.guided_ahead:
-            return self.lookahead
-        ctl = self._controller()
-        if ctl is None:
-            return int(self.depth == 0)
-        # parked: not when every grammar forces 3 tokens from the last read (the
-        # next launch, after this read, may then jump a run of 2 or more)
-        return int(ctl.k == 0 and ctl.quiet_cycles() > 0 and not self._may_jump(3))
-
-    def _draft_budget(self) -> Optional[int]:
-        """The most drafts a cycle may verify: none past what the rows asked
-        for (None: no bound; none while rows sample: a seeded row's draws at a
-        fixed depth must not depend on the rows beside it)."""
-        if self.spec.speculative or any(r.max_tokens < 0 for r in self.rows):
-            return None
-        return max(max(r.max_tokens - r.landed - len(self._in_flight(r))
-                       for r in self.rows) - 1, 0)
-
-    def _jumps_allowed(self) -> bool:
-        """Whether this batch may verify forced runs alone (`_jump`): every
-        row has a grammar, the head is there (not plain decoding at a fixed
-        depth 0), and no sampled row at a fixed depth (a sampled row's keys
-        per cycle follow its cycles, which there must not depend on the rows
-        beside it; under auto they do anyway)."""
-        return (self.guided and self.spec.use_head and self.spec.drafter is None
-                and not (self.spec.speculative and self.depth != "auto")
-                and all(r.matcher is not None for r in self.rows))
-
-    def _may_jump(self, n: int) -> bool:
-        """Every row's grammar forces at least n tokens from the last read,
-        and the rows ask for enough tokens to jump."""
-        budget = self._draft_budget()
-        return (self._jumps_allowed() and (budget is None or budget >= JUMPS[0])
-                and all(len(r.matcher.forced(limit=n)) >= n for r in self.rows))
-
-    def _forced_runs(self, depth: int, budget: Optional[int]) -> Optional[List[List[int]]]:
-        """Each row's run of tokens its grammar forces from here (at most
-        `budget`, `_draft_budget`'s), when every run is longer than `depth`
-        and than 1 (a jump may follow) and no cycle is in flight; else None
-        (`_guidance` then finds each row's first k). Each run is looked for
-        only as far as the shortest so far."""
-        if self.inflight or not self._jumps_allowed():
-            return None
-        limit = JUMPS[-1] if budget is None else min(JUMPS[-1], budget)
-        runs = []
-        for r in self.rows:
-            run = r.matcher.forced(limit=limit)
-            if len(run) <= max(depth, 1):
-                return None
-            runs.append(run)
-            limit = len(run)
-        return runs
-
-    def _jump(self, depth: int, runs: Optional[List[List[int]]]) -> int:
-        """The depth of a cycle that verifies the grammars' forced tokens
-        alone (0: none): when every row's run is longer than `depth`, one
-        forward of a JUMPS length takes it, no head draft and no host read
-        mid-cycle (docs/design.md §10); parked at depth 0 too (a jump of 2
-        emits 3 tokens from one forward of 3: 1.3 decodes for one row on
-        this CPU, against 3 plain steps)."""
-        if not runs:
-            return 0
-        fits = [j for j in JUMPS if j <= min(len(r) for r in runs)]
-        return fits[-1] if fits and fits[-1] > depth else 0
-
-    def _plan(self) -> Optional[Plan]:
-        """The next cycle, decided in one place (None: a guided batch's next
-        cycle drafts, so it waits for the one in flight to be read)."""
-        ctl = self._controller()
-        depth, budget = self.depth if ctl is None else ctl.k, self._draft_budget()
-        runs = self._forced_runs(depth, budget)
-        jump = self._jump(depth, runs)
-        # a jump takes no depth from the controller (its probes wait)
-        k = jump or (ctl.next_depth() if ctl is not None else self.depth)
-        if budget is not None:
-            k = min(k, budget)
-        forward_only = self.guided and bool(self.inflight)
-        if forward_only and k:
-            return None
-        return Plan(k=k, jump=bool(jump), catch_up=k > 0 and self.ledger.ring > 0,
-                    cold=self._cold(ctl, k) is not None, forward_only=forward_only,
-                    guided=self.guided and not forward_only,
-                    runs=None if runs is None else tuple(tuple(r) for r in runs))
-
     def _launch(self) -> bool:
-        """Queue the next cycle as planned (`_plan`); False when none may be."""
-        plan = self._plan()
+        """Queue the next cycle as the schedule plans it; False when none may be."""
+        plan = self.schedule.plan(self.spec, self.rows, self.in_flight, self.ledger.ring)
         if plan is None:
             return False
         spec, k = self.spec, plan.k
-        cold = self._parked_graphs if plan.cold else None
+        cold = self._parked_graphs() if plan.cold else None
         self._grow(k, plan.catch_up)
         history = None
         if spec.processors:  # rows' tokens are on the host (lookahead 0)
@@ -601,26 +489,32 @@ class Batch:
         else:
             mx.async_eval(out.packed, out.logprobs, _arrays(self.state))
         t1 = time.perf_counter()
-        launched = Launched(k, out, before, self.graphs.traces > traces, list(self.rows),
+        counts = None if plan.forward_only else self.ledger.launched(
+            k, plan.cold, spec.use_head, self.state)
+        launched = Launched(k, out, before, self.graphs.traces > traces, tuple(self.rows),
                             dict(build0=t0, build1=built, queued=t1), cold=plan.cold,
-                            pending=pending, jump=plan.jump)
-        if not plan.forward_only:
-            self.ledger.launched(launched, spec.use_head, self.state)
-        self.inflight.append(launched)
+                            counts=counts, pending=pending, jump=plan.jump)
+        if self.current is None:
+            self.current = launched
+        elif self.next is None:
+            self.next = launched
+        else:
+            raise RuntimeError("internal error: a third cycle queued (the lookahead is 1)")
         self._launched += 1
         return True
 
-    def _complete(self, cycle: Launched):
-        """A guided plain step queued ahead: its masked sample, now that the
-        grammars have the tokens of the cycle before."""
+    def _complete(self, cycle: Launched) -> Launched:
+        """A guided plain step queued ahead, completed: its masked sample, now
+        that the grammars have the tokens of the cycle before."""
         pending, traces = cycle.pending, self.graphs.traces
         guidance, _ = self._guidance(0)
-        new, cycle.out = pending.graphs.sample(pending.state, pending.fwd, guidance)
+        new, out = pending.graphs.sample(pending.state, pending.fwd, guidance)
         self.state = new.with_head_of(self.state) if pending.cold else new
         # (the caches were queued with the forward: only the sample's arrays now)
-        mx.async_eval(cycle.out.packed, cycle.out.logprobs, _arrays(new.without_caches()))
-        cycle.pending, cycle.traced = None, cycle.traced or self.graphs.traces > traces
-        self.ledger.launched(cycle, self.spec.use_head, self.state)
+        mx.async_eval(out.packed, out.logprobs, _arrays(new.without_caches()))
+        counts = self.ledger.launched(cycle.k, cycle.cold, self.spec.use_head, self.state)
+        return dataclasses.replace(cycle, out=out, pending=None, counts=counts,
+                                   traced=cycle.traced or self.graphs.traces > traces)
 
     def _guidance(self, k: int, runs: Optional[List[List[int]]] = None):
         """The rows' grammars before a cycle of depth k: the mask of the next
@@ -680,20 +574,18 @@ class Batch:
         """Queue cycles up to the lookahead and read the oldest one: per row
         still in the batch, (row, its tokens, their log-prob rows, the
         tokens' log-probs, drafts accepted), its bookkeeping done."""
-        # a batch's first cycle is read before the next is queued: on MLX's CPU
-        # backend queuing one runs most of it, which would delay the first token
-        ahead = self._ahead()
-        while self.rows and len(self.inflight) <= ahead and any(
-                self._needs_more(r) for r in self.rows):
+        ahead = self.schedule.ahead(self.spec, self.rows, self.in_flight, self.starting)
+        while self.rows and len(self.in_flight) <= ahead and any(
+                needs_more(r, self.in_flight) for r in self.rows):
             if not self._launch():
                 break
-        if not self.inflight:
+        if self.current is None:
             return []
-        cycle = self.inflight.popleft()
+        cycle, self.current, self.next = self.current, self.next, None
         if cycle.pending is not None:  # (completed when the one before was read, unless
             # that read raised before it got there)
-            self._complete(cycle)
-        first, self._starting = self._starting, False
+            cycle = self._complete(cycle)
+        first, self.starting = self.starting, False
         self.reads += 1
         wait0 = time.perf_counter()
         accepted_all, tokens_all, lps_all, bad_drafts = unpack(np.array(cycle.out.packed),
@@ -703,7 +595,7 @@ class Batch:
         # the controller of the batch size the cycle was launched with (rows
         # may have joined or left since): a cheaper cycle of fewer rows must
         # not count as a sample of a larger batch's probe, nor the reverse
-        ctl = self._controller(len(cycle.rows))
+        ctl = self.schedule.controller(self.spec, len(cycle.rows))
         for i, row in enumerate(cycle.rows):
             if row.done:
                 continue
@@ -725,19 +617,20 @@ class Batch:
             if is_host_side(self.spec.drafter):
                 self.spec.drafter.observe(tokens)
             out.append((row, tokens, cycle.out.logprobs[i], lps_all[i, : a + 1], a))
-        if self.inflight and self.inflight[0].pending is not None:
-            self._complete(self.inflight[0])  # (the grammars now have this cycle's tokens)
+        if self.current is not None and self.current.pending is not None:
+            self.current = self._complete(self.current)  # (the grammars now have this
+            # cycle's tokens)
         if ctl is not None and accepted and not cycle.jump:  # (not the controller's depth)
             ctl.update_acceptance(k, accepted)
-            sample = cost_sample(cycle, self.inflight[-1] if self.inflight else cycle,
-                                 lookahead=bool(self.inflight),
+            sample = cost_sample(cycle, self.current or cycle,
+                                 lookahead=self.current is not None,
                                  distributed=self.spec.group is not None, first=first,
                                  launches=self._launched, since=self._tic, now=toc)
             if sample is not None:
                 ctl.update_cost(*sample)
         self._tic, self._launched = toc, 0
         if self.timeline is not None:
-            stamps = (self.inflight[-1] if self.inflight else cycle).stamps
+            stamps = (self.current or cycle).stamps
             self.timeline.append(dict(stamps, wait0=wait0, wait1=toc,
                                       land1=time.perf_counter(), k=k,
                                       accepted=int(accepted_all[0]) if len(accepted_all) else 0))
@@ -745,27 +638,6 @@ class Batch:
         if self.cycles % 128 == 0:
             mx.clear_cache()
         return out
-
-
-def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthController:
-    """The adaptive controller for this model, mode and batch size (a verify
-    costs more at a larger batch, so each size learns its own depth; sizes
-    share a controller within powers of two). Kept on the model across calls."""
-    bucket = 1 << max(0, batch_size - 1).bit_length()
-    key = (max_depth, spec.speculative,
-           None if spec.draft_vocab is None else spec.draft_vocab.size, bucket)
-    controllers = spec.model.runtime.controllers
-    ctl = controllers.get(key)
-    if ctl is None:
-        # sharded: every rank switches depth when rank 0 does (timings differ by rank)
-        agreed = None if spec.group is None else (lambda v: agree(v, spec.group))
-        # a verify costs more at a larger batch: start no deeper than the
-        # largest smaller size settled on
-        smaller = [c.k for other, c in controllers.items()
-                   if other[:-1] == key[:-1] and other[-1] < bucket]
-        ctl = controllers[key] = DepthController(
-            max_depth=max_depth, agree=agreed, initial=min([1] + smaller[-1:]))
-    return ctl
 
 
 def _concat(a: DecodeState, b: DecodeState) -> DecodeState:

@@ -6,7 +6,6 @@ decodes: held_cache.py; its counters: stats.py."""
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, FrozenSet, List, NamedTuple, Optional, Sequence
 
@@ -110,34 +109,21 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The next cycle, as the batch decided it (`Batch._plan`) before queuing
-    it (`Batch._launch`): nothing else decides."""
-
-    k: int  # its depth (drafts verified; a jump's forced run length)
-    jump: bool  # it verifies the grammars' forced run alone, no head draft
-    catch_up: bool  # the head first catches up on the ring's plain steps
-    cold: bool  # a parked plain step on depth 0's graphs (the ring dropped)
-    forward_only: bool  # a guided plain step queued ahead: its forward, sampled at its read
-    guided: bool  # the rows' grammars mask it now
-    runs: Optional[tuple] = None  # each row's forced run, when known
-
-
-@dataclass
 class Launched:
-    """A cycle queued on the device, until the host reads it."""
+    """A cycle queued on the device, until the host reads it (the batch's
+    `current` or `next`)."""
 
     k: int
     out: object  # StepOutput
     before: Optional[DecodeState]  # the state it started from, without KV buffers
     traced: bool  # its launch traced a graph (slow: not a cost sample)
-    rows: list  # the batch's rows, in order, when it was launched
+    rows: tuple  # the batch's rows, in order, when it was launched
     stamps: dict  # perf_counter times of its launch
     flush_after: bool = False  # the head caught up right after it (rows joined)
     cold: bool = False  # a parked plain step of depth 0's graph (the ring dropped)
     counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
     pending: Optional[Pending] = None  # its masked sample not queued yet
-    jump: bool = False  # it verified the grammars' forced run alone (Batch._jump)
+    jump: bool = False  # it verified the grammars' forced run alone (schedule.py)
 
 
 class Ledger:
@@ -153,19 +139,19 @@ class Ledger:
         self.ring = 0  # plain steps' pairs waiting for the head, as launched
         self.checking = env_flag("MLX_MTP_CHECK_COUNTS")
 
-    def launched(self, cycle: "Launched", use_head: bool, state: DecodeState):
-        """A cycle was queued, leaving the device in `state`."""
-        self.ring = 0 if cycle.k or cycle.cold else self.ring + int(use_head)
-        if self.checking:
-            cycle.counts = _device_counts(state)
+    def launched(self, k: int, cold: bool, use_head: bool, state: DecodeState
+                 ) -> Optional[dict]:
+        """A cycle of depth k was queued, leaving the device in `state`; the
+        device's counters to check at its read (Launched.counts), if checking."""
+        self.ring = 0 if k or cold else self.ring + int(use_head)
+        return _device_counts(state) if self.checking else None
 
-    def flushed(self, inflight: deque, rows: List[Row]):
-        """The head caught up on the ring (before rows join). The rows' lengths
-        count it once the cycles launched before it are read."""
+    def flushed(self, rows: List[Row], in_flight: bool):
+        """The head caught up on the ring (before rows join). With cycles in
+        flight the rows' lengths count it once the newest is read (the batch
+        marks it `flush_after`)."""
         self.ring = 0
-        if inflight:
-            inflight[-1].flush_after = True
-        else:
+        if not in_flight:
             for r in rows:
                 r.lens = r.lens.flushed()
 
@@ -178,10 +164,10 @@ class Ledger:
         row.lens = after.flushed() if cycle.flush_after else after
         return before
 
-    def bound(self, row: Row, inflight: Sequence["Launched"]) -> Lengths:
+    def bound(self, row: Row, in_flight: Sequence["Launched"]) -> Lengths:
         """The row's lengths after the launched cycles if each accepted every draft."""
         lens = row.lens
-        for c in inflight:
+        for c in in_flight:
             if row in c.rows:
                 lens = lens.after(c.k, c.k, ring=not c.cold)
                 if c.flush_after:

@@ -98,7 +98,7 @@ def count_host_syncs(monkeypatch):
 
     import mlx.core as mx
 
-    import mlx_mtp.loop  # noqa: F401  (the decode path's modules are imported)
+    import mlx_mtp.decode  # noqa: F401  (the decode path's modules are imported)
 
     def start():
         calls = []

@@ -26,7 +26,7 @@ from mlx_mtp.cache import head_caches
 from mlx_mtp.distributed import first_stage, sharded_load
 from mlx_mtp.testing.drafters import BigramDrafter
 from mlx_mtp.batch import make_batch
-from mlx_mtp.loop import decode_rows
+from mlx_mtp.decode import decode_rows
 
 
 

@@ -17,7 +17,7 @@ from collections import Counter
 import mlx.core as mx
 
 import mlx_mtp
-from mlx_mtp import loop
+from mlx_mtp import decode
 from mlx_mtp.testing.drafters import DistributionDrafter, OracleDrafter
 
 
@@ -85,11 +85,11 @@ def main(path: str, cases: int, seed: int) -> int:
         try:
             if target == "sampler":
                 kind, sampler, must_raise = hostile_sampler(rng, V)
-                run = lambda: list(loop.generate_tokens(mx.array(prompt), model, sampler=sampler,
+                run = lambda: list(decode.generate_tokens(mx.array(prompt), model, sampler=sampler,
                                                         **opts))
             elif target == "processor":
                 kind, proc, must_raise = hostile_processor(rng, V)
-                run = lambda: list(loop.generate_tokens(mx.array(prompt), model,
+                run = lambda: list(decode.generate_tokens(mx.array(prompt), model,
                                                         logits_processors=[proc], **opts))
             elif target == "drafter":
                 kind = rng.choice(["device", "host"])
@@ -102,7 +102,7 @@ def main(path: str, cases: int, seed: int) -> int:
                     drafter = DistributionDrafter(lambda prefix: [1.0] * V, V, seed=case)
                     drafter.rng = _BadRng(bad)
                     sampler = mlx_mtp.make_sampler(temp=1.0)
-                run = lambda: list(loop.generate_tokens(mx.array(prompt), model, drafter=drafter,
+                run = lambda: list(decode.generate_tokens(mx.array(prompt), model, drafter=drafter,
                                                         sampler=sampler, seed=case, **opts))
             elif target == "prompt":
                 kind = "prompt"

@@ -20,7 +20,7 @@ import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import BigramDrafter
 from mlx_mtp.batch import make_batch
-from mlx_mtp.loop import decode_rows, generate_tokens
+from mlx_mtp.decode import decode_rows, generate_tokens
 from util import LONG, SHORT, reference, row_tokens, slow
 
 PROMPTS = [SHORT, LONG, "hello world, this is", "a", "x = [1, 2, 3]\nprint(", LONG * 2,
@@ -226,7 +226,7 @@ def test_penalties_in_graph_inside_a_batch(loaded):
         got = [[] for _ in ids]
         for i, t in row_tokens(decode_rows(batch, requests, 5)):
             got[i].append(t)
-            assert batch.lookahead == 1 and not batch.spec.processors
+            assert batch.schedule.lookahead == 1 and not batch.spec.processors
         assert got == want, f"depth {k}"
         if k in (1, 3):
             assert all(r.stats.accepted > 0 for r in requests), f"depth {k}"
@@ -398,27 +398,28 @@ def test_parked_steps_run_depth_zeros_graph(loaded, monkeypatch, drafted, compil
 
 
 def test_each_cycle_is_queued_as_its_plan_says(loaded, monkeypatch):
-    """One place decides the next cycle (`Batch._plan`, a frozen Plan) and
-    `_launch` only executes it: the depth controller is asked only while
+    """One place decides the next cycle (`Schedule.plan`, a frozen Plan) and
+    `Batch._launch` only executes it: the depth controller is asked only while
     planning, and each cycle queued runs the graph, depth and catch-up its
     plan named (parked cold steps, warm ones, drafted ones with a catch-up)."""
     import inspect
 
     from mlx_mtp import cycle
-    from mlx_mtp.batch import Batch
+    from mlx_mtp.schedule import Schedule
 
     model, ref_model, tok = loaded("dense")
     ids = [tok.encode(p) for p in PROMPTS[:2]]
     plans, graphs = [], []
-    plan, step = Batch._plan, cycle.Graphs.step
-    monkeypatch.setattr(Batch, "_plan", lambda self: (plans.append(plan(self)), plans[-1])[1])
+    plan, step = Schedule.plan, cycle.Graphs.step
+    monkeypatch.setattr(Schedule, "plan", lambda self, *a: (plans.append(plan(self, *a)),
+                                                            plans[-1])[1])
     monkeypatch.setattr(cycle.Graphs, "step", lambda self, state, k, catch_up=False, *rest: (
         graphs.append((self.spec.use_head, k, catch_up)), step(self, state, k, catch_up, *rest))[1])
 
     class Asked(Scheduled):
         def next_depth(self):
             callers = [f.function for f in inspect.stack()[1:4]]
-            assert "_plan" in callers and "_launch" not in callers[:1], callers
+            assert "plan" in callers and "_launch" not in callers[:1], callers
             return super().next_depth()
 
     batch = make_batch(model, draft_tokens="auto", compiled=False,
@@ -481,7 +482,7 @@ def test_cycles_count_for_the_batch_size_they_ran(loaded):
     """A cycle launched with two rows and read after one left is the two-row
     controller's sample: a cycle's cost and acceptance go to the controller of
     the rows it ran, never to the size the batch has when it is read."""
-    from mlx_mtp.batch import controller_for
+    from mlx_mtp.schedule import controller_for
 
     model, _, tok = loaded("dense")
     model.runtime.controllers.clear()
@@ -489,8 +490,8 @@ def test_cycles_count_for_the_batch_size_they_ran(loaded):
     rows = batch.add([batch.prepare(tok.encode(p), None, 30, None) for p in PROMPTS[:2]])
     for _ in range(4):
         list(batch.step())
-    two, one = (controller_for(batch.spec, batch.max_depth, n) for n in (2, 1))
-    assert [len(c.rows) for c in batch.inflight] == [2]  # queued before the row leaves
+    two, one = (controller_for(batch.spec, batch.schedule.max_depth, n) for n in (2, 1))
+    assert [len(c.rows) for c in batch.in_flight] == [2]  # queued before the row leaves
     batch.finish(rows[0])
     before = (two.cycles, one.cycles, dict(one.cost_n))
     list(batch.step())  # reads the two-row cycle; launches a one-row one
@@ -520,9 +521,9 @@ def test_cost_samples_cover_one_cycle(loaded):
     launched = []
     while batch.rows and row.landed < 6:
         before = len(costs)
-        n = len(batch.inflight)
+        n = len(batch.in_flight)
         list(batch.step())
-        launched.append(len(batch.inflight) - n + 1)  # launches in this step
+        launched.append(len(batch.in_flight) - n + 1)  # launches in this step
         # a sample exactly when this step (not the first) launched one cycle
         assert len(costs) - before == int(launched[-1] == 1 and len(launched) > 1), launched
     assert launched[:2] == [1, 2] and launched[-1] == 0 and costs  # every edge was seen

@@ -23,7 +23,7 @@ import pytest
 from mlx_lm.generate import generation_stream
 
 import mlx_mtp
-from mlx_mtp.loop import generate_tokens
+from mlx_mtp.decode import generate_tokens
 from mlx_mtp.testing.synthetic import write_checkpoint
 from util import SHORT, reference
 

@@ -38,7 +38,7 @@ def reference(path):
 def test_greedy_parity_with_mlx_lm(converted, name):
     import mlx_mtp
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
     from mlx_mtp.stats import MTPStats
 
     ref, _, _ = reference(converted[name])

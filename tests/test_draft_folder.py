@@ -77,7 +77,7 @@ def test_quantized_drafter_on_q4_trunk_greedy_parity(folders):
     from util import reference
 
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
     from mlx_mtp.stats import MTPStats
 
     ref_model, _ = mlx_lm.load(str(folders["lm_q4"]))

@@ -59,7 +59,7 @@ def ckpt(tmp_path_factory):
 
 def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
     from mlx_mtp.testing.drafters import OracleDrafter
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
 
     import mlx_mtp
 

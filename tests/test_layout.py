@@ -153,7 +153,7 @@ def cycle_files() -> list:
         events = list(batch.step())
     finally:
         sys.setprofile(None)
-    assert events and batch.inflight  # a cycle read, the next one launched
+    assert events and batch.current is not None  # a cycle read, the next one launched
     return sorted(files)
 
 

@@ -15,7 +15,7 @@ import mlx_lm
 import mlx_mtp
 from mlx_mtp.depth import DepthController
 from mlx_mtp.testing.drafters import OracleDrafter
-from mlx_mtp.loop import generate_tokens
+from mlx_mtp.decode import generate_tokens
 from mlx_mtp.stats import MTPStats
 from util import (LONG, SAME, SHORT, slow, assert_head_follows, assert_trunk_equal, mtp,
                   plain_cache, reference)

@@ -405,7 +405,7 @@ def test_head_follows_a_prompts_last_head_context_tokens(loaded, monkeypatch):
     (its forwards over the prompt counted), and decoding stays exact: one
     row, then two rows prefilled together, drafting from that history."""
     from mlx_mtp.batch import make_batch
-    from mlx_mtp.loop import decode_rows
+    from mlx_mtp.decode import decode_rows
 
     model, ref_model, tok = loaded("dense")
     ids = [tok.encode(LONG), tok.encode(SHORT + LONG)]

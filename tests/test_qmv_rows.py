@@ -187,7 +187,7 @@ def test_simulated_cuda_mtp_is_token_identical(bf16_q4, monkeypatch):
     import mlx_lm
     from mlx_lm.generate import generate_step
 
-    from mlx_mtp.loop import generate_tokens
+    from mlx_mtp.decode import generate_tokens
     from mlx_mtp.testing.drafters import OracleDrafter
 
     monkeypatch.setattr(mx, "quantized_matmul", _simulated_cuda_qmm)

@@ -18,7 +18,7 @@ import mlx_mtp
 from mlx_mtp.convert import convert, graft
 from mlx_mtp.testing.drafters import OracleDrafter
 from mlx_mtp.evaluate import teacher_forced_logits
-from mlx_mtp.loop import generate_tokens
+from mlx_mtp.decode import generate_tokens
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.testing.synthetic import write_checkpoint
 

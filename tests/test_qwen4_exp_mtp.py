@@ -22,7 +22,7 @@ from mlx_mtp.depth import DepthController
 from mlx_mtp.cache import PaddedCacheList
 from mlx_mtp.testing.drafters import BigramDrafter, OracleDrafter
 from mlx_mtp.batch import make_batch
-from mlx_mtp.loop import decode_rows
+from mlx_mtp.decode import decode_rows
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.testing.synthetic import write_qwen4_exp_checkpoint
 

@@ -37,7 +37,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from mlx_mtp.cycle import Spec
 from mlx_mtp.testing.drafters import DistributionDrafter, OracleDrafter
-from mlx_mtp.loop import generate_tokens
+from mlx_mtp.decode import generate_tokens
 from mlx_mtp.stats import MTPStats
 from mlx_mtp.sampling import make_sampler, speculative_sample
 from util import slow

@@ -211,7 +211,7 @@ def test_a_guided_plain_step_queues_its_forward_before_the_cycle_before_is_read(
     completed = []
     complete = Batch._complete
     monkeypatch.setattr(Batch, "_complete", lambda self, c: (completed.append(c.k),
-                                                             complete(self, c)))
+                                                             complete(self, c))[1])
     for sampler in (None, mlx_mtp.make_sampler(temp=0.9)):
         kw = dict(max_tokens=24, sampler=sampler, return_token_ids=True, seeds=[5, 6, 7])
         completed.clear()
@@ -266,7 +266,7 @@ def test_a_forced_run_longer_than_the_depth_is_verified_in_one_forward(loaded, k
         k, controller = "auto", DepthController(initial=0, probe_every=10**6)
         complete = Batch._complete  # (a plain step's sample queued after the read)
         monkeypatch.setattr(Batch, "_complete", lambda self, c: (completed.append(c.k),
-                                                                 complete(self, c)))
+                                                                 complete(self, c))[1])
     model, ref_model, tok = loaded("dense")
     prompt = tok.encode("hello world")
     constraint = mlx_mtp.constrain(regex=r"(ab|cd)e[f]{6}ghij(k|l)mnopqrstuv")

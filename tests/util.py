@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import mlx_mtp
 from mlx_mtp.cache import head_caches
-from mlx_mtp.loop import generate_tokens
+from mlx_mtp.decode import generate_tokens
 
 def slow(*values, id=None):
     """A parametrize case for the slow tier (pytest -m slow): it repeats a

@@ -1,6 +1,6 @@
 """Drafters for tests and benchmarks; production decoding drafts with the head.
 
-A drafter replaces the proposals of a cycle (`loop.generate_tokens(..., drafter=)`,
+A drafter replaces the proposals of a cycle (`decode.generate_tokens(..., drafter=)`,
 `make_batch(..., drafter=)`); verify, accept, commit and the head's cache
 rewrite run as usual, so known accept patterns exercise the real rollback.
 The interface is `cycle.Drafter`; the loop calls nothing else.

@@ -1,5 +1,7 @@
-"""The decode loop: one row (`generate_tokens`) or many with continuous
-batching (`decode_rows`), routing the events of `Batch.step` (batch.py).
+"""Decoding requests on a batch: one row (`generate_events`,
+`generate_tokens`) or many with continuous batching (`decode_rows`: rows
+join as others finish), handing out the events of `Batch.step` (batch.py,
+where the cycles run: queued ahead, read, turned into events).
 
 The prompt cache (mlx_lm's objects) is turned into the decoding form after
 the prompt and written back when the generator finishes, however it

@@ -1,0 +1,210 @@
+"""What the next cycle does, decided in one place (docs/design.md, "One cycle,
+file by file").
+
+The batch (batch.py) asks `Schedule.plan` for each cycle and executes the
+frozen `Plan` it gets; `Schedule.ahead` says how many it queues before
+reading one. The policy is all here: the depth (fixed, or the `auto`
+controller of the batch's size, depth.py), the lookahead, the draft budget,
+the grammars' forced runs verified alone (jumps) and parked cold steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from .cycle import RING, Spec
+from .depth import DepthController
+from .distributed import agree
+
+# a run the grammars force past the depth is verified alone in one forward
+# of one of these lengths (a graph each; what is left of a run goes next cycle)
+JUMPS = (2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next cycle, as `Schedule.plan` decided it before the batch queues
+    it (`Batch._launch`): nothing else decides."""
+
+    k: int  # its depth (drafts verified; a jump's forced run length)
+    jump: bool  # it verifies the grammars' forced run alone, no head draft
+    catch_up: bool  # the head first catches up on the ring's plain steps
+    cold: bool  # a parked plain step on depth 0's graphs (the ring dropped)
+    forward_only: bool  # a guided plain step queued ahead: its forward, sampled at its read
+    guided: bool  # the rows' grammars mask it now
+    runs: Optional[tuple] = None  # each row's forced run, when known
+
+
+def cycles_of(row, in_flight: Sequence) -> list:
+    """The cycles in flight that carry this row."""
+    return [c for c in in_flight if row in c.rows]
+
+
+class Schedule:
+    """A batch's policy: its fixed settings (depth, most drafts, controller,
+    whether it may look ahead) and what follows from its rows (`settle`)."""
+
+    def __init__(self, depth, max_depth: int, controller: Optional[DepthController],
+                 may_look_ahead: bool):
+        self.depth, self.max_depth = depth, max_depth
+        self.fixed_controller, self.may_look_ahead = controller, may_look_ahead
+        self.guided = False  # some row has a grammar
+        self.lookahead = 0  # cycles queued before one is read (ungrammared batches)
+        self.guided_ahead = False  # a guided batch may queue a plain step's forward ahead
+
+    def settle(self, spec: Spec, rows: list):
+        """The flags the present rows imply. A grammar's masks for a cycle need
+        the cycle before it read: a guided batch queues ahead only a plain
+        step's forward (`ahead`)."""
+        self.guided = any(r.matcher is not None for r in rows)
+        may = self.may_look_ahead and not spec.host_history and spec.trusted_sampler
+        self.lookahead = 1 if may and not self.guided else 0
+        self.guided_ahead = may and self.guided
+
+    def controller(self, spec: Spec, batch_size: int) -> Optional[DepthController]:
+        """The `auto` controller of a batch of `batch_size` rows, or None at a
+        fixed depth."""
+        if self.depth != "auto":
+            return None
+        if self.fixed_controller is not None:
+            return self.fixed_controller
+        return controller_for(spec, self.max_depth, batch_size)
+
+    def parked(self, spec: Spec, batch_size: int) -> bool:
+        """Whether `auto` has a batch of this size decoding plainly (depth 0)."""
+        ctl = self.controller(spec, batch_size)
+        return ctl is not None and ctl.k == 0
+
+    def ahead(self, spec: Spec, rows: list, in_flight: Sequence, starting: bool) -> int:
+        """Cycles queued before the oldest is read. None before a batch's first
+        read: on MLX's CPU backend queuing one runs most of it, which would
+        delay the first token. A guided batch queues one ahead only while its
+        next cycle is surely a plain step: then its forward, whose masked
+        sample follows once the cycle before is read (`Batch._complete`); a
+        drafted cycle's drafts need their masks at once."""
+        if starting:
+            return 0
+        if not self.guided_ahead:
+            return self.lookahead
+        ctl = self.controller(spec, len(rows))
+        if ctl is None:
+            return int(self.depth == 0)
+        # parked: not when every grammar forces 3 tokens from the last read (the
+        # next launch, after this read, may then jump a run of 2 or more)
+        return int(ctl.k == 0 and ctl.quiet_cycles() > 0
+                   and not self._may_jump(spec, rows, in_flight, 3))
+
+    def plan(self, spec: Spec, rows: list, in_flight: Sequence, ring: int) -> Optional[Plan]:
+        """The next cycle (None: a guided batch's next cycle drafts, so it
+        waits for the one in flight to be read). `ring`: the plain steps'
+        pairs waiting for the head, as launched (rows.Ledger)."""
+        ctl = self.controller(spec, len(rows))
+        depth = self.depth if ctl is None else ctl.k
+        budget = self._draft_budget(spec, rows, in_flight)
+        runs = self._forced_runs(spec, rows, in_flight, depth, budget)
+        jump = _jump(depth, runs)
+        # a jump takes no depth from the controller (its probes wait)
+        k = jump or (ctl.next_depth() if ctl is not None else self.depth)
+        if budget is not None:
+            k = min(k, budget)
+        forward_only = self.guided and bool(in_flight)
+        if forward_only and k:
+            return None
+        return Plan(k=k, jump=bool(jump), catch_up=k > 0 and ring > 0,
+                    cold=self._cold(spec, ctl, k), forward_only=forward_only,
+                    guided=self.guided and not forward_only,
+                    runs=None if runs is None else tuple(tuple(r) for r in runs))
+
+    def _cold(self, spec: Spec, ctl: Optional[DepthController], k: int) -> bool:
+        """Whether this plain step of a parked batch may skip the head's part of
+        the state: no probe within the ring's length (the ring then holds the
+        last plain steps when the head catches up). Parking then costs what
+        fixed depth 0 costs (docs/design.md §3, plain_step). Not for sharded
+        models (every rank must run the same graphs)."""
+        return not (k or ctl is None or ctl.k or spec.group is not None or not spec.use_head
+                    or ctl.quiet_cycles() <= RING + max(self.lookahead, int(self.guided_ahead)))
+
+    def _draft_budget(self, spec: Spec, rows: list, in_flight: Sequence) -> Optional[int]:
+        """The most drafts a cycle may verify: none past what the rows asked
+        for (None: no bound; none while rows sample: a seeded row's draws at a
+        fixed depth must not depend on the rows beside it)."""
+        if spec.speculative or any(r.max_tokens < 0 for r in rows):
+            return None
+        return max(max(r.max_tokens - r.landed - len(cycles_of(r, in_flight))
+                       for r in rows) - 1, 0)
+
+    def _jumps_allowed(self, spec: Spec, rows: list) -> bool:
+        """Whether this batch may verify forced runs alone (`_jump`): every
+        row has a grammar, the head is there (not plain decoding at a fixed
+        depth 0), and no sampled row at a fixed depth (a sampled row's keys
+        per cycle follow its cycles, which there must not depend on the rows
+        beside it; under auto they do anyway)."""
+        return (self.guided and spec.use_head and spec.drafter is None
+                and not (spec.speculative and self.depth != "auto")
+                and all(r.matcher is not None for r in rows))
+
+    def _may_jump(self, spec: Spec, rows: list, in_flight: Sequence, n: int) -> bool:
+        """Every row's grammar forces at least n tokens from the last read,
+        and the rows ask for enough tokens to jump."""
+        budget = self._draft_budget(spec, rows, in_flight)
+        return (self._jumps_allowed(spec, rows) and (budget is None or budget >= JUMPS[0])
+                and all(len(r.matcher.forced(limit=n)) >= n for r in rows))
+
+    def _forced_runs(self, spec: Spec, rows: list, in_flight: Sequence, depth: int,
+                     budget: Optional[int]) -> Optional[List[List[int]]]:
+        """Each row's run of tokens its grammar forces from here (at most
+        `budget`), when every run is longer than `depth` and than 1 (a jump
+        may follow) and no cycle is in flight; else None (`Batch._guidance`
+        then finds each row's first k). Each run is looked for only as far as
+        the shortest so far."""
+        if in_flight or not self._jumps_allowed(spec, rows):
+            return None
+        limit = JUMPS[-1] if budget is None else min(JUMPS[-1], budget)
+        runs = []
+        for r in rows:
+            run = r.matcher.forced(limit=limit)
+            if len(run) <= max(depth, 1):
+                return None
+            runs.append(run)
+            limit = len(run)
+        return runs
+
+
+def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthController:
+    """The adaptive controller for this model, mode and batch size (a verify
+    costs more at a larger batch, so each size learns its own depth; sizes
+    share a controller within powers of two). Kept on the model across calls."""
+    bucket = 1 << max(0, batch_size - 1).bit_length()
+    key = (max_depth, spec.speculative,
+           None if spec.draft_vocab is None else spec.draft_vocab.size, bucket)
+    controllers = spec.model.runtime.controllers
+    ctl = controllers.get(key)
+    if ctl is None:
+        # sharded: every rank switches depth when rank 0 does (timings differ by rank)
+        agreed = None if spec.group is None else (lambda v: agree(v, spec.group))
+        # a verify costs more at a larger batch: start no deeper than the
+        # largest smaller size settled on
+        smaller = [c.k for other, c in controllers.items()
+                   if other[:-1] == key[:-1] and other[-1] < bucket]
+        ctl = controllers[key] = DepthController(
+            max_depth=max_depth, agree=agreed, initial=min([1] + smaller[-1:]))
+    return ctl
+
+
+def needs_more(row, in_flight: Sequence) -> bool:
+    """Each cycle emits at least one token for each of its rows."""
+    return row.max_tokens < 0 or row.landed + len(cycles_of(row, in_flight)) < row.max_tokens
+
+
+def _jump(depth: int, runs: Optional[List[List[int]]]) -> int:
+    """The depth of a cycle that verifies the grammars' forced tokens alone
+    (0: none): when every row's run is longer than `depth`, one forward of a
+    JUMPS length takes it, no head draft and no host read mid-cycle
+    (docs/design.md §10); parked at depth 0 too (a jump of 2 emits 3 tokens
+    from one forward of 3: 1.3 decodes for one row on this CPU, against 3
+    plain steps)."""
+    if not runs:
+        return 0
+    fits = [j for j in JUMPS if j <= min(len(r) for r in runs)]
+    return fits[-1] if fits and fits[-1] > depth else 0
