@@ -169,6 +169,22 @@ def test_the_documented_walk_of_one_cycle_is_the_trace(monkeypatch):
     assert listed == files, (listed, files)
 
 
+def test_rows_are_built_only_by_batch_prepare():
+    """One front door for a row: `Batch.prepare` is the one place in the
+    package that constructs a `Request` (api.py, decode.py and the server
+    lane call it), so every row's arguments pass the same checks."""
+    builders = []
+    for path in sorted((ROOT / "mlx_mtp").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                            and node.func.id == "Request"):
+                        builders.append((path.relative_to(ROOT).as_posix(), fn.name))
+    assert builders == [("mlx_mtp/batch.py", "prepare")], builders
+
+
 def test_the_server_lane_reads_nothing_private_of_the_generator():
     """lane.py asks the generation thread (generation.py) through its public
     methods (`fetch`, `store`, `render`, `from_rank0`, ...), never through
