@@ -17,7 +17,7 @@ from . import checks, params
 from .params import DecodeOptions
 from .batch import make_batch
 from .stats import MTPStats
-from .decode import decode_rows, generate_events, generate_tokens
+from .decode import decode_rows, generate_events
 from .mlx_lm_compat import generation_stream, wired_limit
 from .sampling import RowSampling
 
@@ -141,11 +141,11 @@ def generate_step(
         check(constraint, tokenizer)
         kwargs.update(constraint=constraint, tokenizer=_wrapped(tokenizer),
                       stop_tokens=_wrapped(tokenizer).eos_token_ids)
-    for token, logprobs, _ in generate_tokens(
+    for event in generate_events(
             prompt, model, options, max_tokens=max_tokens, sampler=sampler,
             logits_processors=logits_processors, prompt_cache=prompt_cache,
             prompt_progress_callback=prompt_progress_callback, seed=seed, stats=stats, **kwargs):
-        yield token, logprobs
+        yield event.token, event.logprobs
 
 
 def stream_generate(
