@@ -95,3 +95,30 @@ def test_sigterm_finishes_what_it_can_and_ends_the_rest_in_protocol(tmp_path):
     assert status == 503 and body["error"]["code"] == "server_shutdown"
     assert GRACE <= stopped < GRACE + 15
     assert "3 requests did not finish within --shutdown-grace" in s.text()
+
+
+def test_a_disk_fault_while_the_next_turns_go_to_disk_costs_a_log_line(caplog):
+    """When a lane fails or the server stops, each finished chat's answer goes
+    to disk (`_Lane.persist_all`); a disk that refuses one costs a warning,
+    and the others still go (the shutdown then goes on to end the requests
+    left, which an exception here would skip)."""
+    from types import SimpleNamespace
+
+    from mlx_mtp.server.lane import _Lane, _NextTurn
+
+    stored = []
+
+    def store(tokens, cache, persist=False):
+        if tokens == [1]:
+            raise OSError("disk full")
+        stored.append((tokens, persist))
+
+    lane = _Lane.__new__(_Lane)  # (no model: only the hand-over to the store)
+    lane.gen = SimpleNamespace(store=store)
+    turns = [_NextTurn(SimpleNamespace(key_tokens=list(t), cache=[]), answered=1, stored=1)
+             for t in ([1, 2], [3, 4])]
+    lane.next_turns = list(turns)
+    with caplog.at_level("WARNING"):
+        lane.persist_all()
+    assert stored == [([3], True)] and lane.next_turns == []
+    assert "not sent to disk: OSError: disk full" in caplog.text

@@ -447,8 +447,7 @@ class MTPResponseGenerator(ResponseGenerator):
             if busy:
                 lane.step()
                 if lane.batch is None:  # (it failed: its finished chats' answers go to disk)
-                    for turn in lane.next_turns:
-                        lane.persist(turn)
+                    lane.persist_all()
                     lane = None
             elif idle_work and not waiting and not lane.idle_in():  # one chunk of the next
                 lane.idle_step()  # turns' prefixes, then a look for requests (never between
@@ -499,8 +498,8 @@ class MTPResponseGenerator(ResponseGenerator):
         (handler.py), never a silently cut answer."""
         queues = [state.rqueue for state in lane.rows.values()] if lane is not None else []
         queues += [request[0] for request, _ in waiting]
-        for turn in lane.next_turns if lane is not None else ():  # (not prefilled: to disk)
-            lane.persist(turn)
+        if lane is not None:  # (its next turns, not prefilled: to disk)
+            lane.persist_all()
         while self._rank == 0:
             try:
                 queues.append(self.requests.get_nowait()[0])

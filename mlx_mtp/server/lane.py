@@ -465,12 +465,18 @@ class _Lane:
         self.next_turns.remove(turn)
         if persist:
             try:
-                self.persist(turn)
+                self._persist(turn)
             except Exception as e:  # (the disk tier logs its own faults; never the loop's)
                 logging.warning("an answer's state was not sent to disk: %s: %s",
                                 type(e).__name__, e)
 
-    def persist(self, turn: _NextTurn):
+    def persist_all(self):
+        """Every next turn leaves, its answer's state sent to disk (the lane
+        failed, or the server stops); a disk fault costs a log line each."""
+        for turn in list(self.next_turns):
+            self._done(turn, persist=True)
+
+    def _persist(self, turn: _NextTurn):
         """A next turn not prefilled ahead: its answer's own state goes to disk."""
         if turn.stored:
             self.gen.store(turn.state.key_tokens[:turn.stored], turn.state.cache, persist=True)
