@@ -7,8 +7,9 @@ of drafts (per-row lengths on the device) and sampling with its own
 settings. Rows join (`add`: their prompts prefilled together, then merged)
 and leave (`finish`) between cycles. With a lookahead of 1 (the default)
 cycle n+1 is built and queued (`mx.async_eval`, the batch's `next`) before
-cycle n (its `current`) is read, so the device never waits for Python; with 0 (logits processors, host-side
-drafters, `lookahead=False`) each cycle is read before the next is built.
+cycle n (its `current`) is read, so the device never waits for Python;
+with 0 (logits processors, host-side drafters, `lookahead=False`) each
+cycle is read before the next is built.
 Either way a cycle is read with one host transfer, and a cycle launched
 past a row's end is never read.
 
@@ -101,7 +102,6 @@ def make_batch(model, options: Optional[DecodeOptions] = None, *,
                 first_stage=first_stage(model))
     return Batch(spec, Graphs(spec, options.compiled), options, depth, controller,
                  default_sampler=sampler, default_processors=logits_processors or ())
-
 
 
 # prompts of at most this many new tokens join in one batched prefill
@@ -452,6 +452,8 @@ class Batch:
 
     def _launch(self) -> bool:
         """Queue the next cycle as the schedule plans it; False when none may be."""
+        if self.next is not None:
+            raise RuntimeError("internal error: a third cycle queued (the lookahead is 1)")
         plan = self.schedule.plan(self.spec, self.rows, self.in_flight, self.ledger.ring)
         if plan is None:
             return False
@@ -496,10 +498,8 @@ class Batch:
                             counts=counts, pending=pending, jump=plan.jump)
         if self.current is None:
             self.current = launched
-        elif self.next is None:
-            self.next = launched
         else:
-            raise RuntimeError("internal error: a third cycle queued (the lookahead is 1)")
+            self.next = launched
         self._launched += 1
         return True
 

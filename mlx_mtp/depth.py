@@ -143,7 +143,7 @@ class DepthController:
         (a lower bound: a probe blocked by its spacing waits for a later
         interval; 0 while one runs). Parked, the loop runs depth 0's own graph
         until then and fills the head's ring only for the last cycles before
-        it (decode.py); an early or late probe costs acceptance, never
+        it (schedule.py, `Schedule._cold`); an early or late probe costs acceptance, never
         exactness."""
         if self._probe_left > 0:
             return 0

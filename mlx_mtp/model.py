@@ -134,7 +134,7 @@ class Runtime:
     """What a model keeps across generations: compiled decode graphs (cycle.py:
     per step, depth and mode, the least recently used dropped past
     `max_graphs`; MLX keeps one trace per input shape) and the adaptive depth
-    controllers' measurements (decode.py), so a later request neither retraces
+    controllers' measurements (schedule.controller_for), so a later request neither retraces
     nor learns its depth again."""
 
     max_graphs = 64

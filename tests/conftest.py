@@ -92,7 +92,7 @@ def loaded(dense_ckpt, dense_bf16_ckpt, moe_ckpt, q4_ckpt):
 @pytest.fixture
 def count_host_syncs(monkeypatch):
     """Start counting mx.eval / mx.async_eval calls made by any mlx_mtp module
-    (loop, cycle, cache, sampling, families, kernels, ...); returns the list
+    (batch, decode, cycle, cache, sampling, families, kernels, ...); returns the list
     of their names, one per call."""
     import sys
 

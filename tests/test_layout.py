@@ -176,12 +176,16 @@ def test_rows_are_built_only_by_batch_prepare():
     builders = []
     for path in sorted((ROOT / "mlx_mtp").rglob("*.py")):
         tree = ast.parse(path.read_text())
+        where = {}  # call node -> the innermost function holding it
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
-                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                            and node.func.id == "Request"):
-                        builders.append((path.relative_to(ROOT).as_posix(), fn.name))
+                    where[node] = fn.name
+        for node in ast.walk(tree):
+            func = node.func if isinstance(node, ast.Call) else None
+            if (isinstance(func, ast.Name) and func.id == "Request") or (
+                    isinstance(func, ast.Attribute) and func.attr == "Request"):
+                builders.append((path.relative_to(ROOT).as_posix(), where.get(node, "<module>")))
     assert builders == [("mlx_mtp/batch.py", "prepare")], builders
 
 

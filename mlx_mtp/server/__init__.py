@@ -8,7 +8,7 @@ with three subclasses:
 
 - `MTPModelProvider` loads with `mlx_mtp.load` and serves that one model,
   under any name a client sends (`--strict-model`: its own names only);
-- `MTPResponseGenerator` decodes requests together in batches (decode.py's
+- `MTPResponseGenerator` decodes requests together in batches (batch.py's
   `Batch`: one trunk forward per cycle, each row accepting its own drafts;
   rows join and leave between cycles, each sampling with its own settings;
   a request differing in what a batch shares waits for it to drain),
