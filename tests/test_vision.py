@@ -61,7 +61,7 @@ def test_fixture_names_are_the_released_towers():
     assert len(vision_weights(tiny_vision_config(64, depth=27))) == 333
 
 
-def test_text_path_loads_a_vision_checkpoint_without_the_extra(hf_moe):
+def test_text_path_never_imports_the_vision_stage(hf_moe):
     """mlx_mtp.load on a checkpoint with a real tower drops it and never
     imports the vision stage or mlx-vlm."""
     code = ("import sys, mlx_mtp; m, t = mlx_mtp.load(sys.argv[1]); "
