@@ -57,7 +57,8 @@ IMAGES = [_image(0, 50, 70), _image(1, 300, 100), _image(2, 33, 47)]
 
 def test_fixture_names_are_the_released_towers():
     """At the released depth the fixture's tower has the release's 333
-    tensors; its config carries the token ids in the tokenizer's order."""
+    tensors (the released names: test_features_match_transformers loads them
+    into transformers' model with none missing or left over)."""
     assert len(vision_weights(tiny_vision_config(64, depth=27))) == 333
 
 
