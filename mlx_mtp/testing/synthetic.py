@@ -3,7 +3,9 @@
 Used by the tests and benchmarks (no real weights can be fetched here).
 Qwen3.5/3.6 (`family="qwen3_5"`): `model.language_model.*`, `lm_head.*`,
 `mtp.*`, a vision tensor to ignore, nested `text_config`, fused 3-D experts
-(or one tensor per expert). Qwen3-Next (`family="qwen3_next"`, as
+(or one tensor per expert); with `vision=True` a tiny but real vision tower
+(`model.visual.*`, random weights), its config keys and
+preprocessor_config.json instead of that one tensor. Qwen3-Next (`family="qwen3_next"`, as
 transformers' Qwen3NextForCausalLM names it): flat config, `model.*`,
 `lm_head.*`, `mtp.*`, fused GDN projections `in_proj_qkvz` / `in_proj_ba`,
 one tensor per expert, in the head too. Both: zero-centred norms, HF conv1d
@@ -334,10 +336,11 @@ def write_agent_demo(path, context: int = 262144, end_scale: float = 3.0) -> Pat
 
 
 def write_tokenizer(path: Path, eos_token_id: int = 258, chat_template: str = CHAT_TEMPLATE,
-                    added=()):
+                    added=(), specials=()):
     """A byte-level tokenizer (256 byte tokens, no merges) with Qwen's three
-    special tokens (ids 256-258) and `added` plain added tokens after them
-    (e.g. `<think>`, as Qwen's tokenizers add them: not special)."""
+    special tokens (ids 256-258), `added` plain added tokens after them
+    (e.g. `<think>`, as Qwen's tokenizers add them: not special), then
+    `specials`, special added tokens (the vision tokens: `VISION_TOKENS`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -348,6 +351,8 @@ def write_tokenizer(path: Path, eos_token_id: int = 258, chat_template: str = CH
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     if added:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    if specials:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -386,20 +391,27 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
                      text_overrides: Optional[Dict] = None,
                      weights: Optional[Dict[str, np.ndarray]] = None,
                      family: str = "qwen3_5", tools: Optional[str] = None,
-                     thinking: bool = False) -> Path:
+                     thinking: bool = False, vision: bool = False) -> Path:
     """Write a random checkpoint folder in the released HF layout: Qwen3.5
     (Qwen3.5-MoE with moe=True), or Qwen3-Next with family="qwen3_next".
     tools="json" or "xml": a chat template that calls tools in that format
     (`tool_chat_template`), `<tool_call>` / `</tool_call>` added tokens;
     thinking: `<think>` / `</think>` too, and the template opens a think
-    block (as Qwen3.5's)."""
+    block (as Qwen3.5's). vision (Qwen3.5 only): a tiny real vision tower
+    (`tiny_vision_config`, `vision_weights`) in place of the one dummy
+    tensor, the four vision tokens as special tokens after the others (their
+    ids in config.json), and preprocessor_config.json
+    (`TINY_PREPROCESSOR`); the text weights are those without it."""
     added = (THINK_TOKENS if thinking else ()) + (TOOL_TOKENS if tools else ())
+    specials = VISION_TOKENS if vision else ()
     template = tool_chat_template(tools, thinking) if tools else CHAT_TEMPLATE
     if thinking and not tools:
         raise ValueError("thinking=True needs tools= (the template with thinking calls tools)")
-    if added:
+    if vision and family != "qwen3_5":
+        raise ValueError("vision=True is for family='qwen3_5' (Qwen3.5/3.6 dense or MoE)")
+    if added or specials:
         text_overrides = dict(text_overrides or {})
-        text_overrides.setdefault("vocab_size", _TINY["vocab_size"] + len(added))
+        text_overrides.setdefault("vocab_size", _TINY["vocab_size"] + len(added) + len(specials))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if family == "qwen3_next":
@@ -423,10 +435,97 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
         "tie_word_embeddings": tc.get("tie_word_embeddings", False),
         "eos_token_id": tc["eos_token_id"],
     }
+    if vision:
+        vc = tiny_vision_config(tc["hidden_size"], moe=moe)
+        weights = {k: v for k, v in weights.items() if not k.startswith("model.visual.")}
+        weights.update(vision_weights(vc, seed))
+        config["vision_config"] = vc
+        first = _TINY["vocab_size"] + len(added)  # the specials' ids follow the added tokens'
+        config.update({key: first + i for i, key in enumerate(VISION_TOKEN_KEYS)})
+        (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=1))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     save_safetensors_shards(path, weights, dtype, shards)
-    write_tokenizer(path, tc["eos_token_id"], template, added)
+    write_tokenizer(path, tc["eos_token_id"], template, added, specials)
     return path
+
+
+# Qwen3.5/3.6's vision tokens (as the released tokenizer names them) and the
+# config.json keys that give their ids, in the same order
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+
+# The released preprocessor_config.json's keys, with small pixel bounds: an
+# image is resized to between 32x32 and 128x128 pixels' worth (released:
+# 256x256 and 4096x4096), so at most 64 patches, 16 image tokens.
+TINY_PREPROCESSOR = {
+    "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+
+
+def tiny_vision_config(out_hidden_size: int, moe: bool = False, **overrides) -> Dict:
+    """A tiny Qwen3.5/3.6 `vision_config` (the released keys; released: depth
+    27, hidden 1152, 16 heads, 2304 position embeddings); `out_hidden_size`
+    is the text model's hidden size, as released."""
+    cfg = dict(
+        model_type="qwen3_5_moe" if moe else "qwen3_5",
+        deepstack_visual_indexes=[],
+        depth=2,
+        hidden_size=32,
+        hidden_act="gelu_pytorch_tanh",
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=out_hidden_size,
+        num_position_embeddings=16,  # a 4x4 grid, interpolated to each image's
+        initializer_range=0.02,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def vision_weights(vc: Dict, seed: int = 0, scale: float = 0.1) -> Dict[str, np.ndarray]:
+    """The vision tower's HF-named float32 tensors (`model.visual.*`, torch
+    layouts: Conv3d patch embedding [D, C, T, P, P]) with random values; the
+    released tower's names, 12 per block (333 at depth 27)."""
+    rng = np.random.default_rng(seed + 1000)
+    D, I, C = vc["hidden_size"], vc["intermediate_size"], vc["in_channels"]
+    M = D * vc["spatial_merge_size"] ** 2
+    T, P = vc["temporal_patch_size"], vc["patch_size"]
+
+    def w(*shape, s=scale):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    def layer_norm(p, n):
+        return {f"{p}.weight": (1.0 + w(n)).astype(np.float32), f"{p}.bias": w(n)}
+
+    def linear(p, o, i, s=scale):
+        return {f"{p}.weight": w(o, i, s=s), f"{p}.bias": w(o)}
+
+    v = "model.visual"
+    t = {f"{v}.patch_embed.proj.weight": w(D, C, T, P, P, s=0.05), f"{v}.patch_embed.proj.bias": w(D),
+         f"{v}.pos_embed.weight": w(vc["num_position_embeddings"], D, s=0.5)}
+    for i in range(vc["depth"]):
+        b = f"{v}.blocks.{i}"
+        t.update(layer_norm(f"{b}.norm1", D))
+        t.update(layer_norm(f"{b}.norm2", D))
+        t.update(linear(f"{b}.attn.qkv", 3 * D, D, s=0.3))
+        t.update(linear(f"{b}.attn.proj", D, D))
+        t.update(linear(f"{b}.mlp.linear_fc1", I, D))
+        t.update(linear(f"{b}.mlp.linear_fc2", D, I))
+    t.update(layer_norm(f"{v}.merger.norm", D))
+    t.update(linear(f"{v}.merger.linear_fc1", M, M))
+    t.update(linear(f"{v}.merger.linear_fc2", vc["out_hidden_size"], M))
+    return t
 
 
 # Norms mlx-vlm's qwen3_5_mtp splitter shifts (+1) when it reads an HF source.

@@ -1,0 +1,448 @@
+"""Images for Qwen3.5/3.6: the vision tower, image preprocessing and the
+M-RoPE position index of a prompt with image spans (docs/design.md, "Images").
+
+The tower is mlx-vlm's Qwen3.5 `VisionModel` with mlx-vlm's weight names and
+sanitize; preprocessing is mlx-vlm's NumPy Qwen3-VL image processor (resize,
+patches, normalize), fed by our decoder (bytes, PIL images and uint8 arrays
+to RGB pixels, transparency composited onto white as transformers does). Both
+come with the optional extra `pip install "mlx-mtp[vision]"`; only this
+module imports them, and nothing on the text path imports this module.
+
+Errors a client can cause (undecodable bytes, an unsupported type, too many
+pixels, a prompt whose image spans do not fit its images) are one-line
+`ValueError`s, for the server's 400.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .checkpoint import read_config_file, safetensors_header, text_config, weight_files
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from PIL import Image as PILImage
+
+# An image with more pixels than this is refused before its pixels are
+# decoded (PIL reads the size from the header). 6000 x 5600; the processor
+# resizes everything to at most the checkpoint's `longest_edge` pixels anyway.
+MAX_INPUT_PIXELS = 6000 * 5600
+
+# The weight names of the tower in the two layouts: Hugging Face's release
+# and mlx-vlm's conversion (which keeps the text model as `language_model.*`)
+HF_PREFIX, MLX_VLM_PREFIX = "model.visual.", "vision_tower."
+_TOWER_PREFIXES = (HF_PREFIX, MLX_VLM_PREFIX, "model.language_model.visual.")
+
+# mlx-vlm's model package per config model_type (same tower, same names)
+_MLX_VLM_MODELS = {"qwen3_5": "mlx_vlm.models.qwen3_5", "qwen3_5_moe": "mlx_vlm.models.qwen3_5_moe"}
+
+ImageInput = Union[bytes, bytearray, memoryview, np.ndarray, "PILImage.Image"]
+
+
+def _need(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"images need the vision extra: pip install 'mlx-mtp[vision]' ({e})") from None
+
+
+# ------------------------------------------------------------------ config
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the text side needs to know about images, read from config.json:
+    the special tokens' ids, the tower's spatial merge, and the text model's
+    M-RoPE layout (`mrope_section`: rotary frequencies per axis t, h, w;
+    `mrope_interleaved`: frequency j belongs to axis j % 3 while that axis
+    has frequencies left, Qwen3.5's layout; see `mrope_axes`)."""
+
+    image_token_id: int
+    video_token_id: Optional[int]
+    vision_start_token_id: Optional[int]
+    vision_end_token_id: Optional[int]
+    spatial_merge_size: int
+    mrope_section: Tuple[int, int, int]
+    mrope_interleaved: bool
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "VisionSpec":
+        vc = config.get("vision_config")
+        if not isinstance(vc, dict) or "image_token_id" not in config:
+            raise ValueError("this model takes no images (its config.json has no vision_config "
+                             "or no image_token_id)")
+        tc = text_config(config)
+        rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+        section = rope.get("mrope_section")
+        if not section or len(section) != 3:
+            raise ValueError(f"config.json: the text config's rope parameters name no 3-axis "
+                             f"mrope_section (got {section!r})")
+        return cls(
+            image_token_id=int(config["image_token_id"]),
+            video_token_id=_opt_int(config.get("video_token_id")),
+            vision_start_token_id=_opt_int(config.get("vision_start_token_id")),
+            vision_end_token_id=_opt_int(config.get("vision_end_token_id")),
+            spatial_merge_size=int(vc.get("spatial_merge_size", 2)),
+            mrope_section=tuple(int(s) for s in section),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        )
+
+
+def _opt_int(v) -> Optional[int]:
+    return None if v is None else int(v)
+
+
+def mrope_axes(spec: VisionSpec, frequencies: int) -> np.ndarray:
+    """The position axis (0 t, 1 h, 2 w) each of the text model's
+    `frequencies` rotary frequencies takes its angle from, as transformers'
+    Qwen3.5 text rotary embedding assigns them: interleaved, frequency j is
+    h's when j % 3 == 1 and j < 3 * section[1], w's when j % 3 == 2 and
+    j < 3 * section[2], else t's; not interleaved, consecutive blocks of
+    section[0], section[1], section[2]. The angle of frequency j at token i
+    is positions[axes[j], i] * inv_freq[j]."""
+    axes = np.zeros(frequencies, np.int64)
+    sec = spec.mrope_section
+    if spec.mrope_interleaved:
+        for axis in (1, 2):
+            axes[axis:3 * sec[axis]:3] = axis
+    else:
+        axes[sec[0]:sec[0] + sec[1]] = 1
+        axes[sec[0] + sec[1]:sec[0] + sec[1] + sec[2]] = 2
+    return axes
+
+
+# ----------------------------------------------------------- decode images
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """An image's RGB pixels (H x W x 3, uint8) and their sha256
+    (`pixel_digest`): equal for equal pixels however they arrived."""
+
+    pixels: np.ndarray
+    digest: str
+
+    @property
+    def size(self) -> Tuple[int, int]:
+        """(height, width)"""
+        return self.pixels.shape[0], self.pixels.shape[1]
+
+
+def pixel_digest(pixels: np.ndarray) -> str:
+    """sha256 (hex) of RGB uint8 pixels and their shape: a key for caching an
+    image's features whatever encoding (PNG, JPEG's decoded output, raw)
+    delivered it."""
+    h = hashlib.sha256(f"rgb8:{pixels.shape[0]}x{pixels.shape[1]}:".encode())
+    h.update(np.ascontiguousarray(pixels).tobytes())
+    return h.hexdigest()
+
+
+def decode_image(image: ImageInput, max_pixels: int = MAX_INPUT_PIXELS) -> DecodedImage:
+    """An image as RGB pixels: encoded bytes (any format Pillow reads; the
+    first frame of an animation), a PIL image, or an H x W x 3 uint8 array.
+    Transparency is composited onto white (transformers' `convert_to_rgb`,
+    as the Qwen processors do). One-line ValueError for what cannot be an
+    image or has more than `max_pixels` pixels."""
+    Image = _need("PIL.Image")
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"an image array must be H x W x 3 uint8 RGB, not "
+                             f"{'x'.join(map(str, image.shape))} {image.dtype}")
+        _check_pixels(image.shape[0], image.shape[1], max_pixels)
+        if min(image.shape[:2]) == 0:
+            raise ValueError("an image has no pixels")
+        pixels = np.ascontiguousarray(image)
+        return DecodedImage(pixels, pixel_digest(pixels))
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+        if not data:
+            raise ValueError("an image is empty (0 bytes)")
+        try:
+            pil = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError:
+            raise ValueError(f"an image has more than {max_pixels} pixels") from None
+        except (OSError, SyntaxError, ValueError) as e:
+            raise ValueError(f"could not decode an image ({len(data)} bytes): "
+                             f"{_one_line(e) or 'not an image format Pillow reads'}") from None
+        _check_pixels(pil.height, pil.width, max_pixels)
+        try:
+            pil.load()
+        except Exception as e:  # Pillow's decoders raise OSError, SyntaxError, struct.error ...
+            raise ValueError(f"could not decode an image ({pil.format}, {len(data)} bytes): "
+                             f"{_one_line(e) or type(e).__name__}") from None
+    elif isinstance(image, Image.Image):
+        pil = image
+        _check_pixels(pil.height, pil.width, max_pixels)
+    else:
+        raise ValueError(f"unsupported image type {type(image).__name__}: pass encoded bytes, "
+                         f"a PIL image or an H x W x 3 uint8 array")
+    if pil.width == 0 or pil.height == 0:
+        raise ValueError("an image has no pixels")
+    from transformers.image_transforms import convert_to_rgb
+
+    pixels = np.ascontiguousarray(convert_to_rgb(pil, return_numpy=True), dtype=np.uint8)
+    return DecodedImage(pixels, pixel_digest(pixels))
+
+
+def _check_pixels(height: int, width: int, max_pixels: int):
+    if height * width > max_pixels:
+        raise ValueError(f"an image of {width}x{height} pixels is over the limit of {max_pixels}")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+# ------------------------------------------------------------- preprocess
+
+def image_processor(model_path: Union[str, Path], vision_config: Optional[Dict[str, Any]] = None):
+    """mlx-vlm's Qwen3-VL image processor (NumPy: PIL bicubic resize to the
+    patch grid between `size.shortest_edge` and `size.longest_edge` pixels,
+    rescale, normalize, patches duplicated over the temporal patch) with the
+    settings of the folder's preprocessor_config.json (and
+    processor_config.json's `image_processor`, as mlx-vlm reads them). Its
+    patch, temporal patch and merge sizes must be the tower's."""
+    model_path = Path(model_path)
+    if not (model_path / "preprocessor_config.json").exists():
+        raise FileNotFoundError(f"{model_path / 'preprocessor_config.json'} is missing: "
+                                f"images need the checkpoint's image processor settings")
+    processing = _need("mlx_vlm.models.qwen3_vl.processing_qwen3_vl")
+    # mlx-vlm's reader of those two files (it names the released keys); the
+    # file is local, so it never goes to the Hub
+    processor = processing.Qwen3VLImageProcessor(**processing._qwen_vl_image_kwargs(str(model_path)))
+    if vision_config is not None:
+        for mine, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                             ("merge_size", "spatial_merge_size")):
+            if theirs in vision_config and getattr(processor, mine) != vision_config[theirs]:
+                raise ValueError(f"{model_path}: preprocessor_config.json's {mine} "
+                                 f"{getattr(processor, mine)} is not the vision tower's "
+                                 f"{vision_config[theirs]}")
+    return processor
+
+
+def preprocess(images: Sequence[DecodedImage], processor) -> Tuple[np.ndarray, np.ndarray]:
+    """Decoded images -> (pixel_values [sum of patches, C*T*P*P] float32,
+    image_grid_thw [n, 3] int64), as the tower takes them."""
+    if not images:
+        raise ValueError("no images")
+    # the processor takes C x H x W uint8 arrays as they are (RGB already)
+    out = processor([np.transpose(im.pixels, (2, 0, 1)) for im in images])
+    return out["pixel_values"].astype(np.float32), out["image_grid_thw"].astype(np.int64)
+
+
+def image_token_count(grid_thw: Sequence[int], spatial_merge_size: int) -> int:
+    """The image-pad tokens an image of this patch grid takes in the prompt:
+    one per merged (spatial_merge_size x spatial_merge_size) group of
+    patches."""
+    t, h, w = (int(x) for x in grid_thw)
+    return t * h * w // spatial_merge_size ** 2
+
+
+# ------------------------------------------------------------------ tower
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image through the tower: `features` [tokens, text hidden] (what
+    the prompt's image-pad tokens take in place of their embeddings), the
+    patch grid, the pixel digest and the token count."""
+
+    features: "mx.array"
+    grid_thw: Tuple[int, int, int]
+    digest: str
+    tokens: int
+
+
+def vision_tensor_names(model_path: Path) -> Dict[str, List[str]]:
+    """The tower's tensor names per weight file, from the headers alone."""
+    found = {}
+    for f in weight_files(model_path):
+        names = [k for k in safetensors_header(f) if k.startswith(_TOWER_PREFIXES)]
+        if names:
+            found[str(f)] = names
+    return found
+
+
+def load_tower_weights(model_path: Path) -> Tuple[Dict[str, "mx.array"], str]:
+    """The tower's tensors under mlx-vlm's `VisionModel` names (the
+    `vision_tower.` prefix dropped, by mlx-vlm's Qwen3.5 `sanitize_key`), and
+    the layout they came in: "hf" (`model.visual.*`) or "mlx-vlm"
+    (`vision_tower.*`). Only the files holding tower tensors are opened."""
+    import mlx.core as mx
+
+    sanitize_key = _need("mlx_vlm.models.qwen3_5.qwen3_5").sanitize_key
+    per_file = vision_tensor_names(model_path)
+    if not per_file:
+        raise ValueError(f"{model_path} has no vision tower tensors (model.visual.* or vision_tower.*)")
+    names = [n for ns in per_file.values() for n in ns]
+    layouts = {"mlx-vlm" if n.startswith(MLX_VLM_PREFIX) else "hf" for n in names}
+    if len(layouts) > 1:
+        raise ValueError(f"{model_path} holds the vision tower twice (model.visual.* and vision_tower.*)")
+    weights = {}
+    for f, ns in per_file.items():
+        arrays = mx.load(f)  # lazy: only the tensors taken below are read
+        for n in ns:
+            weights[sanitize_key(n)[len(MLX_VLM_PREFIX):]] = arrays[n]
+    return weights, layouts.pop()
+
+
+class VisionTower:
+    """A checkpoint's vision tower and image processor (`load_tower`)."""
+
+    def __init__(self, model, processor, spec: VisionSpec, layout: str,
+                 max_input_pixels: int = MAX_INPUT_PIXELS):
+        self.model = model          # mlx-vlm's VisionModel
+        self.processor = processor  # mlx-vlm's Qwen3VLImageProcessor
+        self.spec = spec
+        self.layout = layout
+        self.max_input_pixels = max_input_pixels
+
+    @property
+    def dtype(self):
+        return self.model.patch_embed.proj.weight.dtype
+
+    def decode(self, images: Iterable[ImageInput]) -> List[DecodedImage]:
+        return [decode_image(im, self.max_input_pixels) for im in images]
+
+    def token_count(self, image: Union[ImageInput, DecodedImage]) -> int:
+        """The image-pad tokens an image takes, from its size alone (the
+        processor's resize rule; no pixels processed)."""
+        if not isinstance(image, DecodedImage):
+            image = decode_image(image, self.max_input_pixels)
+        return int(self.processor.num_image_tokens(*image.size))
+
+    def encode(self, images: Iterable[Union[ImageInput, DecodedImage]]) -> Tuple["mx.array", np.ndarray]:
+        """Images -> (features [sum of tokens, text hidden], grid_thw [n, 3]):
+        image i's features are the next `image_token_count(grid_thw[i])`
+        rows, in order."""
+        import mlx.core as mx
+
+        decoded = [im if isinstance(im, DecodedImage) else decode_image(im, self.max_input_pixels)
+                   for im in images]
+        pixel_values, grid = preprocess(decoded, self.processor)
+        features, _ = self.model(mx.array(pixel_values).astype(self.dtype), mx.array(grid))
+        return features, grid
+
+    def encode_images(self, images: Iterable[Union[ImageInput, DecodedImage]]) -> List[EncodedImage]:
+        """`encode`, one EncodedImage per image (with its pixel digest)."""
+        import mlx.core as mx
+
+        decoded = [im if isinstance(im, DecodedImage) else decode_image(im, self.max_input_pixels)
+                   for im in images]
+        features, grid = self.encode(decoded)
+        counts = [image_token_count(g, self.spec.spatial_merge_size) for g in grid]
+        parts = mx.split(features, list(itertools.accumulate(counts))[:-1]) if len(counts) > 1 else [features]
+        return [EncodedImage(f, tuple(int(x) for x in g), d.digest, n)
+                for f, g, d, n in zip(parts, grid, decoded, counts)]
+
+
+def load_tower(model_path: Union[str, Path], max_input_pixels: int = MAX_INPUT_PIXELS) -> VisionTower:
+    """The vision tower of a Qwen3.5/3.6 folder, in the released HF layout
+    (`model.visual.*`, Conv3d patch embedding in torch's layout) or mlx-vlm's
+    converted one (`vision_tower.*`, quantized or not): mlx-vlm's
+    `VisionModel` for the config's `vision_config`, its `sanitize` (the
+    patch embedding moved to MLX's channels-last layout), strict loading
+    (every tensor present, every shape right), and the image processor."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    model_path = Path(model_path)
+    config = read_config_file(model_path)
+    spec = VisionSpec.from_config(config)
+    model_type = config.get("model_type")
+    if model_type not in _MLX_VLM_MODELS:
+        raise ValueError(f"{model_path}: no vision tower for model_type {model_type!r} "
+                         f"(supported: {', '.join(_MLX_VLM_MODELS)})")
+    vlm = _need(_MLX_VLM_MODELS[model_type])
+    vc = dict(config["vision_config"])
+    vc.setdefault("model_type", model_type)
+    model = vlm.VisionModel(vlm.VisionConfig.from_dict(vc))
+    weights, layout = load_tower_weights(model_path)
+    weights = model.sanitize(weights)
+    quantization = config.get("quantization")
+    if any(k.endswith(".scales") for k in weights):
+        if not quantization:
+            raise ValueError(f"{model_path}: the vision tower is quantized but config.json names no quantization")
+
+        def quantized(path, module):  # mlx-vlm's rule: a layer is quantized where its scales are
+            if f"{path}.scales" not in weights:
+                return False
+            own = quantization.get(f"{MLX_VLM_PREFIX}{path}")
+            return own if isinstance(own, dict) else True
+
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    mode=quantization.get("mode", "affine"), class_predicate=quantized)
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    processor = image_processor(model_path, config["vision_config"])
+    return VisionTower(model, processor, spec, layout, max_input_pixels)
+
+
+# ------------------------------------------------------------------ prompt
+
+def expand_image_pads(tokens: Sequence[int], counts: Sequence[int], spec: VisionSpec) -> List[int]:
+    """A prompt as a chat template writes it (one image-pad token per image)
+    with image i's pad repeated counts[i] times, as the Qwen processors
+    expand it. ValueError when the pads are not one per image."""
+    pads = [i for i, t in enumerate(tokens) if t == spec.image_token_id]
+    if len(pads) != len(counts):
+        raise ValueError(f"the prompt has {len(pads)} image placeholders for {len(counts)} images")
+    out: List[int] = []
+    images = iter(counts)
+    for t in tokens:
+        out.extend([t] * int(next(images)) if t == spec.image_token_id else [t])
+    return out
+
+
+@dataclass(frozen=True)
+class RopeIndex:
+    """M-RoPE positions of a prompt: `positions` [3, T] (t, h, w) and
+    `delta`, what decoding adds to a token's index in the sequence for its
+    position on all three axes from then on (max position + 1 - T)."""
+
+    positions: np.ndarray
+    delta: int
+
+
+def rope_index(tokens: Sequence[int], grid_thw: Sequence[Sequence[int]], spec: VisionSpec) -> RopeIndex:
+    """The M-RoPE position ids of one prompt with image spans, by the rule of
+    transformers' `Qwen3_5Model.get_rope_index`: text tokens count up on all
+    three axes; each run of image-pad tokens is one image, in order, laid
+    out on its merged grid (t, h, w) from the position after the text before
+    it; the text after an image starts at that start + max(h, w) of the
+    merged grid. Videos are not supported yet. ValueError when the runs do
+    not match the images' token counts."""
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if spec.video_token_id is not None and (tokens == spec.video_token_id).any():
+        raise ValueError("videos are not supported yet")
+    m = spec.spatial_merge_size
+    grids = [tuple(int(x) for x in g) for g in grid_thw]
+    is_image = tokens == spec.image_token_id
+    pieces, pos, k, start = [], 0, 0, 0
+    for image, run in itertools.groupby(is_image.tolist()):
+        n = len(list(run))
+        if not image:
+            pieces.append(np.broadcast_to(np.arange(pos, pos + n), (3, n)))
+            pos += n
+        else:
+            if k >= len(grids):
+                raise ValueError(f"the prompt has more image spans than its {len(grids)} images")
+            t, h, w = grids[k][0], grids[k][1] // m, grids[k][2] // m
+            if n != t * h * w:
+                raise ValueError(f"image {k}'s span has {n} tokens, its grid {grids[k]} needs {t * h * w}")
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            pieces.append(np.stack([tt, hh, ww]).reshape(3, -1) + pos)
+            pos += max(h, w)
+            k += 1
+        start += n
+    if k != len(grids):
+        raise ValueError(f"the prompt has {k} image spans for {len(grids)} images")
+    positions = (np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), np.int64)).astype(np.int64)
+    delta = int(positions.max()) + 1 - len(tokens) if len(tokens) else 0
+    return RopeIndex(positions, delta)
