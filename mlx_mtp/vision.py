@@ -62,7 +62,7 @@ class VisionSpec:
     the special tokens' ids, the tower's spatial merge, and the text model's
     M-RoPE layout (`mrope_section`: rotary frequencies per axis t, h, w;
     `mrope_interleaved`: frequency j belongs to axis j % 3 while that axis
-    has frequencies left, Qwen3.5's layout; see `mrope_axes`)."""
+    has frequencies left, Qwen3.5's layout; see families/mrope.py)."""
 
     image_token_id: int
     video_token_id: Optional[int]
@@ -97,25 +97,6 @@ class VisionSpec:
 
 def _opt_int(v) -> Optional[int]:
     return None if v is None else int(v)
-
-
-def mrope_axes(spec: VisionSpec, frequencies: int) -> np.ndarray:
-    """The position axis (0 t, 1 h, 2 w) each of the text model's
-    `frequencies` rotary frequencies takes its angle from, as transformers'
-    Qwen3.5 text rotary embedding assigns them: interleaved, frequency j is
-    h's when j % 3 == 1 and j < 3 * section[1], w's when j % 3 == 2 and
-    j < 3 * section[2], else t's; not interleaved, consecutive blocks of
-    section[0], section[1], section[2]. The angle of frequency j at token i
-    is positions[axes[j], i] * inv_freq[j]."""
-    axes = np.zeros(frequencies, np.int64)
-    sec = spec.mrope_section
-    if spec.mrope_interleaved:
-        for axis in (1, 2):
-            axes[axis:3 * sec[axis]:3] = axis
-    else:
-        axes[sec[0]:sec[0] + sec[1]] = 1
-        axes[sec[0] + sec[1]:sec[0] + sec[1] + sec[2]] = 2
-    return axes
 
 
 # ----------------------------------------------------------- decode images

@@ -33,7 +33,7 @@ def test_equal_ids_are_the_plain_rope_at_that_offset():
 def test_frequencies_interleave_as_the_release_config_says():
     """dims 64 (head 256 x 0.25): 32 frequencies, height on 1, 4, ... 31 and
     width on 2, 5, ... 29 (3 x their sections), time on the rest."""
-    axes = np.array(frequency_axes(32, SECTIONS)).tolist()
+    axes = frequency_axes(32, SECTIONS).tolist()
     assert [i for i, a in enumerate(axes) if a == 1] == list(range(1, 33, 3))
     assert [i for i, a in enumerate(axes) if a == 2] == list(range(2, 30, 3))
     assert axes.count(0) == 32 - 11 - 10
@@ -51,7 +51,7 @@ def test_a_token_moves_with_its_own_axis():
     moved[2, 0, 1] += 3
     a = np.array(rope(x, Positions(mx.array(ids))))
     b = np.array(rope(x, Positions(mx.array(moved))))
-    width = np.array(frequency_axes(8, SECTIONS)) == 2
+    width = frequency_axes(8, SECTIONS) == 2
     changed = ~np.isclose(a, b, atol=1e-6)
     assert not changed[:, :, [0, 2]].any()  # other tokens
     cols = np.concatenate([width, width])  # a frequency rotates dims i and i + half

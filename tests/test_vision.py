@@ -20,6 +20,7 @@ Image = pytest.importorskip("PIL.Image", reason="needs the vision extra: pip ins
 import mlx.core as mx  # noqa: E402
 
 from mlx_mtp import vision  # noqa: E402
+from mlx_mtp.families.mrope import frequency_axes  # noqa: E402
 from mlx_mtp.testing.synthetic import (TINY_PREPROCESSOR, VISION_TOKEN_KEYS,  # noqa: E402
                                        tiny_vision_config, vision_weights, write_checkpoint)
 
@@ -350,7 +351,7 @@ def test_rope_index_matches_transformers(case, hf_dense):
 
 @pytest.mark.slow
 def test_mrope_axes_match_transformers(hf_dense):
-    """`mrope_axes` gives transformers' Qwen3.5 text rotary angles: the angle
+    """`families.mrope.frequency_axes` gives transformers' Qwen3.5 text rotary angles: the angle
     of frequency j at token i is positions[axes[j], i] * inv_freq[j]."""
     torch = _torch()
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -366,6 +367,6 @@ def test_mrope_axes_match_transformers(hf_dense):
         r = vision.rope_index(_prompt(spec, grids), grids, spec)
         cos, _ = rot(torch.zeros(1, 1, dtype=torch.float32), torch.from_numpy(r.positions)[:, None])
         inv = rot.inv_freq.numpy()
-        axes = vision.mrope_axes(spec, len(inv))
+        axes = frequency_axes(len(inv), spec.mrope_section, spec.mrope_interleaved)
         angles = r.positions[axes, :].T * inv[None, :]
         assert np.allclose(cos[0].numpy(), np.cos(np.concatenate([angles, angles], -1)), atol=1e-5), section

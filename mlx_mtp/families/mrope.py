@@ -18,6 +18,7 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -27,29 +28,36 @@ class Positions:
     ids: mx.array
 
 
-def frequency_axes(half: int, sections: Sequence[int]) -> mx.array:
-    """Which axis (0 time, 1 height, 2 width) each of the `half` rotary
-    frequencies follows: interleaved, height on every third from 1 and
-    width on every third from 2 within 3 x their section, time elsewhere."""
-    axes = [0] * half
-    for axis in (1, 2):
-        for i in range(axis, min(3 * sections[axis], half), 3):
-            axes[i] = axis
-    return mx.array(axes, dtype=mx.int32)
+def frequency_axes(frequencies: int, sections: Sequence[int], interleaved: bool = True
+                   ) -> np.ndarray:
+    """Which axis (0 time, 1 height, 2 width) each rotary frequency takes its
+    angle from, as transformers' Qwen3.5 text rotary embedding assigns them:
+    interleaved (`mrope_interleaved`), frequency j is height's when
+    j % 3 == 1 and j < 3 * sections[1], width's when j % 3 == 2 and
+    j < 3 * sections[2], else time's; not interleaved, consecutive blocks of
+    sections[0], sections[1], sections[2]. The angle of frequency j at token
+    i is positions[axes[j], i] * inv_freq[j]."""
+    axes = np.zeros(frequencies, np.int32)
+    if interleaved:
+        for axis in (1, 2):
+            axes[axis:3 * sections[axis]:3] = axis
+    else:
+        axes[sections[0]:sections[0] + sections[1]] = 1
+        axes[sections[0] + sections[1]:sum(sections[:3])] = 2
+    return axes
 
 
 class MRoPE(nn.Module):
     """A layer's rope (mlx_lm's `nn.RoPE`, not traditional) that also takes
     `Positions`."""
 
-    def __init__(self, rope: nn.RoPE, sections: Sequence[int]):
+    def __init__(self, rope: nn.RoPE, sections: Sequence[int], interleaved: bool = True):
         super().__init__()
         if rope.traditional:
             raise ValueError("M-RoPE rotates halves (traditional=False)")
-        self.rope, self.sections = rope, tuple(sections)
-        half = rope.dims // 2
+        self.rope = rope
         self._inv_freq = rope.base ** (-mx.arange(0, rope.dims, 2, dtype=mx.float32) / rope.dims)
-        self._axes = frequency_axes(half, self.sections)
+        self._axes = mx.array(frequency_axes(rope.dims // 2, sections, interleaved))
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not isinstance(offset, Positions):
