@@ -36,9 +36,9 @@ from .depth import cost_sample
 from .distributed import first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
 from .params import DecodeOptions, env_flag
-from .prefill import feed, prefill
+from .prefill import feed, prefill, prefill_media
 from .held_cache import HeldCache
-from .rows import FinishPoint, Launched, Ledger, Lengths, Pending, Request, Row
+from .rows import FinishPoint, Launched, Ledger, Lengths, Media, Pending, Request, Row
 from .schedule import Schedule, needs_more
 from .stats import MTPStats
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
@@ -160,7 +160,7 @@ class Batch:
                 logits_processors=None, stats: Optional[MTPStats] = None,
                 progress=None, cached_tokens: Sequence[int] = (),
                 stop_tokens: Sequence[int] = (), feed_tail: bool = True,
-                constraint=None, tokenizer=None) -> Request:
+                constraint=None, tokenizer=None, media: Optional[Media] = None) -> Request:
         """Check one row's arguments against this batch's model: a Request.
         sampler: the row's own (default: the batch's; a RowSampling too);
         logit_bias and penalties are applied in-graph (mlx_lm's processors'
@@ -172,7 +172,8 @@ class Batch:
         (`mlx_mtp.constrain(...)`, with the tokenizer): every token the row
         emits is one its grammar allows; the grammar belongs to the row (a
         matcher the batch advances as it reads), and the batch stays compiled
-        (docs/design.md, "In the engine: the grammar belongs to the row")."""
+        (docs/design.md, "In the engine: the grammar belongs to the row").
+        media: the prompt's images (vision.py builds it), on a fresh cache."""
         model = self.spec.model
         ids = checks.token_ids("prompt", prompt, model.vocab_size)
         if not ids:
@@ -204,6 +205,8 @@ class Batch:
         if sampling is not None and sampling.xtc_special:
             checks.token_ids("xtc_special_tokens", sampling.xtc_special, model.vocab_size)
         keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
+        if media is not None:
+            _check_media(media, ids, model, keep_cache, self.spec.group)
         if prompt_cache is None:
             prompt_cache = model.make_cache()
         check_model_cache(prompt_cache, model)
@@ -225,7 +228,7 @@ class Batch:
                        progress, cached_tokens=tuple(cached_tokens) if (
                            processors or (sampling is not None and sampling.penalties)) else (),
                        stop_tokens=frozenset(int(t) for t in stop_tokens), feed_tail=feed_tail,
-                       matcher=matcher)
+                       matcher=matcher, media=media)
 
     def add(self, requests: List[Request]) -> List[Optional[Row]]:
         """Prefill new rows (short prompts together, long ones alone) and merge
@@ -242,7 +245,7 @@ class Batch:
         if is_host_side(drafter) and (self.rows or len(requests) > 1):
             raise ValueError("a host-side drafter decodes one row at a time")
         step = self.options.prefill_step_size
-        short = [r for r in requests if len(r.prompt) - 1 <= step]
+        short = [r for r in requests if len(r.prompt) - 1 <= step and r.media is None]
         groups = [short[i:i + self.prefill_batch]
                   for i in range(0, len(short), self.prefill_batch)]
         groups += [[r] for r in requests if r not in short]
@@ -282,13 +285,18 @@ class Batch:
         # prompt only cached (max_tokens 0) is there for later drafting: it follows
         follows = use_head and (not self.schedule.parked(spec, len(self.rows) + len(requests))
                                 or any(r.max_tokens == 0 for r in requests))
+        fed = spec if follows else dataclasses.replace(spec, use_head=False)
         with mx.stream(generation_stream):
-            prefilled = prefill(spec if follows else dataclasses.replace(spec, use_head=False),
-                                [r.prompt_cache for r in requests],
-                                [r.prompt for r in requests], self.options.prefill_step_size,
-                                progress,
-                                [r.stops for r in requests], snapshot,
-                                model.head_context)  # (docs/design.md, "Head context")
+            if requests[0].media is not None:  # (alone: `add`)
+                r = requests[0]
+                prefilled = [prefill_media(fed, r.prompt_cache, r.prompt, r.media,
+                                           self.options.prefill_step_size,
+                                           lambda done, total: progress(0, done, total))]
+            else:
+                prefilled = prefill(fed, [r.prompt_cache for r in requests],
+                                    [r.prompt for r in requests], self.options.prefill_step_size,
+                                    progress, [r.stops for r in requests], snapshot,
+                                    model.head_context)  # (docs/design.md, "Head context")
         rows, states = [], []
         for r, pf in zip(requests, prefilled):
             y = r.prompt[-1]
@@ -305,6 +313,8 @@ class Batch:
                                 mx.zeros((1,), mx.int32), key=r.key)
             if spec.sampler is None:  # (kept while some row of the batch has penalties)
                 state = state.replace(window=start_window([*r.cached_tokens, *r.prompt[:-1]]))
+            if r.media is not None:
+                state = state.replace(rope_delta=mx.array([r.media.delta], dtype=mx.int32))
             if use_head:
                 # a one-token prompt on an empty cache has no trunk hidden yet: its
                 # first drafts come from zeros (rejected; its first cycle fixes that)
@@ -644,7 +654,7 @@ def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
     """Rows of two states; a key or a penalty window only one side has is
     filled on the other (greedy rows carry an unused key in a batch that
     samples; rows without penalties an empty window)."""
-    for name, fill in (("key", 0), ("window", -1)):
+    for name, fill in (("key", 0), ("window", -1), ("rope_delta", 0)):
         if (getattr(a, name) is None) != (getattr(b, name) is None):
             like = getattr(a, name) if getattr(a, name) is not None else getattr(b, name)
 
@@ -654,6 +664,23 @@ def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
 
             a, b = filled(a), filled(b)
     return DecodeState.concat(a, b)
+
+
+def _check_media(media: Media, ids: List[int], model, keep_cache: bool, group):
+    """A prompt's images fit its tokens and this model (one line each)."""
+    if not getattr(model, "takes_images", False):
+        raise ValueError("this model takes no images (only Qwen3.5/3.6 folders with a vision "
+                         "tower do)")
+    if keep_cache:
+        raise ValueError("images with a prompt cache are not supported yet: give the whole "
+                         "conversation, without prompt_cache")
+    if group is not None:
+        raise ValueError("images are not supported on a sharded model yet")
+    if media.positions.shape != (3, len(ids)):
+        raise ValueError(f"the images' positions cover {media.positions.shape[-1]} tokens, "
+                         f"the prompt has {len(ids)}")
+    if not (media.positions[:, -1] == len(ids) - 1 + media.delta).all():
+        raise ValueError("the prompt ends inside an image: end it with text")
 
 
 def _arrays(state: DecodeState) -> list:

@@ -61,6 +61,7 @@ import numpy as np
 from . import metal
 from .cache import Capture, CaptureCache, MTPCache
 from .distributed import share
+from .families.mrope import shifted
 from .constraint import apply_bitmask
 from .sampling import (Filters, SamplerArrays, accept_sampled_rows, advance_window, sample_drafts,
                        is_greedy, penalize_rows, sample_rows, split_rows)
@@ -113,6 +114,9 @@ class DecodeState:
     key: Optional[mx.array] = None  # [B, 2]: each row's random key (sampled rows)
     sampling: SamplerArrays = SamplerArrays()  # each row's sampler settings
     window: Optional[mx.array] = None  # [B, W]: the tokens fed before y (sampling.py)
+    # [B] int32: each row's M-RoPE shift after its images (None: no row has one;
+    # docs/design.md, "Images")
+    rope_delta: Optional[mx.array] = None
 
     def tree(self) -> dict:
         """Every field (caches as their `state`): a compiled step's inputs."""
@@ -371,9 +375,11 @@ def _sample_opaque(sampler, logprobs: mx.array) -> mx.array:
     return mx.stack(rows, axis=1)
 
 
-def head_forward(model, hidden: mx.array, tokens: mx.array, cache: list) -> mx.array:
-    """The head over hiddens [B, T, H] paired with tokens [B, T]."""
-    return model.mtp(hidden, model.embed(tokens), cache)
+def head_forward(model, hidden: mx.array, tokens: mx.array, cache: list,
+                 embeddings: Optional[mx.array] = None) -> mx.array:
+    """The head over hiddens [B, T, H] paired with tokens [B, T] (or with
+    `embeddings` [B, T, H] for them: an image's features at its pads)."""
+    return model.mtp(hidden, model.embed(tokens) if embeddings is None else embeddings, cache)
 
 
 def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, history,
@@ -423,7 +429,7 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
             or history is not None or guidance is not None)
     for j in range(k):
         if j > 0:
-            g = head_forward(model, g, drafts[-1][:, None], head_cache)
+            g = head_forward(model, g, drafts[-1][:, None], shifted(head_cache, state.rope_delta))
         words = guidance.first if guidance is not None and j == 0 else None
         if spec.speculative:  # each row with its own key
             lp = _draft_logprobs(spec, aux, state, g, history, drafts, words)
@@ -548,7 +554,7 @@ def verify(spec: Spec, state: DecodeState, proposals: Proposals) -> Tuple[Decode
     cache = state.cache.copy()
     tokens = mx.concatenate([state.y[:, None], proposals.drafts], axis=1)  # [B, k+1]
     CaptureCache.start(cache.trunk)
-    h = model.trunk_hidden(tokens, cache.trunk)  # [B, k+1, H]
+    h = model.trunk_hidden(tokens, shifted(cache.trunk, state.rope_delta))  # [B, k+1, H]
     captures = CaptureCache.take_all(cache.trunk)
     return state.replace(cache=cache), Verified(tokens, h, model.logits_from_hidden(h), captures)
 
@@ -589,7 +595,7 @@ def settle(spec: Spec, state: DecodeState, proposals: Proposals, verified: Verif
             c.trim(k - accepted)
     for c in cache.head:
         c.trim(proposals.chained)
-    G = head_forward(model, verified.h, out, cache.head)  # [B, k+1, H]
+    G = head_forward(model, verified.h, out, shifted(cache.head, state.rope_delta))  # [B, k+1, H]
     for c in cache.head:
         c.trim(k - accepted)
     new = state.replace(cache=cache, y=mx.take_along_axis(out, accepted[:, None], axis=1)[:, 0],
@@ -630,7 +636,7 @@ def plain_forward(spec: Spec, state: DecodeState) -> Tuple[DecodeState, Forwarde
     """The trunk takes `y` (its caches advance one token)."""
     model = spec.model
     cache = state.cache.copy()
-    h = model.trunk_hidden(state.y[:, None], cache.trunk)  # [B, 1, H]
+    h = model.trunk_hidden(state.y[:, None], shifted(cache.trunk, state.rope_delta))  # [B, 1, H]
     return state.replace(cache=cache), Forwarded(h, model.logits_from_hidden(h))
 
 
@@ -690,7 +696,8 @@ def catch_up_ring(model, state: DecodeState, head_cache: list) -> mx.array:
     causal mask keeps the unwritten ones, last, from the written ones, and
     they are trimmed after); returns its hidden of the last pair."""
     order, m = ring_order(state.ring_n)
-    G = head_forward(model, state.ring_h[:, order], state.ring_tok[:, order], head_cache)
+    G = head_forward(model, state.ring_h[:, order], state.ring_tok[:, order],
+                     shifted(head_cache, state.rope_delta))
     for c in head_cache:
         c.trim(RING - m)
     return mx.take(G, (m - 1).reshape(1), axis=1)

@@ -40,18 +40,20 @@ def generate_events(
     stop_tokens: Sequence[int] = (),
     constraint=None,
     tokenizer=None,
+    media=None,
     **fields,
 ) -> Generator[Event, None, None]:
     """One row's events (batch.Event), ending with the first of `stop_tokens`
     or the max_tokens-th token, decoded with `options` (DecodeOptions; any
     of its fields also as keywords), under `constraint`'s grammar if given
-    (with its tokenizer). See `mlx_mtp.generate_step` for the rest."""
+    (with its tokenizer), `media`: the prompt's images (vision.prompt_media).
+    See `mlx_mtp.generate_step` for the rest."""
     batch = make_batch(model, DecodeOptions.of(options, **fields), sampler=sampler,
                        logits_processors=logits_processors)
     request = batch.prepare(prompt, prompt_cache, max_tokens, seed,
                             stats=stats if stats is not None else MTPStats(),
                             progress=prompt_progress_callback, stop_tokens=stop_tokens,
-                            constraint=constraint, tokenizer=tokenizer)
+                            constraint=constraint, tokenizer=tokenizer, media=media)
     owner = object()
     gen = _generate(batch, request, owner)
     if request.keep_cache:

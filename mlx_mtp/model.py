@@ -147,6 +147,7 @@ class Runtime:
         # are not cost samples (cycle.Graphs.traces)
         self.eager_limit = params.CPU_EAGER_RUNS if mx.default_device() == mx.cpu else 0
         self.eager_runs = 0
+        self.vision = None  # the folder's vision tower, loaded at the first image (vision.py)
 
     def runs_eagerly(self) -> bool:
         """Whether the next run of a graph not compiled yet is eager (counted)."""
@@ -215,6 +216,8 @@ class MTPModel:
     # head follows only a prompt's last this many tokens (None: all of them)
     head_context: Optional[int] = None
     head_match_keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
+    # whether the trunk and head rotate by M-RoPE positions (images; set at init)
+    takes_images = False
 
     @property
     def text_model(self) -> nn.Module:
@@ -319,9 +322,14 @@ class MTPModel:
     def embed(self, tokens: mx.array) -> mx.array:
         return self.text_model.embed_tokens(tokens)
 
-    def trunk_hidden(self, tokens: mx.array, cache) -> mx.array:
-        """Post-final-norm trunk hidden states [B, T, H] (cache: trunk layers)."""
-        return self.text_model(tokens, cache)
+    def trunk_hidden(self, tokens: mx.array, cache, embeddings: Optional[mx.array] = None
+                     ) -> mx.array:
+        """Post-final-norm trunk hidden states [B, T, H] (cache: trunk layers;
+        `embeddings` [B, T, H]: the input in place of the tokens' own, an
+        image's features merged in)."""
+        if embeddings is None:
+            return self.text_model(tokens, cache)
+        return self.text_model(tokens, cache, input_embeddings=embeddings)
 
     @property
     def hidden_width(self) -> int:

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import CacheList
 from .cache import fill_empty, head_caches, last_hidden, set_last_hidden
 from .cycle import Spec, head_forward
 from .distributed import kept_on_every_stage
+from .families import mrope
 
 
 @dataclass
@@ -138,6 +139,51 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
         mx.eval([c.state for c in head], [x for x in g if x is not None])
     _split_back(spec, caches, trunk, head, batched, list(range(n_rows)), last)
     return [Prefilled(last[i], g[i]) for i in range(n_rows)]
+
+
+def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_step_size: int,
+                  progress: Callable = lambda done, total: None) -> Prefilled:
+    """`prefill` for one prompt with images (`media`: rows.Media), on an
+    empty prompt cache: the
+    trunk takes the prompt's embeddings with the image features at the pads
+    and each token's three M-RoPE positions; the head follows one position
+    behind as `prefill`'s does, its pair (h_p, tok_{p+1}) at position p's ids
+    and with tok_{p+1}'s embedding (an image pad's: its feature, as vLLM's
+    multimodal MTP head takes it)."""
+    model = spec.model
+    n_trunk = len(model.is_linear)
+    trunk = cache[:n_trunk]
+    head = head_caches(cache, n_trunk) if spec.use_head else None
+    emb = media.embeddings(model, prompt)
+    ids = mx.array([prompt], dtype=mx.int32)
+
+    def at(caches, start, stop):  # the forward's tokens at their own ids
+        return mrope.at(caches, mrope.Positions(mx.array(media.positions[:, None, start:stop],
+                                                         dtype=mx.int32)))
+
+    n, done, last, g = len(prompt) - 1, 0, None, None
+    progress(0, len(prompt))
+    while done < n:
+        v = min(prefill_step_size, n - done)
+        h = model.trunk_hidden(ids[:, done:done + v], at(trunk, done, done + v),
+                               emb[:, done:done + v])
+        if head is not None:
+            first = done if last is not None else done + 1  # a pair's token index
+            hs = ([last] if last is not None else []) + ([h[:, :v - 1]] if v > 1 else [])
+            if first < done + v:
+                head_forward(model, mx.concatenate(hs, axis=1), ids[:, first:done + v],
+                             at(head, first - 1, done + v - 1), emb[:, first:done + v])
+            last = h[:, v - 1:v]
+        mx.eval([c.state for c in trunk], [c.state for c in head or []], last)
+        done += v
+        progress(done, len(prompt))
+        mx.clear_cache()
+    if head is not None and last is not None:  # the last pair: (h_{n-1}, the last token)
+        g = head_forward(model, last, ids[:, n:], at(head, n - 1, n), emb[:, n:])
+        mx.eval([c.state for c in head], g)
+    if head is not None or len(cache) > n_trunk:
+        set_last_hidden(cache, last if head is not None else None, model.is_linear)
+    return Prefilled(last, g)
 
 
 def _merged(per_row: List[list]) -> list:

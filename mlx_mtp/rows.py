@@ -44,6 +44,31 @@ class Lengths:
         return Lengths(self.trunk + accepted + 1, self.flushed().head + accepted + 1, 0)
 
 
+@dataclass(frozen=True)
+class Media:
+    """A prompt's images as the text model takes them (docs/design.md,
+    "Images"; built by vision.py): the features of its image pads, in order,
+    in place of the pads' embeddings; each prompt token's three M-RoPE
+    position ids; and the shift of every position after the prompt."""
+
+    features: mx.array  # [pads, H]
+    pad_id: int  # the image-pad token
+    positions: np.ndarray  # [3, T] int: the prompt's tokens, from position 0
+    delta: int  # a later token's position: its index + delta (all three axes)
+
+    def embeddings(self, model, prompt: List[int]) -> mx.array:
+        """The prompt's input embeddings [1, T, H]: the tokens', the features
+        at the pads."""
+        ids = np.array(prompt)
+        pads = np.nonzero(ids == self.pad_id)[0]
+        emb = model.embed(mx.array(ids[None], dtype=mx.int32))
+        if len(pads) != self.features.shape[0]:
+            raise ValueError(f"the prompt has {len(pads)} image-pad tokens for "
+                             f"{self.features.shape[0]} image feature rows")
+        emb[0, mx.array(pads)] = self.features.astype(emb.dtype)
+        return emb
+
+
 @dataclass
 class Request:
     """One sequence for `Batch.add` (made by `Batch.prepare`, which checks it)."""
@@ -63,6 +88,7 @@ class Request:
     stop_tokens: FrozenSet[int] = frozenset()  # a row ends with the first of these
     feed_tail: bool = True  # see `Batch.finish`
     matcher: Optional["Matcher"] = None  # the row's grammar (constraint.py), at its start
+    media: Optional[Media] = None  # its prompt's images (prefilled alone, from position 0)
 
 
 class FinishPoint(NamedTuple):

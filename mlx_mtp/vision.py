@@ -28,6 +28,7 @@ import numpy as np
 from .checkpoint import read_config_file, safetensors_header, text_config, weight_files
 
 if TYPE_CHECKING:
+    from .rows import Media
     import mlx.core as mx
     from PIL import Image as PILImage
 
@@ -427,3 +428,42 @@ def rope_index(tokens: Sequence[int], grid_thw: Sequence[Sequence[int]], spec: V
     positions = (np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), np.int64)).astype(np.int64)
     delta = int(positions.max()) + 1 - len(tokens) if len(tokens) else 0
     return RopeIndex(positions, delta)
+
+
+def tower_of(model) -> VisionTower:
+    """The vision tower of the folder `model` was loaded from (mlx_mtp.load),
+    loaded at the first image and kept with the model. ValueError when the
+    model takes no images or its folder has no tower."""
+    if not getattr(model, "takes_images", False):
+        raise ValueError("this model takes no images (only Qwen3.5/3.6 folders with a vision "
+                         "tower do)")
+    if model.runtime.vision is None:
+        path = Path(getattr(model, "model_path", ""))
+        if not vision_tensor_names(path):
+            raise ValueError(f"{path}: this folder has no vision tower (model.visual.* or "
+                             "vision_tower.*): it answers text only")
+        model.runtime.vision = load_tower(path)
+    return model.runtime.vision
+
+
+def prompt_media(model, tokens: Sequence[int], images: Sequence[ImageInput]
+                 ) -> Tuple[List[int], "Media"]:
+    """A prompt with one image-pad placeholder per image, where each image
+    goes (as a chat template with image parts writes it), and its images:
+    the prompt with each placeholder expanded to its image's pads, and what
+    the text model takes for them (rows.Media: features, M-RoPE positions,
+    the shift after). The tower runs once for all the images."""
+    from .rows import Media
+
+    tower = tower_of(model)
+    if not any(t == tower.spec.image_token_id for t in tokens):
+        raise ValueError("the prompt has no image placeholder: put <|vision_start|><|image_pad|>"
+                         "<|vision_end|> where each image goes (a chat template with image "
+                         "parts writes it)")
+    encoded = tower.encode_images(images)
+    expanded = expand_image_pads(list(tokens), [e.tokens for e in encoded], tower.spec)
+    index = rope_index(expanded, [e.grid_thw for e in encoded], tower.spec)
+    import mlx.core as mx
+
+    features = mx.concatenate([e.features for e in encoded], axis=0)
+    return expanded, Media(features, tower.spec.image_token_id, index.positions, index.delta)

@@ -71,3 +71,50 @@ class MRoPE(nn.Module):
         x1, x2, rest = x[..., :half], x[..., half:dims], x[..., dims:]
         rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
         return mx.concatenate(rotated + [rest], axis=-1).astype(x.dtype)
+
+
+class PositionedCache:
+    """An attention layer's cache as its layer sees it for one forward, with
+    the positions RoPE takes in place of the cache's own offset: `Positions`
+    (a prefill over an image), or the offset shifted by each row's delta (text
+    after an image). Everything else is the cache's own (writes, masks)."""
+
+    def __init__(self, cache, offset):
+        self._cache, self.offset = cache, offset
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def positioned(caches: list, offset) -> list:
+    """`caches` (a layer stack's) with each attention cache's RoPE offset
+    replaced: `offset(cache)` gives it (None: the list unchanged)."""
+    if offset is None:
+        return caches
+    return [PositionedCache(c, offset(c)) if hasattr(c, "update_and_fetch") else c
+            for c in caches]
+
+
+def shifted(caches: list, delta) -> list:
+    """Text positions after an image: each row at its cache's offset plus its
+    own delta ([B] int32; None: no row saw an image, the caches unchanged)."""
+    return positioned(caches, None if delta is None else (lambda c: c.offset + delta))
+
+
+def at(caches: list, positions: Positions) -> list:
+    """Every token of this forward at its own three position ids."""
+    return positioned(caches, lambda c: positions)
+
+
+def install(attention_layers, rope_parameters: dict) -> bool:
+    """Wrap each attention layer's rope in MRoPE when the text config names
+    an `mrope_section` (Qwen3.5/3.6): text decodes through it unchanged.
+    Returns whether it did."""
+    sections = (rope_parameters or {}).get("mrope_section")
+    if not sections:
+        return False
+    for attn in attention_layers:
+        if not isinstance(attn.rope, MRoPE):
+            attn.rope = MRoPE(attn.rope, sections,
+                              bool(rope_parameters.get("mrope_interleaved", False)))
+    return True

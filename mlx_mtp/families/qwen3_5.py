@@ -20,6 +20,7 @@ from .. import metal
 from ..cache import CaptureCache
 from ..checkpoint import text_config
 from ..model import LanguageModelTrunk, MTPModel
+from . import mrope
 from .common import sanitize_head, stack_expert_tensors
 
 TRUNK_PREFIX = "model.language_model."
@@ -28,8 +29,11 @@ TRUNK_PREFIX = "model.language_model."
 def head_layer(args, index: int):
     """Head layer `index`: mlx_lm's Qwen3.5 DecoderLayer, built as a
     full-attention layer (layer_idx = interval - 1), with the MoE MLP when
-    the trunk is MoE, as in the released checkpoints."""
-    return qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
+    the trunk is MoE, as in the released checkpoints; its rope M-RoPE as
+    the trunk's."""
+    layer = qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
+    mrope.install([layer.self_attn], args.rope_parameters)
+    return layer
 
 
 def is_unconverted(tensors: dict) -> bool:
@@ -109,6 +113,13 @@ class _Qwen35(LanguageModelTrunk, MTPModel):
     head_layer = staticmethod(head_layer)
     is_unconverted = staticmethod(is_unconverted)
     sanitize_head = staticmethod(sanitize_head)
+
+    def _init_mtp(self, text_config: dict):
+        # (before the head is built: its layers install their own)
+        self.takes_images = mrope.install([layer.self_attn for layer in self.text_model.layers
+                                           if not layer.is_linear],
+                                          self.text_args.rope_parameters)
+        super()._init_mtp(text_config)
 
 
 class Model(_Qwen35, qwen3_5.Model):

@@ -1,0 +1,136 @@
+"""Images in, MTP out (docs/design.md, "Images"): a Qwen3.5/3.6 prompt with
+images decodes at every depth exactly as plain decoding (depth 0) of the
+same model, alone and as a batch row beside text rows; plain decoding is
+transformers' Qwen3_5ForConditionalGeneration's (slow tier, PyTorch).
+Tiny synthetic VL checkpoints (HF layout, a real tower), dense and MoE."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm", reason="images need the [vision] extra")
+
+import mlx.core as mx  # noqa: E402
+
+import mlx_mtp  # noqa: E402
+from mlx_mtp import vision  # noqa: E402
+from mlx_mtp.batch import make_batch  # noqa: E402
+from mlx_mtp.decode import decode_rows, generate_tokens  # noqa: E402
+from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def vl(request, tmp_path_factory):
+    moe = request.param == "moe"
+    path = write_checkpoint(tmp_path_factory.mktemp(f"vl_{request.param}"), moe=moe,
+                            seed=3 if moe else 0, vision=True)
+    model, tok = mlx_mtp.load(str(path))
+    return path, model, tok
+
+
+def _image(seed, h, w):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+IMAGES = [_image(0, 64, 96), _image(1, 96, 64)]
+
+
+def _prompt(model, tok, n_images: int, text=" describe them please\n"):
+    spec = vision.tower_of(model).spec
+    slot = [spec.vision_start_token_id, spec.image_token_id, spec.vision_end_token_id]
+    toks = tok.encode("look:") + slot + (tok.encode(" and") + slot if n_images > 1 else [])
+    return toks + tok.encode(text)
+
+
+def _run(model, ids, media, k, max_tokens=MAX_TOKENS):
+    out = list(generate_tokens(mx.array(ids), model, draft_tokens=k, max_tokens=max_tokens,
+                               media=media))
+    return [t for t, _, _ in out], np.stack([np.array(lp) for _, lp, _ in out])
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_image_prompts_decode_as_plain_decoding_at_every_depth(vl, n_images):
+    """Greedy tokens at depths 1-3 and auto equal depth 0's, and so do their
+    log-probs (a verify at the wrong M-RoPE positions moves them by ~1e-2)."""
+    _, model, tok = vl
+    ids, media = vision.prompt_media(model, _prompt(model, tok, n_images), IMAGES[:n_images])
+    assert media.delta < 0 and len(ids) > len(_prompt(model, tok, n_images))
+    want, want_lp = _run(model, ids, media, 0)
+    for k in (1, 2, 3, "auto"):
+        got, lp = _run(model, ids, media, k)
+        assert got == want, k
+        assert np.allclose(lp, want_lp, atol=1e-4), (k, np.abs(lp - want_lp).max())
+
+
+def test_image_rows_and_text_rows_decode_in_one_batch(vl):
+    """Rows (image, text, two images) in one batch, depth 2: each row's
+    tokens are what it decodes alone (per-row M-RoPE shifts)."""
+    _, model, tok = vl
+    prompts = [vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1]),
+               (tok.encode("def f(x): return"), None),
+               vision.prompt_media(model, _prompt(model, tok, 2, " again\n"), IMAGES)]
+    alone = [_run(model, ids, media, 2)[0] for ids, media in prompts]
+    batch = make_batch(model, draft_tokens=2)
+    requests = [batch.prepare(ids, None, MAX_TOKENS, media=media) for ids, media in prompts]
+    got = [[] for _ in prompts]
+    for i, event in decode_rows(batch, requests, 3):
+        got[i].append(event.token)
+    assert got == alone
+
+
+def test_bad_image_requests_are_one_clear_error(vl, tmp_path):
+    """A model without M-RoPE, a prompt cache, a prompt without a placeholder
+    or ending inside an image: one ValueError each, nothing decoded."""
+    _, model, tok = vl
+    ids, media = vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1])
+    batch = make_batch(model, draft_tokens=2)
+    with pytest.raises(ValueError, match="prompt cache"):
+        batch.prepare(ids, model.make_cache(), 4, media=media)
+    with pytest.raises(ValueError, match="no image placeholder"):
+        vision.prompt_media(model, tok.encode("no image here"), IMAGES[:1])
+    cut, cut_media = vision.prompt_media(model, _prompt(model, tok, 1)[:-len(tok.encode(
+        " describe them please\n")) - 1], IMAGES[:1])  # (ends at the last pad)
+    with pytest.raises(ValueError, match="ends inside an image"):
+        batch.prepare(cut, None, 4, media=cut_media)
+    text_only = write_checkpoint(tmp_path / "text", seed=5)
+    plain, _ = mlx_mtp.load(str(text_only))
+    with pytest.raises(ValueError, match="takes no images"):
+        vision.tower_of(plain)
+    next_model, _ = mlx_mtp.load(str(write_checkpoint(tmp_path / "next", family="qwen3_next")))
+    with pytest.raises(ValueError, match="takes no images"):
+        make_batch(next_model).prepare(tok.encode("hi"), None, 4, media=media)
+
+
+@pytest.mark.slow
+def test_plain_decoding_of_an_image_prompt_is_transformers(vl):
+    """Depth 0 (and so every depth) gives transformers' greedy tokens and
+    log-probs on the same folder, images and prompt (fp32): its M-RoPE
+    positions, the features at the pads, the shift after."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+    path, model, tok = vl
+    tower = vision.tower_of(model)
+    ids, media = vision.prompt_media(model, _prompt(model, tok, 2), IMAGES)
+    want_tokens, want_lp = _run(model, ids, media, 0, 8)
+    cls = (Qwen3_5MoeForConditionalGeneration if "moe" in path.name
+           else Qwen3_5ForConditionalGeneration)
+    hf = cls.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    pixels, grid = vision.preprocess(tower.decode(IMAGES), tower.processor)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(input_ids=x, pixel_values=torch.tensor(pixels),
+                          image_grid_thw=torch.tensor(grid),
+                          mm_token_type_ids=(x == tower.spec.image_token_id).int(),
+                          attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    theirs = np.stack([torch.log_softmax(lg[0], -1).numpy() for lg in out.logits])
+    assert out.sequences[0, len(ids):].tolist() == want_tokens
+    assert np.abs(theirs - want_lp).max() < 1e-4
+    # (the positions matter here: text positions throughout miss by far more)
+    flat = dataclasses.replace(media, delta=0, positions=np.broadcast_to(
+        np.arange(len(ids)), (3, len(ids))).copy())
+    assert np.abs(_run(model, ids, flat, 0, 8)[1] - theirs).max() > 1e-3
