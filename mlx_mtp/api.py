@@ -7,6 +7,7 @@ import copy
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -46,6 +47,28 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
     return mx.array(prompt)
+
+
+def _with_images(model, prompt: mx.array, images) -> Tuple[mx.array, object]:
+    """The prompt with its images' pads expanded, and their rows.Media (None
+    without images). The vision stage (the [vision] extra) loads only here."""
+    if not images:
+        return prompt, None
+    from .vision import prompt_media
+
+    ids, media = prompt_media(model, prompt.tolist(), [_read(im) for im in images])
+    return mx.array(ids), media
+
+
+def _read(image):
+    """An image given as a file path: its bytes (a caller's own files; the
+    server never takes paths)."""
+    if not isinstance(image, (str, Path)):
+        return image
+    try:
+        return Path(image).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read image {image}: {e.strerror or e}") from None
 
 
 def _check_options(kwargs: dict) -> dict:
@@ -98,6 +121,7 @@ def generate_step(
     pipeline: Optional[bool] = None,
     constraint=None,
     tokenizer=None,
+    images=None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """mlx_lm's `generate_step` with MTP: yields (token, logprobs), at most
     `max_tokens` of them (-1: no limit), exactly the tokens mlx_lm would give.
@@ -125,8 +149,13 @@ def generate_step(
     constraint: `mlx_mtp.constrain(...)`: every token is one the grammar
         allows (needs `tokenizer`); the generation then ends after the
         tokenizer's EOS, as the grammar's end.
+    images: the prompt's images (paths' bytes, PIL images, H x W x 3 uint8
+        arrays), one per image placeholder in the prompt, in order (a
+        Qwen3.5/3.6 folder with its vision tower; the [vision] extra; no
+        prompt_cache yet). docs/design.md, "Images".
     """
     checks.prompt(prompt, text=False)
+    prompt, media = _with_images(model, prompt, images)
     checks.logits_processors(logits_processors)
     kwargs = _check_options(dict(max_kv_size=max_kv_size, kv_bits=kv_bits,
                                  input_embeddings=input_embeddings,
@@ -144,7 +173,8 @@ def generate_step(
     for event in generate_events(
             prompt, model, options, max_tokens=max_tokens, sampler=sampler,
             logits_processors=logits_processors, prompt_cache=prompt_cache,
-            prompt_progress_callback=prompt_progress_callback, seed=seed, stats=stats, **kwargs):
+            prompt_progress_callback=prompt_progress_callback, seed=seed, stats=stats,
+            media=media, **kwargs):
         yield event.token, event.logprobs
 
 
@@ -160,7 +190,7 @@ def stream_generate(
 
     kwargs: `generate_step`'s options (sampler, logits_processors,
     prompt_cache, prefill_step_size, prompt_progress_callback, seed,
-    constraint, ...).
+    constraint, images, ...).
     """
     checks.tokenizer(tokenizer)
     checks.check("max_tokens", max_tokens)  # (0, the prefill only, is generate_step's)
@@ -170,14 +200,14 @@ def stream_generate(
     tokenizer = _wrapped(tokenizer)
     if kwargs.get("constraint") is not None:
         kwargs["tokenizer"] = tokenizer
-    prompt = _encode(tokenizer, prompt)
+    prompt, media = _with_images(model, _encode(tokenizer, prompt), kwargs.pop("images", None))
     detokenizer = tokenizer.detokenizer
     stats = kwargs.pop("stats", None) or MTPStats()
     if "pipeline" in kwargs:
         kwargs["lookahead"] = _lookahead(kwargs.pop("lookahead", True), kwargs.pop("pipeline"))
     options, kwargs = DecodeOptions.split(kwargs)
     gen = generate_events(prompt, model, options, max_tokens=max_tokens, stats=stats,
-                          stop_tokens=tokenizer.eos_token_ids, **kwargs)
+                          stop_tokens=tokenizer.eos_token_ids, media=media, **kwargs)
 
     def response(text, event, n):
         return MTPGenerationResponse(
@@ -259,6 +289,7 @@ def batch_generate(
     prefill_step_size: int = DecodeOptions.prefill_step_size,
     stats: Optional[List[MTPStats]] = None,
     constraint=None,
+    images: Optional[List[Optional[list]]] = None,
 ) -> BatchResponse:
     """Like mlx_lm.batch_generate, decoding with the MTP head: the prompts
     decode together (one trunk forward per cycle; each row accepts its own
@@ -272,7 +303,8 @@ def batch_generate(
     every prompt or a list of lists; seeds: one per prompt for sampling
     (None: drawn from mx.random). stats: a list that gets one MTPStats per
     prompt. constraint: `mlx_mtp.constrain(...)` for every prompt, or a list
-    (None for an unconstrained row)."""
+    (None for an unconstrained row). images: one list per prompt (None or []
+    for a text row; see `generate_step`)."""
     checks.tokenizer(tokenizer)
     for i, prompt in enumerate(prompts):
         checks.prompt(prompt, f"prompts[{i}]", text=False)
@@ -286,9 +318,11 @@ def batch_generate(
     processors = (list(logits_processors) if logits_processors and isinstance(
         logits_processors[0], (list, tuple)) else [logits_processors] * n)
     constraints = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * n
+    images = [None] * n if images is None else list(images)
     for name, values in (("prompt_caches", prompt_caches), ("max_tokens", max_tokens),
                          ("seeds", seeds), ("sampler", samplers),
-                         ("logits_processors", processors), ("constraint", constraints)):
+                         ("logits_processors", processors), ("constraint", constraints),
+                         ("images", images)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
     checks.check("completion_batch_size", completion_batch_size)
@@ -307,7 +341,8 @@ def batch_generate(
             cache = copy.deepcopy(prompt_caches[i])
         elif return_prompt_caches:
             cache = model.make_cache()
-        request = batch.prepare(prompt, cache, max_tokens[i], seeds[i],
+        prompt, media = _with_images(model, mx.array(prompt), images[i])
+        request = batch.prepare(prompt, cache, max_tokens[i], seeds[i], media=media,
                                 sampler=None if opaque else samplers[i],
                                 logits_processors=processors[i],
                                 stop_tokens=tokenizer.eos_token_ids,

@@ -85,6 +85,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", type=str, default=DEFAULT_PROMPT,
                    help="Message to the model ('-' reads stdin)")
     p.add_argument("--system-prompt", type=str, default=None)
+    p.add_argument("--image", action="append", metavar="PATH", default=None,
+                   help="an image for the prompt (repeatable; a Qwen3.5/3.6 folder with its "
+                        "vision tower, pip install 'mlx-mtp[vision]')")
     p.add_argument("--max-tokens", "-m", type=flag("max_tokens"), default=100,
                    help="tokens to generate (-1: no limit)")
     p.add_argument("--draft-tokens", "--num-draft-tokens", type=flag("draft_tokens"),
@@ -173,7 +176,9 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
         messages = []
         if args.system_prompt is not None:
             messages.append({"role": "system", "content": args.system_prompt})
-        messages.append({"role": "user", "content": prompt})
+        images = getattr(args, "image", None) or []
+        messages.append({"role": "user", "content": prompt if not images else [
+            *({"type": "image"} for _ in images), {"type": "text", "text": prompt}]})
         kwargs = dict(args.chat_template_config or {})
         if getattr(args, "constraint", None) is not None:
             from .constraint import thinking_args
@@ -192,6 +197,8 @@ def build_prompt(tokenizer, args, using_cache: bool = False) -> list:
             test = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **kwargs)
             prompt = prompt[test.index("<query>"):]
+    if getattr(args, "image", None) and not use_chat:  # a raw prompt: the images first
+        prompt = "<|vision_start|><|image_pad|><|vision_end|>" * len(args.image) + prompt
     ids = tokenizer.encode(prompt, add_special_tokens=not use_chat)
     if not ids:
         raise ValueError("the prompt is empty (give --prompt some text)")
@@ -306,8 +313,11 @@ def _main(argv=None):
                     logits_processors=processors, prefill_step_size=args.prefill_step_size,
                     draft_vocab=vocab, max_draft_tokens=args.max_draft_tokens,
                     lookahead=not args.no_lookahead, prompt_cache=prompt_cache,
-                    constraint=args.constraint):
+                    constraint=args.constraint, images=args.image):
                 print(last.text, end="", flush=True, file=out)
+        except ValueError as e:  # (the images: unreadable, too large, not this model's ...)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt as e:  # what was generated is printed already
             print(flush=True, file=out)
             n = last.generation_tokens if last is not None else 0

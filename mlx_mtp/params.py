@@ -243,6 +243,10 @@ TABLE: Tuple[Param, ...] = (
     Param("idle_chunk_ms", float, lo=1, hi=10000, server=("--idle-chunk-ms",),
           why="milliseconds a request may wait for idle-time work; past 10 s it is no "
               "longer a chunk"),
+    Param("max_images", int, lo=0, server=("--max-images",)),
+    Param("max_image_pixels", int, lo=1, server=("--max-image-pixels",)),
+    Param("image_timeout", float, lo=0.1, hi=600, server=("--image-timeout",),
+          why="seconds one image URL's fetch may take"),
 )
 PARAMS: Dict[str, Param] = {p.name: p for p in TABLE}
 # request field -> its row, per HTTP surface

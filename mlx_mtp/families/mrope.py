@@ -56,7 +56,10 @@ class MRoPE(nn.Module):
         if rope.traditional:
             raise ValueError("M-RoPE rotates halves (traditional=False)")
         self.rope = rope
-        self._inv_freq = rope.base ** (-mx.arange(0, rope.dims, 2, dtype=mx.float32) / rope.dims)
+        # (from NumPy: the model is built on one thread and may decode on another,
+        # where a lazy array of the first thread's stream cannot be evaluated)
+        self._inv_freq = mx.array(
+            rope.base ** (-np.arange(0, rope.dims, 2, dtype=np.float32) / rope.dims))
         self._axes = mx.array(frequency_axes(rope.dims // 2, sections, interleaved))
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import params
 from ..mlx_lm_compat import NEUTRAL, CompletionRequest, generation_arguments
@@ -66,12 +66,13 @@ ATTRIBUTION = "x-anthropic-billing-header:"
 # (an assistant's call), tool_result (a user's answer to one), thinking (an
 # assistant's reasoning), tool_reference (a tool search's result: the named
 # deferred tool's definition, as text in its place). Dropped, as they carry nothing a local model reads:
-# redacted_thinking (encrypted by Anthropic). Refused: image and document
-# (the models read text), and any other type (the request would lose it).
-BLOCKS = {"user": ("text", "tool_result"),
+# redacted_thinking (encrypted by Anthropic). Images: a user's, read by
+# `to_chat`'s `read_image` (images.py) where the model takes them. Refused:
+# document (the models read text), and any other type (the request would lose it).
+BLOCKS = {"user": ("text", "tool_result", "image"),
           "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
           "system": ("text",), "tool_result": ("text", "tool_reference")}
-UNSUPPORTED = ("image", "document")
+UNSUPPORTED = ("document",)
 
 
 def _check_blocks(content, where: str, allowed) -> None:
@@ -159,13 +160,16 @@ def _tool_result(content, where: str, deferred: Dict[str, dict]) -> str:
     return "\n".join(parts) if len(parts) > 1 else "".join(parts)
 
 
-def to_chat(body: dict) -> Tuple[List[dict], Optional[List[dict]], List[str], Dict[str, Any]]:
+def to_chat(body: dict, read_image: Optional[Callable[[dict, str], dict]] = None
+            ) -> Tuple[List[dict], Optional[List[dict]], List[str], Dict[str, Any]]:
     """(chat messages, tools, stop words, chat template arguments) of a
     validated Messages request; RequestError for a content block it would
     otherwise lose. System messages inside `messages` (Claude Code's) stay
     where they are: the server places them as the chat template allows
     (roles.py). Tools with `defer_loading` are not shown to the model until
-    a tool search's result names them (Anthropic's rule)."""
+    a tool search's result names them (Anthropic's rule). A user's image
+    block goes to `read_image(block, where)`, which gives the text block in
+    its place (None: images are refused)."""
     messages: List[dict] = []
     system = _system(body["system"]) if body.get("system") else ""
     if system:
@@ -190,6 +194,11 @@ def to_chat(body: dict) -> Tuple[List[dict], Optional[List[dict]], List[str], Di
                                      "content": _tool_result(block.get("content"),
                                                              f"{where}.{j}.content", deferred)})
             rest = [b for b in content if b["type"] != "tool_result"]
+            for j, block in enumerate(rest):
+                if block["type"] == "image":
+                    if read_image is None:
+                        raise RequestError(f"{where}: image content is not supported here", where)
+                    rest[j] = read_image(block, f"{where}.{content.index(block)}")
             if rest:
                 messages.append({"role": "user", "content": _text(rest)})
             continue
@@ -332,7 +341,9 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
     if not count_only:  # (count_tokens takes the Messages body whole: max_tokens is not read)
         handler._check_limits(body, ("max_tokens",))
     try:
-        messages, tools, stop_words, template_args = to_chat(body)
+        images: list = []
+        messages, tools, stop_words, template_args = to_chat(
+            body, lambda block, at: mp.images.anthropic(block, at, images))
         check_tool_choice(body, mp.tokenizer.has_tool_calling)
     except RequestError as e:
         raise ApiError(400, str(e), param=e.param) from None
@@ -345,6 +356,7 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
     # a call to a deferred tool is read with its parameters (their types) too
     call_tools = [_tool(t) for t in body.get("tools") or ()] or None
     extras(request).call_tools = call_tools
+    extras(request).images = tuple(images)
     prompt = rg.preflight(request, template_args, max_tokens, check_context=not count_only)
     if count_only:
         return handler._send_json(200, {"input_tokens": len(prompt)})

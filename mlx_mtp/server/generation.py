@@ -27,6 +27,7 @@ from ..checks import depth as parse_depth
 from ..distributed import sharded_load
 from ..loader import load
 from ..mlx_lm_compat import CompletionRequest, ModelProvider, ResponseGenerator, generation_stream
+from .images import ImageLimits, reader_for
 from .lane import _Lane, _Settings, extras
 from .logprobs import TokenText
 from .roles import late_system_role, place_system
@@ -106,6 +107,10 @@ class MTPModelProvider(ModelProvider):
         self.marker_ids = frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
         # where a system message after the conversation began goes (roles.py)
         self.late_system = late_system_role(tokenizer)
+        # a request's images, read on the handler's thread (images.py)
+        a = self.cli_args
+        self.images = reader_for(model, tokenizer, ImageLimits(
+            a.max_images, a.max_image_pixels, a.max_image_bytes, a.image_timeout))
         # structured output's tokenizer (llguidance walks the vocabulary: seconds at
         # 248K tokens), built in the background rather than on the first request
         threading.Thread(target=_warm_structured, args=(tokenizer, model.vocab_size),

@@ -62,6 +62,7 @@ class MTPAPIHandler(APIHandler):
     stats: Optional[MTPStats] = None  # the request's, filled by the generation thread
     seen: Optional[list] = None  # the choice's Responses so far (their logprobs)
     wanted: Optional[structured.Wanted] = None  # what its output must be (structured output)
+    images: tuple = ()  # its images (images.py), read in _check
     logprobs_sent = 0  # of `seen`, those whose logprobs went out in a streamed chunk
     _answered = False  # the status line of an answer was sent (`send_response`)
 
@@ -217,20 +218,14 @@ class MTPAPIHandler(APIHandler):
             mp.tokenizer.has_thinking, max_tokens)
         if kwargs:
             body["chat_template_kwargs"] = kwargs
+        # images read here, each part then the model's placeholder text (images.py)
+        self.images = tuple(mp.images.openai(body.get("messages") or []))
         # (before mlx_lm's handler parses the body again: see preflight)
         self.response_generator.check_prompt_size(body.get("prompt"), body.get("messages", ()),
                                                   max_tokens)
         for i, m in enumerate(body.get("messages", ())):
             if m["role"] == "developer":  # OpenAI's newer name for the system role
                 m["role"] = "system"
-            # text only, refused here: mlx_lm.server would first fetch an image's URL
-            content = m.get("content")
-            for j, part in enumerate(content if isinstance(content, list) else ()):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    where = f"messages.{i}.content.{j}"
-                    raise ApiError(400, f"{where}: only text parts ({{'type': 'text', 'text': "
-                                        f"...}}) are supported, not {kind!r}", param=where)
 
     def _check_model(self, name):
         mp = self.response_generator.model_provider
@@ -332,6 +327,7 @@ class MTPAPIHandler(APIHandler):
         with contextlib.ExitStack() as held:
             try:
                 slot = held.enter_context(rg.slot(n))
+                extras(request).images = self.images
                 rg.preflight(request, self.chat_template_kwargs, self.max_tokens)
                 structured.attach_grammar(request, self.wanted, rg.model_provider)
             except ApiError as e:

@@ -39,6 +39,7 @@ class RequestExtras:
     reasoning_budget: Optional[Any] = None  # a forced call's (structured.ReasoningBudget)
     stats: Optional[MTPStats] = None  # the handler's, filled by the generation thread
     ctx: Optional[Any] = None  # its generation context, once a lane decodes it
+    images: tuple = ()  # its prompt's images, decoded (images.py), one per placeholder
 
 
 def extras(request) -> RequestExtras:
@@ -235,9 +236,16 @@ class _Lane:
         prompt, segments, kinds, initial_state, _ = self._tokenized(request, args)
         # no stop words in mlx_lm's machines: they match ids and strip text; ours end the text
         text_sm = gen.text_state_machine()
-        # an exact stored prefix (GDN states cannot be cut back), leaving at
-        # least the last prompt token to run
-        cache, n = gen.fetch(prompt[:-1])
+        media = None
+        if given.images:  # (prefilled whole, not cached yet: docs/design.md, "Images")
+            from ..vision import prompt_media
+
+            with mx.stream(generation_stream):  # (the tower runs on this thread)
+                prompt, media = prompt_media(model, prompt, given.images)
+            cache, n = None, 0
+        else:  # an exact stored prefix (GDN states cannot be cut back), leaving at
+            # least the last prompt token to run
+            cache, n = gen.fetch(prompt[:-1])
         ctx = MTPGenerationContext(
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm,
@@ -246,10 +254,10 @@ class _Lane:
         ctx.stats = MTPStats() if given.stats is None else given.stats
         given.ctx = ctx  # (a non-streamed request's client may leave: generation.ClientWatch)
         rqueue.put(ctx)
-        if cache is None:
+        if cache is None and media is None:
             cache = model.make_cache()
-        stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
-                                           gen.cli_args.prompt_snapshots)
+        stops, kinds_at = ((), {}) if media is not None else _snapshot_points(
+            prompt, segments, kinds, n, gen.cli_args.prompt_snapshots)
 
         def snapshot(done):  # (the end of a system prompt is what many conversations share)
             gen.store(prompt[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
@@ -263,7 +271,7 @@ class _Lane:
             stop_tokens=tokenizer.eos_token_ids,
             feed_tail=False,  # the cache as it stands when the row leaves: no forward then
             # structured output: the row's grammar (structured.attach_grammar)
-            constraint=settings.constraint, tokenizer=tokenizer)
+            constraint=settings.constraint, tokenizer=tokenizer, media=media)
         r.stops, r.snapshot = stops, snapshot
         chat = request.request_type == "chat" and tokenizer.has_chat_template
         state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
@@ -320,6 +328,8 @@ class _Lane:
             if not event.row.done:
                 with mx.stream(generation_stream):
                     self.batch.finish(event.row)
+            if state.cache is None:  # a prompt with images: nothing cached yet
+                return
             mp = self.gen.model_provider
             held = trunk_length(state.cache, mp.model)
             # the cache keeps what was answered: a stop string's tokens are not

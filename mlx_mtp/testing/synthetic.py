@@ -28,6 +28,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# a vision checkpoint's: content as text or a list of parts, an image part as
+# Qwen3.5's template writes it (one pad between vision-start and vision-end)
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # Qwen3.5 / 3.6's rules in a few lines (the server's `--chat-template`): one
 # system message, first ("System message must be at the beginning"), its
 # text then the tools in the system turn, tool results as user turns.
@@ -404,7 +417,8 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
     (`TINY_PREPROCESSOR`); the text weights are those without it."""
     added = (THINK_TOKENS if thinking else ()) + (TOOL_TOKENS if tools else ())
     specials = VISION_TOKENS if vision else ()
-    template = tool_chat_template(tools, thinking) if tools else CHAT_TEMPLATE
+    template = (tool_chat_template(tools, thinking) if tools
+                else VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE)
     if thinking and not tools:
         raise ValueError("thinking=True needs tools= (the template with thinking calls tools)")
     if vision and family != "qwen3_5":

@@ -1,0 +1,170 @@
+"""The server takes images (a real process on a tiny Qwen3.5 VL folder):
+OpenAI `image_url` parts (data URLs, and http URLs fetched from a local HTTP
+server) and Anthropic `image` blocks (base64 and url), streamed and not,
+answer what `generate_tokens` gives the same rendered prompt and images,
+with usage counting the image tokens; each bad image is one 400 and the
+server keeps serving."""
+
+import base64
+import functools
+import http.server
+import io
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm", reason="images need the [vision] extra")
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+requests = pytest.importorskip("requests")
+
+import mlx.core as mx  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import mlx_mtp  # noqa: E402
+from mlx_mtp import vision  # noqa: E402
+from mlx_mtp.decode import generate_tokens  # noqa: E402
+from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
+from serving import Server  # noqa: E402
+
+MAX_TOKENS = 12
+
+
+def _png(seed, h, w) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _flat(h, w) -> bytes:  # (many pixels in few bytes)
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (40, 90, 200)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNGS = [_png(0, 64, 96), _png(1, 96, 64)]
+
+
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A local HTTP server for the images (and a 404)."""
+    root = tmp_path_factory.mktemp("www")
+    for i, png in enumerate(PNGS):
+        (root / f"{i}.png").write_bytes(png)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("vl"), vision=True)
+    server = Server(["mlx_mtp.server", "--model", str(path), "--max-images", "2",
+                     "--max-image-bytes", "60000", "--max-image-pixels", "200000"],
+                    tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        yield path, server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """What generate_tokens gives a user message of (images..., text)."""
+    path, _ = served
+    model, tok = mlx_mtp.load(str(path))
+
+    def answer(n_images: int, text: str) -> str:
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+        ids = tok.apply_chat_template([{"role": "user", "content": content}],
+                                      add_generation_prompt=True)
+        ids, media = vision.prompt_media(model, ids, [p for p in PNGS[:n_images]])
+        out = [t for t, _, _ in generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS,
+                                                media=media)]
+        if out and out[-1] in tok.eos_token_ids:
+            out = out[:-1]
+        return tok.decode(out), len(ids)
+    return answer
+
+
+def _openai(server, parts, **kw):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": parts}],
+                                          max_tokens=MAX_TOKENS, temperature=0, **kw)
+
+
+def test_openai_image_parts_answer_as_the_library(served, files, reference):
+    _, server = served
+    want, prompt_tokens = reference(2, "what are these")
+    for urls in ([_data_url(p) for p in PNGS], [f"{files}/0.png", f"{files}/1.png"]):
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [
+            {"type": "text", "text": "what are these"}]
+        r = _openai(server, parts)
+        assert r.choices[0].message.content == want
+        assert r.usage.prompt_tokens == prompt_tokens  # the image tokens counted
+        stream = _openai(server, parts, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_anthropic_image_blocks_answer_as_the_library(served, files, reference):
+    _, server = served
+    want, _ = reference(1, "and this one")
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    for source in ({"type": "base64", "media_type": "image/png",
+                    "data": base64.b64encode(PNGS[0]).decode()},
+                   {"type": "url", "url": f"{files}/0.png"}):
+        m = client.messages.create(model="m", max_tokens=MAX_TOKENS, messages=[
+            {"role": "user", "content": [{"type": "image", "source": source},
+                                         {"type": "text", "text": "and this one"}]}])
+        assert "".join(b.text for b in m.content if b.type == "text") == want
+
+
+@pytest.mark.parametrize("part,words", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+     "cannot"),  # bytes that are no image
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "base64"),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "data:, http"),
+    ({"type": "image_url", "image_url": {"url": "{files}/missing.png"}}, "HTTP 404"),
+    ({"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}, "fetching"),
+    ({"type": "image_url", "image_url": {"url": _data_url(_png(2, 600, 600))}}, "bytes"),
+    ({"type": "image_url", "image_url": {"url": _data_url(_flat(400, 600))}}, "pixels"),
+    ({"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}, "video"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "only text and image"),
+])
+def test_each_bad_image_is_one_400_and_the_server_keeps_serving(served, files, part, words):
+    _, server = served
+    part = {k: ({"url": v["url"].replace("{files}", files)} if isinstance(v, dict) and "url" in v
+                else v) for k, v in part.items()}
+    r = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            part, {"type": "text", "text": "hi"}]}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["param"] == "messages.0.content.0", error
+    too_many = [{"type": "image_url", "image_url": {"url": _data_url(PNGS[0])}}] * 3
+    r = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": too_many}]})
+    assert r.status_code == 400 and "--max-images" in r.json()["error"]["message"]
+    assert _openai(server, "hello").choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_model_without_a_tower_refuses_images_in_one_line(tmp_path):
+    """The reader of a text-only folder (and of a model without M-RoPE)
+    refuses an image part with why, before anything is fetched."""
+    from mlx_mtp.server.images import ImageLimits, reader_for
+    from mlx_mtp.server.schemas import ApiError
+
+    model, tok = mlx_mtp.load(str(write_checkpoint(tmp_path / "text", seed=4)))
+    reader = reader_for(model, tok, ImageLimits())
+    with pytest.raises(ApiError, match="takes no images") as e:
+        reader.openai([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/never-fetched"}}]}])
+    assert e.value.status == 400 and e.value.param == "messages.0.content.0"
