@@ -77,7 +77,7 @@ def main(argv=None):
             accepted[k].add(stats)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k}: {rows[k][-1]:.1f}" for k in depths), file=sys.stderr)
-    print(f"prompt: {len(ids)} tokens, {int((np.array(ids) == media.pad_id).sum())} of them "
+    print(f"prompt: {len(ids)} tokens, {len(media.pads)} of them "
           f"image tokens ({len(images)} image(s)); {args.max_tokens} generated; "
           f"{args.rounds} rounds, depth 0 and each depth alternating")
     print(f"{'depth':>6} {'tok/s':>8} {'vs depth 0':>18} {'acceptance':>11}")

@@ -49,11 +49,15 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(prompt)
 
 
-def _with_images(model, prompt: mx.array, images) -> Tuple[mx.array, object]:
+def _with_images(model, prompt: mx.array, images, prompt_cache=None
+                 ) -> Tuple[mx.array, object]:
     """The prompt with its images' pads expanded, and their rows.Media (None
     without images). The vision stage (the [vision] extra) loads only here."""
     if not images:
         return prompt, None
+    if prompt_cache is not None:  # (its earlier images' positions are not known here)
+        raise ValueError("images with a prompt cache are not supported yet: give the whole "
+                         "conversation, without prompt_cache")
     from .vision import prompt_media
 
     ids, media = prompt_media(model, prompt.tolist(), [_read(im) for im in images])
@@ -155,7 +159,7 @@ def generate_step(
         prompt_cache yet). docs/design.md, "Images".
     """
     checks.prompt(prompt, text=False)
-    prompt, media = _with_images(model, prompt, images)
+    prompt, media = _with_images(model, prompt, images, prompt_cache)
     checks.logits_processors(logits_processors)
     kwargs = _check_options(dict(max_kv_size=max_kv_size, kv_bits=kv_bits,
                                  input_embeddings=input_embeddings,
@@ -200,7 +204,8 @@ def stream_generate(
     tokenizer = _wrapped(tokenizer)
     if kwargs.get("constraint") is not None:
         kwargs["tokenizer"] = tokenizer
-    prompt, media = _with_images(model, _encode(tokenizer, prompt), kwargs.pop("images", None))
+    prompt, media = _with_images(model, _encode(tokenizer, prompt), kwargs.pop("images", None),
+                                 kwargs.get("prompt_cache"))
     detokenizer = tokenizer.detokenizer
     stats = kwargs.pop("stats", None) or MTPStats()
     if "pipeline" in kwargs:
@@ -341,7 +346,8 @@ def batch_generate(
             cache = copy.deepcopy(prompt_caches[i])
         elif return_prompt_caches:
             cache = model.make_cache()
-        prompt, media = _with_images(model, mx.array(prompt), images[i])
+        prompt, media = _with_images(model, mx.array(prompt), images[i],
+                                     None if prompt_caches is None else prompt_caches[i])
         request = batch.prepare(prompt, cache, max_tokens[i], seeds[i], media=media,
                                 sampler=None if opaque else samplers[i],
                                 logits_processors=processors[i],

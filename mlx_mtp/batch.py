@@ -205,14 +205,14 @@ class Batch:
         if sampling is not None and sampling.xtc_special:
             checks.token_ids("xtc_special_tokens", sampling.xtc_special, model.vocab_size)
         keep_cache = prompt_cache is not None  # else nobody sees it: no finishing work
-        if media is not None:
-            _check_media(media, ids, model, keep_cache, self.spec.group)
         if prompt_cache is None:
             prompt_cache = model.make_cache()
         check_model_cache(prompt_cache, model)
+        cached = cache_length(prompt_cache, model.is_linear)
+        if media is not None:
+            _check_media(media, ids, model, cached, self.spec.group)
         context = getattr(model.text_args, "max_position_embeddings", None)
-        checks.prompt_length(cache_length(prompt_cache, model.is_linear) + len(ids), context,
-                             id(model))
+        checks.prompt_length(cached + len(ids), context, id(model))
         matcher = None
         if constraint is not None:
             from .constraint import row_matcher
@@ -291,7 +291,8 @@ class Batch:
                 r = requests[0]
                 prefilled = [prefill_media(fed, r.prompt_cache, r.prompt, r.media,
                                            self.options.prefill_step_size,
-                                           lambda done, total: progress(0, done, total))]
+                                           lambda done, total: progress(0, done, total),
+                                           r.stops, lambda n: snapshot(0, n))]
             else:
                 prefilled = prefill(fed, [r.prompt_cache for r in requests],
                                     [r.prompt for r in requests], self.options.prefill_step_size,
@@ -666,20 +667,22 @@ def _concat(a: DecodeState, b: DecodeState) -> DecodeState:
     return DecodeState.concat(a, b)
 
 
-def _check_media(media: Media, ids: List[int], model, keep_cache: bool, group):
-    """A prompt's images fit its tokens and this model (one line each)."""
+def _check_media(media: Media, ids: List[int], model, cached: int, group):
+    """A prompt's images fit its tokens, its prompt cache (holding the
+    prompt's first `media.start` tokens) and this model (one line each)."""
     if not getattr(model, "takes_images", False):
         raise ValueError("this model takes no images (only Qwen3.5/3.6 folders with a vision "
                          "tower do)")
-    if keep_cache:
-        raise ValueError("images with a prompt cache are not supported yet: give the whole "
-                         "conversation, without prompt_cache")
     if group is not None:
         raise ValueError("images are not supported on a sharded model yet")
-    if media.positions.shape != (3, len(ids)):
+    if cached != media.start:
+        raise ValueError(f"the prompt cache holds {cached} tokens, the images' layout "
+                         f"{media.start}")
+    total = media.start + len(ids)
+    if media.positions.shape != (3, total):
         raise ValueError(f"the images' positions cover {media.positions.shape[-1]} tokens, "
-                         f"the prompt has {len(ids)}")
-    if not (media.positions[:, -1] == len(ids) - 1 + media.delta).all():
+                         f"the prompt has {total}")
+    if not (media.positions[:, -1] == total - 1 + media.delta).all():
         raise ValueError("the prompt ends inside an image: end it with text")
 
 

@@ -142,14 +142,16 @@ def prefill(spec: Spec, caches: List[list], prompts: List[List[int]], prefill_st
 
 
 def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_step_size: int,
-                  progress: Callable = lambda done, total: None) -> Prefilled:
-    """`prefill` for one prompt with images (`media`: rows.Media), on an
-    empty prompt cache: the
+                  progress: Callable = lambda done, total: None, stops=(),
+                  snapshot: Callable = lambda n: None) -> Prefilled:
+    """`prefill` for one prompt with images (`media`: rows.Media), on a
+    prompt cache holding the prompt's first `media.start` tokens: the
     trunk takes the prompt's embeddings with the image features at the pads
     and each token's three M-RoPE positions; the head follows one position
     behind as `prefill`'s does, its pair (h_p, tok_{p+1}) at position p's ids
     and with tok_{p+1}'s embedding (an image pad's: its feature, as vLLM's
-    multimodal MTP head takes it)."""
+    multimodal MTP head takes it). `stops`, `snapshot`: as `prefill`'s, for
+    this one prompt."""
     model = spec.model
     n_trunk = len(model.is_linear)
     trunk = cache[:n_trunk]
@@ -157,14 +159,17 @@ def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_ste
     emb = media.embeddings(model, prompt)
     ids = mx.array([prompt], dtype=mx.int32)
 
-    def at(caches, start, stop):  # the forward's tokens at their own ids
-        return mrope.at(caches, mrope.Positions(mx.array(media.positions[:, None, start:stop],
-                                                         dtype=mx.int32)))
+    o = media.start  # (indices below are the row's prompt's; positions the whole one's)
 
-    n, done, last, g = len(prompt) - 1, 0, None, None
+    def at(caches, start, stop):  # the forward's tokens at their own ids
+        return mrope.at(caches, mrope.Positions(mx.array(
+            media.positions[:, None, o + start:o + stop], dtype=mx.int32)))
+
+    last = last_hidden(cache, model.is_linear) if head is not None else None
+    n, done, g = len(prompt) - 1, 0, None
     progress(0, len(prompt))
-    while done < n:
-        v = min(prefill_step_size, n - done)
+    pieces = _pieces(n, prefill_step_size, stops)
+    for v in pieces:
         h = model.trunk_hidden(ids[:, done:done + v], at(trunk, done, done + v),
                                emb[:, done:done + v])
         if head is not None:
@@ -177,6 +182,10 @@ def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_ste
         mx.eval([c.state for c in trunk], [c.state for c in head or []], last)
         done += v
         progress(done, len(prompt))
+        if done in stops:
+            if head is not None or len(cache) > n_trunk:
+                set_last_hidden(cache, last if head is not None else None, model.is_linear)
+            snapshot(done)
         mx.clear_cache()
     if head is not None and last is not None:  # the last pair: (h_{n-1}, the last token)
         g = head_forward(model, last, ids[:, n:], at(head, n - 1, n), emb[:, n:])

@@ -47,25 +47,26 @@ class Lengths:
 @dataclass(frozen=True)
 class Media:
     """A prompt's images as the text model takes them (docs/design.md,
-    "Images"; built by vision.py): the features of its image pads, in order,
-    in place of the pads' embeddings; each prompt token's three M-RoPE
-    position ids; and the shift of every position after the prompt."""
+    "Images"; built by vision.py): the features of its image pads after the
+    `start` tokens a prompt cache holds, in place of the pads' embeddings;
+    each token's three M-RoPE position ids; the shift of every position
+    after the prompt."""
 
-    features: mx.array  # [pads, H]
-    pad_id: int  # the image-pad token
-    positions: np.ndarray  # [3, T] int: the prompt's tokens, from position 0
+    features: mx.array  # [pads, H]: the images' after `start`, in order
+    pads: np.ndarray  # their pads' indices in the whole prompt
+    positions: np.ndarray  # [3, T] int: the whole prompt's tokens, from position 0
     delta: int  # a later token's position: its index + delta (all three axes)
+    start: int = 0  # the tokens a prompt cache holds before the row's prompt
 
     def embeddings(self, model, prompt: List[int]) -> mx.array:
-        """The prompt's input embeddings [1, T, H]: the tokens', the features
-        at the pads."""
-        ids = np.array(prompt)
-        pads = np.nonzero(ids == self.pad_id)[0]
-        emb = model.embed(mx.array(ids[None], dtype=mx.int32))
-        if len(pads) != self.features.shape[0]:
-            raise ValueError(f"the prompt has {len(pads)} image-pad tokens for "
-                             f"{self.features.shape[0]} image feature rows")
-        emb[0, mx.array(pads)] = self.features.astype(emb.dtype)
+        """The input embeddings [1, T', H] of the row's prompt (the tokens
+        from `start` on): the tokens', the features at the pads."""
+        emb = model.embed(mx.array([prompt], dtype=mx.int32))
+        if len(self.pads) != self.features.shape[0]:
+            raise ValueError(f"{len(self.pads)} image pads for {self.features.shape[0]} "
+                             "image feature rows")
+        if len(self.pads):
+            emb[0, mx.array(self.pads - self.start)] = self.features.astype(emb.dtype)
         return emb
 
 

@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import io
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 # decoded (PIL reads the size from the header). 6000 x 5600; the processor
 # resizes everything to at most the checkpoint's `longest_edge` pixels anyway.
 MAX_INPUT_PIXELS = 6000 * 5600
+# images whose features the tower keeps (by pixel digest), for the next turn
+FEATURES_KEPT = 16
 
 # The weight names of the tower in the two layouts: Hugging Face's release
 # and mlx-vlm's conversion (which keeps the text model as `language_model.*`)
@@ -283,6 +286,7 @@ class VisionTower:
         self.spec = spec
         self.layout = layout
         self.max_input_pixels = max_input_pixels
+        self._kept: "OrderedDict[str, object]" = OrderedDict()  # digest -> features
 
     @property
     def dtype(self):
@@ -309,6 +313,27 @@ class VisionTower:
         pixel_values, grid = preprocess(decoded, self.processor)
         features, _ = self.model(mx.array(pixel_values).astype(self.dtype), mx.array(grid))
         return features, grid
+
+    def grid(self, image: "DecodedImage") -> Tuple[int, int, int]:
+        """An image's patch grid (t, h, w), from its size alone (the
+        processor's resize rule, as `token_count`)."""
+        p = self.processor
+        h, w = p._resolved_size(*image.size)
+        return (1, h // p.patch_size, w // p.patch_size)
+
+    def features(self, images: Sequence["DecodedImage"]) -> List["mx.array"]:
+        """Each image's features, the tower run once for those not among the
+        last FEATURES_KEPT images' (by pixel digest): a second turn about an
+        image does not encode it again."""
+        todo = [im for im in images if im.digest not in self._kept]
+        if todo:
+            for im, enc in zip(todo, self.encode_images(todo)):
+                self._kept[im.digest] = enc.features
+                while len(self._kept) > FEATURES_KEPT:
+                    self._kept.popitem(last=False)
+        for im in images:
+            self._kept.move_to_end(im.digest)
+        return [self._kept[im.digest] for im in images]
 
     def encode_images(self, images: Iterable[Union[ImageInput, DecodedImage]]) -> List[EncodedImage]:
         """`encode`, one EncodedImage per image (with its pixel digest)."""
@@ -446,24 +471,92 @@ def tower_of(model) -> VisionTower:
     return model.runtime.vision
 
 
-def prompt_media(model, tokens: Sequence[int], images: Sequence[ImageInput]
-                 ) -> Tuple[List[int], "Media"]:
-    """A prompt with one image-pad placeholder per image, where each image
-    goes (as a chat template with image parts writes it), and its images:
-    the prompt with each placeholder expanded to its image's pads, and what
-    the text model takes for them (rows.Media: features, M-RoPE positions,
-    the shift after). The tower runs once for all the images."""
-    from .rows import Media
+@dataclass(frozen=True)
+class PromptLayout:
+    """Where a prompt's images go, from their sizes alone (no tower run):
+    the prompt with each placeholder expanded to its image's pads, its
+    prefix-cache key (each pad a surrogate of its image's pixel digest, so
+    the same tokens with another image never match), each image's span
+    [start, end), grid and digest, and the M-RoPE positions and delta."""
 
+    tokens: List[int]
+    key: List[int]
+    spans: List[Tuple[int, int]]
+    grids: List[Tuple[int, int, int]]
+    digests: List[str]
+    rope: RopeIndex
+
+    def restorable(self, n: int) -> int:
+        """The longest prefix of at most n tokens that ends outside every
+        image span (a restore never ends inside one)."""
+        for start, end in self.spans:
+            if start < n < end:
+                return start
+        return n
+
+
+def surrogate(digest: str) -> int:
+    """An image's pads in a prefix-cache key: a negative id from its pixel
+    digest (no token has one; int32, as the disk tier stores keys)."""
+    return -1 - int(digest[:8], 16) % (2 ** 31 - 2)
+
+
+def prompt_layout(model, tokens: Sequence[int], images: Sequence["DecodedImage"]
+                  ) -> PromptLayout:
+    """A prompt with one image-pad placeholder per image, where each image
+    goes (as a chat template with image parts writes it), and its decoded
+    images: their layout (`PromptLayout`)."""
     tower = tower_of(model)
-    if not any(t == tower.spec.image_token_id for t in tokens):
+    spec = tower.spec
+    if not any(t == spec.image_token_id for t in tokens):
         raise ValueError("the prompt has no image placeholder: put <|vision_start|><|image_pad|>"
                          "<|vision_end|> where each image goes (a chat template with image "
                          "parts writes it)")
-    encoded = tower.encode_images(images)
-    expanded = expand_image_pads(list(tokens), [e.tokens for e in encoded], tower.spec)
-    index = rope_index(expanded, [e.grid_thw for e in encoded], tower.spec)
+    grids = [tower.grid(im) for im in images]
+    counts = [image_token_count(g, spec.spatial_merge_size) for g in grids]
+    expanded = expand_image_pads(list(tokens), counts, spec)
+    spans, pos = [], 0  # (a run of pads is one image, as rope_index reads them)
+    for pad, run in itertools.groupby(expanded, key=lambda t: t == spec.image_token_id):
+        n = len(list(run))
+        if pad:
+            spans.append((pos, pos + n))
+        pos += n
+    key = list(expanded)
+    for (start, end), im in zip(spans, images):
+        key[start:end] = [surrogate(im.digest)] * (end - start)
+    return PromptLayout(expanded, key, spans, grids, [im.digest for im in images],
+                        rope_index(expanded, grids, spec))
+
+
+def prompt_media(model, tokens: Sequence[int], images: Sequence[ImageInput], start: int = 0
+                 ) -> Tuple[List[int], "Media"]:
+    """A prompt with one image-pad placeholder per image and its images:
+    the prompt with the placeholders expanded, and what the text model takes
+    for them (rows.Media) from token `start` on (what a prompt cache holding
+    the first `start` tokens leaves to prefill; `start` must not fall inside
+    an image: `PromptLayout.restorable`)."""
+    tower = tower_of(model)
+    decoded = [im if isinstance(im, DecodedImage) else decode_image(im, tower.max_input_pixels)
+               for im in images]
+    layout = prompt_layout(model, tokens, decoded)
+    return layout.tokens, layout_media(model, layout, decoded, start)
+
+
+def layout_media(model, layout: PromptLayout, images: Sequence["DecodedImage"], start: int = 0
+                 ) -> "Media":
+    """rows.Media of a laid-out prompt from token `start` on: the features of
+    the images after it (the tower runs on those not in its cache)."""
     import mlx.core as mx
 
-    features = mx.concatenate([e.features for e in encoded], axis=0)
-    return expanded, Media(features, tower.spec.image_token_id, index.positions, index.delta)
+    from .rows import Media
+
+    if layout.restorable(start) != start:
+        raise ValueError(f"token {start} is inside an image: a prefix ends before or after one")
+    tower = tower_of(model)
+    later = [i for i, (s, _) in enumerate(layout.spans) if s >= start]
+    features = tower.features([images[i] for i in later])
+    pads = np.concatenate([np.arange(*layout.spans[i]) for i in later]) if later else \
+        np.zeros(0, np.int64)
+    hidden = model.text_args.hidden_size
+    return Media(mx.concatenate(features, axis=0) if features else mx.zeros((0, hidden)),
+                 pads, layout.rope.positions, layout.rope.delta, start)

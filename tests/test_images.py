@@ -87,8 +87,13 @@ def test_bad_image_requests_are_one_clear_error(vl, tmp_path):
     _, model, tok = vl
     ids, media = vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1])
     batch = make_batch(model, draft_tokens=2)
-    with pytest.raises(ValueError, match="prompt cache"):
-        batch.prepare(ids, model.make_cache(), 4, media=media)
+    cache = model.make_cache()
+    list(generate_tokens(mx.array(tok.encode("hello")), model, max_tokens=1, prompt_cache=cache))
+    with pytest.raises(ValueError, match="prompt cache holds"):  # (not the images' prefix)
+        batch.prepare(ids, cache, 4, media=media)
+    with pytest.raises(ValueError, match="with a prompt cache"):  # the API: not yet
+        list(mlx_mtp.generate_step(mx.array(_prompt(model, tok, 1)), model, images=IMAGES[:1],
+                                   prompt_cache=model.make_cache()))
     with pytest.raises(ValueError, match="no image placeholder"):
         vision.prompt_media(model, tok.encode("no image here"), IMAGES[:1])
     cut, cut_media = vision.prompt_media(model, _prompt(model, tok, 1)[:-len(tok.encode(

@@ -168,3 +168,41 @@ def test_a_model_without_a_tower_refuses_images_in_one_line(tmp_path):
         reader.openai([{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/never-fetched"}}]}])
     assert e.value.status == 400 and e.value.param == "messages.0.content.0"
+
+
+def test_a_second_turn_about_an_image_is_served_from_the_cache(served, reference):
+    """The next turn of a conversation about an image reads the first turn
+    from the prefix cache (its image span included) and answers what a cold
+    prefill answers; the same words with another image of the same size
+    read only what comes before the image."""
+    _, server = served
+    first = [{"type": "image_url", "image_url": {"url": _data_url(PNGS[0])}},
+             {"type": "text", "text": "what is it"}]
+    r1 = _openai(server, first)
+    convo = [{"role": "user", "content": first},
+             {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "tell me more"}]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    r2 = client.chat.completions.create(model="m", messages=convo, max_tokens=MAX_TOKENS,
+                                        temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens - 1, (cached, r1.usage)
+    # cold: the same conversation through the library
+    path, _ = served
+    model, tok = mlx_mtp.load(str(path))
+    convo_ref = [{"role": "user", "content": [{"type": "image"},
+                                              {"type": "text", "text": "what is it"}]},
+                 convo[1], convo[2]]
+    ids = tok.apply_chat_template(convo_ref, add_generation_prompt=True)
+    ids, media = vision.prompt_media(model, ids, PNGS[:1])
+    out = [t for t, _, _ in generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS,
+                                            media=media)]
+    out = out[:-1] if out and out[-1] in tok.eos_token_ids else out
+    assert r2.choices[0].message.content == tok.decode(out)
+    assert r2.usage.prompt_tokens == len(ids)
+    other = [{"type": "image_url", "image_url": {"url": _data_url(_png(7, 64, 96))}},
+             {"type": "text", "text": "what is it"}]
+    r3 = _openai(server, other)
+    spec = vision.tower_of(model).spec
+    before_image = ids.index(spec.image_token_id)
+    assert r3.usage.prompt_tokens_details.cached_tokens <= before_image

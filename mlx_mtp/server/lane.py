@@ -236,16 +236,22 @@ class _Lane:
         prompt, segments, kinds, initial_state, _ = self._tokenized(request, args)
         # no stop words in mlx_lm's machines: they match ids and strip text; ours end the text
         text_sm = gen.text_state_machine()
-        media = None
-        if given.images:  # (prefilled whole, not cached yet: docs/design.md, "Images")
-            from ..vision import prompt_media
+        # an exact stored prefix (GDN states cannot be cut back), leaving at
+        # least the last prompt token to run; with images, found by the key
+        # whose pads are their pixel digests', never ending inside an image
+        media, key, layout = None, prompt, None
+        if given.images:
+            from ..vision import layout_media, prompt_layout
 
-            with mx.stream(generation_stream):  # (the tower runs on this thread)
-                prompt, media = prompt_media(model, prompt, given.images)
-            cache, n = None, 0
-        else:  # an exact stored prefix (GDN states cannot be cut back), leaving at
-            # least the last prompt token to run
-            cache, n = gen.fetch(prompt[:-1])
+            with mx.stream(generation_stream):  # (the tower loads on this thread)
+                layout = prompt_layout(model, prompt, given.images)
+            prompt, key = layout.tokens, layout.key
+        cache, n = gen.fetch(key[:-1])
+        while layout is not None and layout.restorable(n) != n:
+            cache, n = gen.fetch(key[:layout.restorable(n)])
+        if layout is not None:
+            with mx.stream(generation_stream):  # (the tower runs for the images after n)
+                media = layout_media(model, layout, given.images, n)
         ctx = MTPGenerationContext(
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm,
@@ -254,13 +260,15 @@ class _Lane:
         ctx.stats = MTPStats() if given.stats is None else given.stats
         given.ctx = ctx  # (a non-streamed request's client may leave: generation.ClientWatch)
         rqueue.put(ctx)
-        if cache is None and media is None:
+        if cache is None:
             cache = model.make_cache()
-        stops, kinds_at = ((), {}) if media is not None else _snapshot_points(
-            prompt, segments, kinds, n, gen.cli_args.prompt_snapshots)
+        if layout is not None:  # (the segments count the prompt before its pads were expanded)
+            segments, kinds = [prompt], ["user"]
+        stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
+                                           gen.cli_args.prompt_snapshots)
 
         def snapshot(done):  # (the end of a system prompt is what many conversations share)
-            gen.store(prompt[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
+            gen.store(key[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
                       persist=kinds_at[done] == "system")
 
         r = self.batch.prepare(
@@ -274,7 +282,7 @@ class _Lane:
             constraint=settings.constraint, tokenizer=tokenizer, media=media)
         r.stops, r.snapshot = stops, snapshot
         chat = request.request_type == "chat" and tokenizer.has_chat_template
-        state = _RowState(rid, rqueue, ctx, args, cache, prompt[:],
+        state = _RowState(rid, rqueue, ctx, args, cache, key[:],
                           StopStrings(args.stop_words), tokenizer.detokenizer, request,
                           Answer(ctx, given.call_tools or request.tools, tokenizer)
                           if chat else None)
@@ -328,8 +336,6 @@ class _Lane:
             if not event.row.done:
                 with mx.stream(generation_stream):
                     self.batch.finish(event.row)
-            if state.cache is None:  # a prompt with images: nothing cached yet
-                return
             mp = self.gen.model_provider
             held = trunk_length(state.cache, mp.model)
             # the cache keeps what was answered: a stop string's tokens are not
@@ -340,7 +346,9 @@ class _Lane:
                                          mp.tokenizer.decode)
             # a chat's next turn starts from its prefix (`idle_step`, which
             # also writes it to disk), rendered once this request has ended
-            ahead = state.answer is not None and not state.left
+            # (not with images: a next turn's render has their placeholders, not their keys)
+            ahead = state.answer is not None and not state.left and not extras(
+                state.request).images
             stored = held <= answered
             if stored:
                 self.gen.store(state.key_tokens[:held], state.cache, persist=not ahead)
