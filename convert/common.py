@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 from mlx_mtp.checkpoint import CheckpointError, safetensors_header, weight_files
 
-# Files a text-only conversion needs from a Hugging Face repository. The
-# vision tower's preprocessor files and anything else are never downloaded.
-CONFIG_FILES = ["config.json", "generation_config.json"]
+# Files a conversion needs from a Hugging Face repository (the vision
+# tower's weights come with the model's; its image processor's config too).
+CONFIG_FILES = ["config.json", "generation_config.json", "preprocessor_config.json"]
 TOKENIZER_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -100,6 +101,32 @@ def _write_weights(staging: Path, model, desc: str = "writing") -> Dict[str, Any
     index["weight_map"] = dict(sorted(index["weight_map"].items()))
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=4))
     return {"tensors": n_tensors, "head_tensors": n_head, "shards": n}
+
+
+def _copy_tower(src: Path, staging: Path) -> int:
+    """A vision tower's tensors as released (`model.visual.*`: vision.py
+    loads that layout; not quantized) into a shard of their own, listed in
+    the index, and its image processor's config. Returns the tensor count."""
+    import mlx.core as mx
+
+    from mlx_mtp.vision import vision_tensor_names
+
+    tensors = {}
+    for path, names in vision_tensor_names(src).items():
+        arrays = mx.load(path)
+        tensors.update({k: arrays[k] for k in names})
+    if not tensors:
+        return 0
+    name = "model-vision.safetensors"
+    mx.save_safetensors(str(staging / name), tensors, metadata={"format": "mlx"})
+    index = json.loads((staging / INDEX_FILE).read_text())
+    index["weight_map"] = dict(sorted({**index["weight_map"],
+                                       **{k: name for k in tensors}}.items()))
+    index["metadata"]["total_size"] += sum(v.nbytes for v in tensors.values())
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=4))
+    if (src / "preprocessor_config.json").is_file():
+        shutil.copyfile(src / "preprocessor_config.json", staging / "preprocessor_config.json")
+    return len(tensors)
 
 
 def _model_card(staging: Path, hf_path: str, hub: bool):
@@ -256,9 +283,11 @@ def convert(
         interrupts.pause_point("staging")
         stats = _write_weights(staging, model)  # donates the model's arrays
         del model
+        stats["vision_tensors"] = _copy_tower(Path(src), staging)
         from mlx_lm.utils import save_config
 
-        save_config(config, staging / "config.json")
+        save_config(config, staging / "config.json",
+                    keep_vision_config=bool(stats["vision_tensors"]))
         copied = copy_tokenizer_files(src, staging)
         if "tokenizer_config.json" not in copied and "tokenizer.json" not in copied:
             warn(f"{src} has no tokenizer files; add them to {out} before loading")
@@ -276,6 +305,8 @@ def convert(
         "head": (describe_quant(head_q, float_dtype) if has_mtp else "none (no mtp.* in source)"),
         "size_bytes": folder_size(out),
         "norms": "shifted once" if unconverted else "already shifted in source (kept)",
+        "vision": (f"{stats['vision_tensors']} tensors kept as released (images: "
+                   "pip install 'mlx-mtp[vision]')" if stats["vision_tensors"] else "none"),
     }
     return summary
 
@@ -286,4 +317,5 @@ def print_summary(s: Dict[str, Any]) -> None:
     print(f"  trunk       {s['trunk']}")
     print(f"  MTP head    {s['head']}")
     print(f"  norms       {s['norms']}")
+    print(f"  vision      {s['vision']}")
     print(f"  size        {human_size(s['size_bytes'])}")

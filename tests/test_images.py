@@ -139,3 +139,27 @@ def test_plain_decoding_of_an_image_prompt_is_transformers(vl):
     flat = dataclasses.replace(media, delta=0, positions=np.broadcast_to(
         np.arange(len(ids)), (3, len(ids))).copy())
     assert np.abs(_run(model, ids, flat, 0, 8)[1] - theirs).max() > 1e-3
+
+
+def test_converted_and_grafted_folders_keep_the_tower(vl, tmp_path):
+    """`mlx_mtp.convert` keeps the tower as released (and its image
+    processor's config) beside the head; `--graft` adds the head to
+    mlx-vlm's own conversion (`vision_tower.*`, `language_model.*`, no head).
+    Both decode an image prompt with MTP as the source folder does."""
+    from mlx_vlm.convert import convert as mlx_vlm_convert
+
+    from mlx_mtp.convert import convert, graft
+
+    path, model, tok = vl
+    ids, media = vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1])
+    want = _run(model, ids, media, 0)[0]
+    ours = tmp_path / "converted"
+    summary = convert(path, ours)
+    assert summary["vision"].startswith("33 tensors")
+    mlx_vlm_convert(hf_path=str(path), mlx_path=str(tmp_path / "mlx-vlm"))
+    graft(tmp_path / "mlx-vlm", path)
+    for folder in (ours, tmp_path / "mlx-vlm"):
+        m, t = mlx_mtp.load(str(folder))
+        assert m.has_mtp
+        ids2, media2 = vision.prompt_media(m, _prompt(m, t, 1), IMAGES[:1])
+        assert ids2 == ids and _run(m, ids2, media2, 2)[0] == want, folder

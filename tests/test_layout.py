@@ -184,7 +184,8 @@ def test_rows_are_built_only_by_batch_prepare():
         for node in ast.walk(tree):
             func = node.func if isinstance(node, ast.Call) else None
             if (isinstance(func, ast.Name) and func.id == "Request") or (
-                    isinstance(func, ast.Attribute) and func.attr == "Request"):
+                    isinstance(func, ast.Attribute) and func.attr == "Request"
+                    and isinstance(func.value, ast.Name) and func.value.id == "rows"):
                 builders.append((path.relative_to(ROOT).as_posix(), where.get(node, "<module>")))
     assert builders == [("mlx_mtp/batch.py", "prepare")], builders
 
