@@ -163,3 +163,30 @@ def test_converted_and_grafted_folders_keep_the_tower(vl, tmp_path):
         assert m.has_mtp
         ids2, media2 = vision.prompt_media(m, _prompt(m, t, 1), IMAGES[:1])
         assert ids2 == ids and _run(m, ids2, media2, 2)[0] == want, folder
+
+
+def test_the_cli_takes_images(vl, tmp_path):
+    """`python -m mlx_mtp.generate --image PATH` (repeatable): the chat
+    template's image parts, the text the API gives for the same message."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    path, model, tok = vl
+    files = []
+    for i, pixels in enumerate(IMAGES):
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(pixels).save(files[-1])
+    content = [{"type": "image"}] * 2 + [{"type": "text", "text": "compare"}]
+    ids = tok.apply_chat_template([{"role": "user", "content": content}],
+                                  add_generation_prompt=True)
+    want = mlx_mtp.generate(model, tok, ids, max_tokens=10, images=[str(f) for f in files])
+    r = subprocess.run([sys.executable, "-m", "mlx_mtp.generate", "--model", str(path),
+                        "--image", str(files[0]), "--image", str(files[1]), "--prompt", "compare",
+                        "-m", "10", "--draft-tokens", "2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.rstrip("\n") == want
+    r = subprocess.run([sys.executable, "-m", "mlx_mtp.generate", "--model", str(path),
+                        "--image", str(tmp_path / "missing.png")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: cannot read image"), r.stderr

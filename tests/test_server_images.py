@@ -206,3 +206,24 @@ def test_a_second_turn_about_an_image_is_served_from_the_cache(served, reference
     spec = vision.tower_of(model).spec
     before_image = ids.index(spec.image_token_id)
     assert r3.usage.prompt_tokens_details.cached_tokens <= before_image
+
+
+def test_four_image_requests_at_once_each_answer_as_alone(served):
+    """Four image requests sent together decode together (each prefilled on
+    its own, then rows of one batch, each with its own M-RoPE shift): each
+    answers what it answers alone."""
+    _, server = served
+    asks = [[{"type": "image_url", "image_url": {"url": _data_url(_png(10 + i, 64, 64 + 32 * i))}},
+             {"type": "text", "text": f"picture {i}"}] for i in range(4)]
+    alone = [_openai(server, a).choices[0].message.content for a in asks]
+    together = [None] * 4
+
+    def ask(i):
+        together[i] = _openai(server, asks[i]).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
