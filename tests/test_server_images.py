@@ -227,3 +227,35 @@ def test_four_image_requests_at_once_each_answer_as_alone(served):
     for t in threads:
         t.join()
     assert together == alone
+
+
+@pytest.mark.slow
+def test_fifty_image_requests_good_and_bad_leave_memory_bounded(served, files):
+    """50 requests of images (new ones each time, of several sizes, mixed
+    with undecodable bytes, too many pixels, bad base64 and failing URLs):
+    every good one answered, every bad one a 400, and the server's resident
+    memory after them within 64 MiB of where it was after 10 (the features
+    kept by digest and the prefix cache are bounded)."""
+    from serving import rss
+
+    _, server = served
+    rng = np.random.default_rng(5)
+
+    def one(i):
+        kind = i % 5
+        url = (_data_url(_png(100 + i, 32 + 16 * (i % 4), 48 + 16 * (i % 3))) if kind < 2 else
+               "data:image/png;base64,aGVsbG8=" if kind == 2 else
+               _data_url(_flat(400, 600)) if kind == 3 else f"{files}/missing-{i}.png")
+        r = requests.post(server.url + "/v1/chat/completions", json={
+            "model": "m", "max_tokens": int(rng.integers(1, 8)), "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": f"n{i}"}]}]})
+        assert r.status_code == (200 if kind < 2 else 400), (i, r.text)
+
+    for i in range(10):
+        one(i)
+    before = rss(server.proc.pid)
+    for i in range(10, 60):
+        one(i)
+    grew = rss(server.proc.pid) - before
+    assert grew < 64 << 20, f"the server grew by {grew / 2**20:.0f} MiB"
