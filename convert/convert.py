@@ -106,11 +106,17 @@ def _write_weights(staging: Path, model, desc: str = "writing") -> Dict[str, Any
 def _copy_tower(src: Path, staging: Path) -> int:
     """A vision tower's tensors as released (`model.visual.*`: vision.py
     loads that layout; not quantized) into a shard of their own, listed in
-    the index, and its image processor's config. Returns the tensor count."""
+    the index, and its image processor's config, where the config says the
+    model takes images. Returns the tensor count."""
     import mlx.core as mx
 
-    from mlx_mtp.vision import vision_tensor_names
+    from mlx_mtp.checkpoint import read_config_file
+    from mlx_mtp.vision import VisionSpec, vision_tensor_names
 
+    try:
+        VisionSpec.from_config(read_config_file(src))
+    except ValueError:  # (a config without the image tokens: the tower is dropped)
+        return 0
     tensors = {}
     for path, names in vision_tensor_names(src).items():
         arrays = mx.load(path)

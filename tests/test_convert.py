@@ -225,9 +225,10 @@ def test_convert_from_hub_downloads_only_needed_files(hf, tmp_path, monkeypatch)
         return any(fnmatch.fnmatch(name, p) for p in patterns)
 
     for need in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "merges.txt"):
+                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "merges.txt",
+                 "preprocessor_config.json"):  # (the vision tower's image processor)
         assert allowed(need), need
-    for skip in ("preprocessor_config.json", "video_preprocessor_config.json", "README.md",
+    for skip in ("video_preprocessor_config.json", "README.md",
                  "consolidated.safetensors", "pytorch_model.bin", ".gitattributes"):
         assert not allowed(skip), skip
     assert "base_model: Qwen/Qwen3.6-Tiny" in (tmp_path / "out" / "README.md").read_text()

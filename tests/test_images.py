@@ -22,13 +22,24 @@ from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
-def vl(request, tmp_path_factory):
-    moe = request.param == "moe"
-    path = write_checkpoint(tmp_path_factory.mktemp(f"vl_{request.param}"), moe=moe,
+def _vl(kind, tmp_path_factory):
+    moe = kind == "moe"
+    path = write_checkpoint(tmp_path_factory.mktemp(f"vl_{kind}"), moe=moe,
                             seed=3 if moe else 0, vision=True)
     model, tok = mlx_mtp.load(str(path))
     return path, model, tok
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def vl(request, tmp_path_factory):
+    """Dense and MoE: the exactness claims run on both."""
+    return _vl(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["dense", pytest.param("moe", marks=pytest.mark.slow)])
+def vl_once(request, tmp_path_factory):
+    """Dense in the default tier (the claim is not the family's), MoE slow."""
+    return _vl(request.param, tmp_path_factory)
 
 
 def _image(seed, h, w):
@@ -81,10 +92,10 @@ def test_image_rows_and_text_rows_decode_in_one_batch(vl):
     assert got == alone
 
 
-def test_bad_image_requests_are_one_clear_error(vl, tmp_path):
+def test_bad_image_requests_are_one_clear_error(vl_once, tmp_path):
     """A model without M-RoPE, a prompt cache, a prompt without a placeholder
     or ending inside an image: one ValueError each, nothing decoded."""
-    _, model, tok = vl
+    _, model, tok = vl_once
     ids, media = vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1])
     batch = make_batch(model, draft_tokens=2)
     cache = model.make_cache()
@@ -141,7 +152,7 @@ def test_plain_decoding_of_an_image_prompt_is_transformers(vl):
     assert np.abs(_run(model, ids, flat, 0, 8)[1] - theirs).max() > 1e-3
 
 
-def test_converted_and_grafted_folders_keep_the_tower(vl, tmp_path):
+def test_converted_and_grafted_folders_keep_the_tower(vl_once, tmp_path):
     """`mlx_mtp.convert` keeps the tower as released (and its image
     processor's config) beside the head; `--graft` adds the head to
     mlx-vlm's own conversion (`vision_tower.*`, `language_model.*`, no head).
@@ -150,7 +161,7 @@ def test_converted_and_grafted_folders_keep_the_tower(vl, tmp_path):
 
     from mlx_mtp.convert import convert, graft
 
-    path, model, tok = vl
+    path, model, tok = vl_once
     ids, media = vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1])
     want = _run(model, ids, media, 0)[0]
     ours = tmp_path / "converted"
@@ -165,7 +176,7 @@ def test_converted_and_grafted_folders_keep_the_tower(vl, tmp_path):
         assert ids2 == ids and _run(m, ids2, media2, 2)[0] == want, folder
 
 
-def test_the_cli_takes_images(vl, tmp_path):
+def test_the_cli_takes_images(vl_once, tmp_path):
     """`python -m mlx_mtp.generate --image PATH` (repeatable): the chat
     template's image parts, the text the API gives for the same message."""
     import subprocess
@@ -173,7 +184,7 @@ def test_the_cli_takes_images(vl, tmp_path):
 
     from PIL import Image
 
-    path, model, tok = vl
+    path, model, tok = vl_once
     files = []
     for i, pixels in enumerate(IMAGES):
         files.append(tmp_path / f"{i}.png")
