@@ -116,7 +116,7 @@ def test_openai_image_parts_answer_as_the_library(served, files, reference):
 
 def test_anthropic_image_blocks_answer_as_the_library(served, files, reference):
     _, server = served
-    want, _ = reference(1, "and this one")
+    want, prompt_tokens = reference(1, "and this one")
     client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
     for source in ({"type": "base64", "media_type": "image/png",
                     "data": base64.b64encode(PNGS[0]).decode()},
@@ -125,6 +125,14 @@ def test_anthropic_image_blocks_answer_as_the_library(served, files, reference):
             {"role": "user", "content": [{"type": "image", "source": source},
                                          {"type": "text", "text": "and this one"}]}])
         assert "".join(b.text for b in m.content if b.type == "text") == want
+        u = m.usage  # (the image's tokens counted, however Anthropic's usage splits them)
+        assert u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens \
+            == prompt_tokens
+        events = client.messages.create(model="m", max_tokens=MAX_TOKENS, stream=True, messages=[
+            {"role": "user", "content": [{"type": "image", "source": source},
+                                         {"type": "text", "text": "and this one"}]}])
+        assert "".join(e.delta.text for e in events if e.type == "content_block_delta"
+                       and e.delta.type == "text_delta") == want
 
 
 @pytest.mark.parametrize("part,words", [
