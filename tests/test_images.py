@@ -176,13 +176,13 @@ def test_converted_and_grafted_folders_keep_the_tower(vl_once, tmp_path):
         assert ids2 == ids and _run(m, ids2, media2, 2)[0] == want, folder
 
 
-def test_the_cli_takes_images(vl_once, tmp_path):
-    """`python -m mlx_mtp.generate --image PATH` (repeatable): the chat
-    template's image parts, the text the API gives for the same message."""
-    import subprocess
-    import sys
-
+def test_the_cli_takes_images(vl_once, tmp_path, capsys):
+    """`python -m mlx_mtp.generate --image PATH` (repeatable; its `main`, in
+    this process): the chat template's image parts, the text the API gives
+    for the same message; a missing file is one error line, exit 2."""
     from PIL import Image
+
+    from mlx_mtp.cli import main
 
     path, model, tok = vl_once
     files = []
@@ -193,11 +193,10 @@ def test_the_cli_takes_images(vl_once, tmp_path):
     ids = tok.apply_chat_template([{"role": "user", "content": content}],
                                   add_generation_prompt=True)
     want = mlx_mtp.generate(model, tok, ids, max_tokens=10, images=[str(f) for f in files])
-    r = subprocess.run([sys.executable, "-m", "mlx_mtp.generate", "--model", str(path),
-                        "--image", str(files[0]), "--image", str(files[1]), "--prompt", "compare",
-                        "-m", "10", "--draft-tokens", "2"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.rstrip("\n") == want
-    r = subprocess.run([sys.executable, "-m", "mlx_mtp.generate", "--model", str(path),
-                        "--image", str(tmp_path / "missing.png")], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip().startswith("error: cannot read image"), r.stderr
+    capsys.readouterr()
+    assert main(["--model", str(path), "--image", str(files[0]), "--image", str(files[1]),
+                 "--prompt", "compare", "-m", "10", "--draft-tokens", "2"]) in (0, None)
+    assert capsys.readouterr().out.rstrip("\n") == want
+    assert main(["--model", str(path), "--image", str(tmp_path / "missing.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot read image") and "\n" not in err, err
