@@ -267,3 +267,38 @@ def test_fifty_image_requests_good_and_bad_leave_memory_bounded(served, files):
         one(i)
     grew = rss(server.proc.pid) - before
     assert grew < 64 << 20, f"the server grew by {grew / 2**20:.0f} MiB"
+
+
+def test_an_image_in_a_tool_result_is_read(served):
+    """An agent's tool result holding an image (Claude Code reading a
+    screenshot or an image file) is read like a user's: the answer is the
+    library's for the same conversation, the image's tokens counted."""
+    from mlx_mtp.server import anthropic as am
+
+    path, server = served
+    model, tok = mlx_mtp.load(str(path))
+    spec = vision.tower_of(model).spec
+    placeholder = tok.decode([spec.vision_start_token_id, spec.image_token_id,
+                              spec.vision_end_token_id])
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(PNGS[1]).decode()}}
+    body = {"model": "m", "max_tokens": MAX_TOKENS, "messages": [
+        {"role": "user", "content": "look at shot.png"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
+                                           "input": {"file_path": "shot.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [image, {"type": "text", "text": "(png)"}]}]}]}
+    r = requests.post(server.url + "/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    messages = am.to_chat(body, lambda block, at: {"type": "text", "text": placeholder})[0]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids, media = vision.prompt_media(model, ids, PNGS[1:2])
+    out = [t for t, _, _ in generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS,
+                                            media=media)]
+    out = out[:-1] if out and out[-1] in tok.eos_token_ids else out
+    answer = r.json()
+    assert "".join(b["text"] for b in answer["content"] if b["type"] == "text") == \
+        tok.decode(out)
+    u = answer["usage"]
+    assert u["input_tokens"] + u["cache_creation_input_tokens"] + \
+        u["cache_read_input_tokens"] == len(ids)

@@ -71,7 +71,7 @@ ATTRIBUTION = "x-anthropic-billing-header:"
 # document (the models read text), and any other type (the request would lose it).
 BLOCKS = {"user": ("text", "tool_result", "image"),
           "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
-          "system": ("text",), "tool_result": ("text", "tool_reference")}
+          "system": ("text",), "tool_result": ("text", "tool_reference", "image")}
 UNSUPPORTED = ("document",)
 
 
@@ -142,14 +142,21 @@ def _tool(t: dict) -> dict:
         "parameters": t.get("input_schema", {"type": "object", "properties": {}})}}
 
 
-def _tool_result(content, where: str, deferred: Dict[str, dict]) -> str:
+def _tool_result(content, where: str, deferred: Dict[str, dict], read_image=None) -> str:
     """A tool result's text; a tool_reference block (a tool search found a
-    deferred tool) is that tool's definition, as JSON."""
+    deferred tool) is that tool's definition, as JSON; an image (a screenshot,
+    an image file read) its placeholder, from `read_image` (to_chat's)."""
     if not isinstance(content, list):
         return _text(content or "", where, BLOCKS["tool_result"])
     _check_blocks(content, where, BLOCKS["tool_result"])
     parts = []
-    for block in content:
+    for j, block in enumerate(content):
+        if block["type"] == "image":
+            if read_image is None:
+                raise RequestError(f"{where}.{j}: image content is not supported here",
+                                   f"{where}.{j}")
+            parts.append(read_image(block, f"{where}.{j}")["text"])
+            continue
         if block["type"] == "text":
             parts.append(block["text"])
             continue
@@ -192,7 +199,8 @@ def to_chat(body: dict, read_image: Optional[Callable[[dict, str], dict]] = None
                 if block["type"] == "tool_result":
                     messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                                      "content": _tool_result(block.get("content"),
-                                                             f"{where}.{j}.content", deferred)})
+                                                             f"{where}.{j}.content", deferred,
+                                                             read_image)})
             rest = [b for b in content if b["type"] != "tool_result"]
             for j, block in enumerate(rest):
                 if block["type"] == "image":
