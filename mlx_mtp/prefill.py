@@ -156,7 +156,6 @@ def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_ste
     n_trunk = len(model.is_linear)
     trunk = cache[:n_trunk]
     head = head_caches(cache, n_trunk) if spec.use_head else None
-    emb = media.embeddings(model, prompt)
     ids = mx.array([prompt], dtype=mx.int32)
 
     o = media.start  # (indices below are the row's prompt's; positions the whole one's)
@@ -170,14 +169,14 @@ def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_ste
     progress(0, len(prompt))
     pieces = _pieces(n, prefill_step_size, stops)
     for v in pieces:
-        h = model.trunk_hidden(ids[:, done:done + v], at(trunk, done, done + v),
-                               emb[:, done:done + v])
+        emb = media.embeddings(model, prompt, done, done + v)
+        h = model.trunk_hidden(ids[:, done:done + v], at(trunk, done, done + v), emb)
         if head is not None:
             first = done if last is not None else done + 1  # a pair's token index
             hs = ([last] if last is not None else []) + ([h[:, :v - 1]] if v > 1 else [])
             if first < done + v:
                 head_forward(model, mx.concatenate(hs, axis=1), ids[:, first:done + v],
-                             at(head, first - 1, done + v - 1), emb[:, first:done + v])
+                             at(head, first - 1, done + v - 1), emb[:, first - done:])
             last = h[:, v - 1:v]
         mx.eval([c.state for c in trunk], [c.state for c in head or []], last)
         done += v
@@ -188,7 +187,8 @@ def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_ste
             snapshot(done)
         mx.clear_cache()
     if head is not None and last is not None:  # the last pair: (h_{n-1}, the last token)
-        g = head_forward(model, last, ids[:, n:], at(head, n - 1, n), emb[:, n:])
+        g = head_forward(model, last, ids[:, n:], at(head, n - 1, n),
+                         media.embeddings(model, prompt, n, n + 1))
         mx.eval([c.state for c in head], g)
     if head is not None or len(cache) > n_trunk:
         set_last_hidden(cache, last if head is not None else None, model.is_linear)

@@ -56,9 +56,9 @@ def _prompt(model, tok, n_images: int, text=" describe them please\n"):
     return toks + tok.encode(text)
 
 
-def _run(model, ids, media, k, max_tokens=MAX_TOKENS):
+def _run(model, ids, media, k, max_tokens=MAX_TOKENS, **kw):
     out = list(generate_tokens(mx.array(ids), model, draft_tokens=k, max_tokens=max_tokens,
-                               media=media))
+                               media=media, **kw))
     return [t for t, _, _ in out], np.stack([np.array(lp) for _, lp, _ in out])
 
 
@@ -74,6 +74,9 @@ def test_image_prompts_decode_as_plain_decoding_at_every_depth(vl, n_images):
         got, lp = _run(model, ids, media, k)
         assert got == want, k
         assert np.allclose(lp, want_lp, atol=1e-4), (k, np.abs(lp - want_lp).max())
+    # a prefill in pieces (an image split across them): the same tokens
+    got, lp = _run(model, ids, media, 2, prefill_step_size=7)
+    assert got == want and np.allclose(lp, want_lp, atol=1e-4)
 
 
 def test_image_rows_and_text_rows_decode_in_one_batch(vl):
