@@ -154,9 +154,12 @@ def test_top_logprobs_name_the_chosen_token_sorted_with_bytes(srv):
 def test_sampled_top_logprobs_are_sorted_and_agree_with_the_chosen_token(srv):
     body = dict(messages=MSGS, max_tokens=24, temperature=1.0, seed=7, logprobs=True,
                 top_logprobs=11)
-    content = requests.post(srv.url + "/v1/chat/completions", json=body,
-                            timeout=60).json()["choices"][0]["logprobs"]["content"]
-    assert len(content) == 24
+    choice = requests.post(srv.url + "/v1/chat/completions", json=body,
+                           timeout=60).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    # A sampled answer may end early at EOS (where it does depends on the machine's numerics).
+    assert choice["finish_reason"] in ("length", "stop") and 0 < len(content) <= 24
+    assert choice["finish_reason"] == "stop" or len(content) == 24
     for e in content:
         top = e["top_logprobs"]
         lps = [t["logprob"] for t in top]
