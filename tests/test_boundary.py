@@ -9,6 +9,7 @@ keep the text generated so far, which is printed as it is generated.
 """
 
 import gc
+import importlib
 import io
 import itertools
 import os
@@ -25,20 +26,14 @@ from mlx_lm.generate import generation_stream
 import mlx_mtp
 from mlx_mtp.decode import generate_tokens
 from mlx_mtp.testing.synthetic import write_checkpoint
-from util import SHORT, reference
+from util import SHORT, reference, slow
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
-def run_cli(args, stdin=None, timeout=120):
-    r = subprocess.run([sys.executable, "-m", "mlx_mtp.generate", *args], input=stdin,
-                       capture_output=True, timeout=timeout)
-    return r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
-
-
 def cli_here(args, capsys, monkeypatch, stdin=None):
-    """`run_cli` in this process: `main` is what `python -m mlx_mtp.generate`
+    """`python -m mlx_mtp.generate` in this process: `main` is what it
     runs (its exit code, its stdout and stderr); the process itself is tested
     by the tests that start one."""
     from mlx_mtp.cli import main
@@ -90,15 +85,17 @@ def test_cli_mistakes(args, stdin, code, words, capsys, monkeypatch):
         assert w in message, message
 
 
-@pytest.mark.parametrize("module", ["mlx_mtp.generate", "mlx_mtp.server"])
-def test_a_cli_error_is_one_line_not_after_the_usage_block(module):
+@pytest.mark.parametrize("module,cli", [("mlx_mtp.generate", "mlx_mtp.cli"),
+                                        ("mlx_mtp.server", "mlx_mtp.server.cli")])
+def test_a_cli_error_is_one_line_not_after_the_usage_block(module, cli, capsys):
     """argparse prints its usage block (twenty lines) before the error; here
-    the error is the whole of stderr."""
-    r = subprocess.run([sys.executable, "-m", module, "--max-tokens", "ten"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
+    the error is the whole of stderr (each CLI's `main`, in this process)."""
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(cli).main(["--max-tokens", "ten"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith(f"python -m {module}: error: argument --max-tokens")
 
 
@@ -163,10 +160,11 @@ def test_ctrl_c_keeps_the_text():
     assert (seen + out).decode(errors="replace").rstrip().count("\n") >= 1
 
 
-def test_cli_corrupt_prompt_cache(tmp_path):
+def test_cli_corrupt_prompt_cache(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "cache.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    rc, out, err = run_cli(["--max-tokens", "3", "--prompt-cache-file", str(bad)])
+    rc, out, err = cli_here(["--max-tokens", "3", "--prompt-cache-file", str(bad)], capsys,
+                            monkeypatch)
     assert rc == 1 and "Traceback" not in err, err
     line = err.strip().splitlines()[-1]
     assert "cannot read the prompt cache" in line and str(bad) in line
@@ -307,7 +305,7 @@ def test_sampler_settings_checked(temp, top_p, min_p, top_k):
 
 
 # -- memory over many generations ---------------------------------------------------------
-@pytest.mark.parametrize("mode", ["pipelined", "sync", "abandoned"])
+@pytest.mark.parametrize("mode", ["pipelined", slow("sync"), "abandoned"])
 def test_memory_flat_over_20_generations(loaded, mode):
     """20 generations with the garbage collector off: active memory does not
     grow (within 1 MiB), with and without a prompt cache kept by the caller

@@ -193,6 +193,13 @@ def result(launched, cid) -> Tuple[Run, Path, Dict]:
     return fut.result(timeout=300), folder, before
 
 
+def default_tier(ids: List[str], *kept: str) -> list:
+    """The cases the default tier runs (a signal before publishing, one
+    after); the other points are the slow tier's (each process costs ~2 s)."""
+    return [i if any(f"/{k}" in i for k in kept) else pytest.param(i, marks=pytest.mark.slow)
+            for i in ids]
+
+
 # -- signals: convert -------------------------------------------------------------------
 def _convert_args(folder, base):
     return ["--hf-path", base / "src", "--mlx-path", folder / "out"]
@@ -212,7 +219,7 @@ CONVERT_SIGNALS = [
 ]
 
 
-@pytest.mark.parametrize("cid", CONVERT_SIGNALS)
+@pytest.mark.parametrize("cid", default_tier(CONVERT_SIGNALS, "mid-write/SIGTERM", "after-publish"))
 def test_convert_signal(launched, cid):
     r, folder, _ = result(launched, cid)
     c = CASES[cid]
@@ -239,7 +246,7 @@ FORCE_SIGNALS = [
 ]
 
 
-@pytest.mark.parametrize("cid", FORCE_SIGNALS)
+@pytest.mark.parametrize("cid", default_tier(FORCE_SIGNALS, "before-publish", "after-publish"))
 def test_force_replace_signal(launched, cid):
     r, folder, before = result(launched, cid)
     c = CASES[cid]
@@ -267,7 +274,7 @@ GRAFT_SIGNALS = [
 ]
 
 
-@pytest.mark.parametrize("cid", GRAFT_SIGNALS)
+@pytest.mark.parametrize("cid", default_tier(GRAFT_SIGNALS, "mid-write", "after-publish"))
 def test_graft_signal(launched, cid):
     r, folder, before = result(launched, cid)
     c = CASES[cid]

@@ -118,17 +118,20 @@ def one_process(path):
 @pytest.mark.parametrize("kind,mode", [
     ("qwen4_exp", "pipeline"), slow("qwen4_exp", "tensor"), slow("dense", "tensor"),
     slow("dense", "pipeline"), slow("moe", "tensor"), slow("moe", "pipeline")])
-def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
-    # (~20 s: two launches of two ranks each, greedy, sampled and two turns;
-    # the default tier's one proof that a sharded model decodes as one process)
+def test_sharded_equals_one_process(request, checkpoints, tmp_path, kind, mode):
+    # (the default tier's one proof that a sharded model decodes as one
+    # process: depth 3 (partial acceptance) and auto, greedy, sampled and two
+    # turns; the slow cases every depth)
     path = checkpoints[kind]
+    every = request.node.get_closest_marker("slow") is not None
+    depths, head_depths = (DEPTHS, HEAD_DEPTHS) if every else ([3, "auto"], ["auto"])
     greedy, sampled, turns = one_process(path)
     # drafts right where a prompt's own continuation says (partial acceptance
     # in every row: the table maps each token to one successor); the ranks
     # whose drafts are not verified draft wrong ones (ranks may compute
     # unequal floats): only the verified rank's may reach any layer
-    plan = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "depths": DEPTHS,
-            "head_depths": HEAD_DEPTHS, "drafts_differ": True,
+    plan = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "depths": depths,
+            "head_depths": head_depths, "drafts_differ": True,
             "continuations": [p[-1:] + g for p, g in zip(PROMPTS, greedy)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     code, out = launch([str(WORKER), str(path), mode, str(tmp_path / "plan.json"),
@@ -137,10 +140,10 @@ def test_sharded_equals_one_process(checkpoints, tmp_path, kind, mode):
     assert out.count("done") == 2, out[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["mlx_lm"] == greedy  # mlx_lm's sharded decoding = one process
-    for depth in DEPTHS:
+    for depth in depths:
         assert got[f"bigram_{depth}"] == greedy, depth
-        if depth in HEAD_DEPTHS:
-            assert got[f"head_{depth}"] == greedy, depth
+    for depth in head_depths:
+        assert got[f"head_{depth}"] == greedy, depth
     assert got["bigram_3_accepted"] > 0  # the rollback after partial acceptance ran
     assert got["sampled"] == sampled
     assert got["turns"] == turns

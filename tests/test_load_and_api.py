@@ -1,5 +1,6 @@
 """Loading (good and bad input), the drop-in API, and the CLIs."""
 
+import io
 import json
 import shutil
 import subprocess
@@ -111,17 +112,22 @@ def _cli(*args, stdin=None):
                           text=True, timeout=300)
 
 
-def test_generate_cli(dense_ckpt):
+def test_generate_cli(dense_ckpt, capsys, monkeypatch):
     r = _cli("mlx_mtp.generate", "--model", str(dense_ckpt), "--prompt", "def f():",
              "--max-tokens", "12", "--draft-tokens", "3", "--verbose", "--seed", "1")
     assert r.returncode == 0, r.stderr
     assert "Generation: 12 tokens" in r.stdout and "tokens-per-sec" in r.stdout
     assert "MTP: draft depth 3, acceptance per position [" in r.stdout
-    r = _cli("mlx_mtp.generate", "--model", str(dense_ckpt), "--prompt", "-", "--max-tokens", "5",
-             "--ignore-chat-template", "--system-prompt", "be brief", stdin="x = 1\n")
-    assert r.returncode == 0, r.stderr
-    r = _cli("mlx_mtp.generate", "--model", "/nonexistent/model")
-    assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
+    # the rest in this process (its `main`): a prompt on stdin, a missing folder
+    from mlx_mtp.cli import main
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"x = 1\n")))
+    assert main(["--model", str(dense_ckpt), "--prompt", "-", "--max-tokens", "5",
+                 "--ignore-chat-template", "--system-prompt", "be brief"]) in (0, None)
+    capsys.readouterr()
+    assert main(["--model", "/nonexistent/model"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1
 
 
 def test_evaluate_cli(dense_ckpt, tmp_path):

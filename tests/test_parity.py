@@ -40,8 +40,8 @@ class Scripted(DepthController):
 # one-step cases in the slow tier; test_oracle_parity runs both prompts on each model)
 @pytest.mark.parametrize("name,prompt,step", [
     ("dense", SHORT, 2048), slow("dense_bf16", SHORT, 2048, id="short-dense_bf16"),
-    slow("moe", SHORT, 2048, id="short-moe"), ("dense", LONG, 16), ("dense_bf16", LONG, 16),
-    ("moe", LONG, 16)], ids=["short-dense", "short-dense_bf16", "short-moe", "chunked-dense",
+    slow("moe", SHORT, 2048, id="short-moe"), ("dense", LONG, 16),
+    slow("dense_bf16", LONG, 16, id="chunked-dense_bf16"), ("moe", LONG, 16)], ids=["short-dense", "short-dense_bf16", "short-moe", "chunked-dense",
                              "chunked-dense_bf16", "chunked-moe"])
 def test_real_head_parity(loaded, name, prompt, step):
     """The real head's drafts at every depth: tokens equal mlx_lm's, and the
@@ -193,7 +193,7 @@ def test_one_host_sync_per_cycle(loaded, count_host_syncs, mode):
     gen.close()
 
 
-@pytest.mark.parametrize("rate", [None, 0.5, 0.95])
+@pytest.mark.parametrize("rate", [None, 0.5, slow(0.95)])
 def test_auto_depth_parity(loaded, rate):
     """draft_tokens='auto' switches depth (0 included) between cycles; the
     head catches up on the plain steps' pairs; the output stays identical."""

@@ -183,7 +183,8 @@ def bf16_q4(tmp_path_factory, dense_bf16_ckpt):
 def test_simulated_cuda_mtp_is_token_identical(bf16_q4, monkeypatch):
     """Plain decoding and MTP both compute one-row products as MLX's CUDA qmv
     does; MTP's verify runs qmv_rows in the emulator. Greedy MTP must give
-    plain decoding's tokens at every depth, with the kernel in every verify."""
+    plain decoding's tokens (depth 3, drafts partly accepted), with the
+    kernel in every verify."""
     import mlx_lm
     from mlx_lm.generate import generate_step
 
@@ -202,7 +203,7 @@ def test_simulated_cuda_mtp_is_token_identical(bf16_q4, monkeypatch):
     n = 10  # every product runs in NumPy: about a second a token here
     ref = [t for t, _ in generate_step(prompt, ref_model, max_tokens=n)]
     V = model.vocab_size
-    for k, rate in [(1, 1.0), (3, 0.6)]:
+    for k, rate in [(3, 0.6)]:
         rows.clear()
         got = [t for t, _, _ in generate_tokens(prompt, model, max_tokens=n, draft_tokens=k,
                                                 drafter=OracleDrafter(ref, rate, V, seed=k))]

@@ -626,7 +626,9 @@ def echo_model(tmp_path_factory):
     return mlx_mtp.load(write_checkpoint(tmp_path_factory.mktemp("echo"), weights=w))[0]
 
 
-@pytest.mark.parametrize("cfg", list(CONFIGS))
+# the two settings whose q is hardest to match (penalties with the drafted
+# history, XTC); the other settings in the slow tier
+@pytest.mark.parametrize("cfg", [c if c in ("rep", "xtc") else slow(c) for c in CONFIGS])
 def test_head_matching_target_accepts_nearly_all(echo_model, cfg):
     """q is computed exactly like p (processors with the drafted history,
     filters, temperature): with a head that matches the trunk, acceptance is

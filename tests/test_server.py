@@ -384,11 +384,13 @@ def test_api_key_strict_model_and_busy_server(tmp_path):
     assert s.proc.returncode == 0
 
 
-def test_refused_flags():
+def test_refused_flags(capsys):
+    from mlx_mtp.server.cli import main  # (in this process: refused before any load)
+
     for flag in (["--adapter-path", "x"], ["--kv-bits", "4"]):
-        r = subprocess.run([sys.executable, "-m", "mlx_mtp.server", *flag],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and "does not support" in r.stderr
+        assert main(flag) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: mlx_mtp.server does not support --") and err.count("\n") == 1
 
 
 def test_draft_model_folder(tmp_path):

@@ -114,8 +114,7 @@ def openai_turns(srv, cold, asks, max_tokens, stop=None, system=True, idle=False
 
 SHAPES = {  # asks, max_tokens, stop strings, next turns sent after idle time
     "cut by max_tokens": (["class Stack:", "class Queue:", "def push(x):"], 40, None, True),
-    "ended by EOS": (["def fibonacci(n):", "def factorial(n):", "def gcd(a, b):"], 120, None,
-                     False),
+    "ended by EOS": (["def fibonacci(n):", "def factorial(n):"], 120, None, False),
     "ended by a stop string": (["def read_config(path):", "def write_config(path, data):",
                                 "def main():"], 60, ["return"], True),  # (cold: cut at it)
 }

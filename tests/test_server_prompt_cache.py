@@ -236,7 +236,8 @@ def test_an_agents_tool_loop_finds_its_history_cached(tmp_path):
 
 
 # -- items 1 and 2: the disk tier across restarts --------------------------------------------
-CHECKPOINTS = ["dense", "q4", pytest.param("moe", marks=pytest.mark.slow),
+CHECKPOINTS = ["dense", pytest.param("q4", marks=pytest.mark.slow),
+               pytest.param("moe", marks=pytest.mark.slow),
                pytest.param("next", marks=pytest.mark.slow),
                pytest.param("qwen4_exp", marks=pytest.mark.slow)]
 

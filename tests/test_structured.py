@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import ALPHA, chi2_pvalue
-from util import assert_trunk_equal, reference
+from util import assert_trunk_equal, reference, slow
 
 import mlx_mtp
 from mlx_mtp.stats import MTPStats
@@ -33,8 +33,10 @@ def mtp_tokens(model, tok, prompt, constraint, n, k, **kw):
                                                 tokenizer=tok, **kw)]
 
 
-@pytest.mark.parametrize("name", ["dense", "moe", "q4"])
-@pytest.mark.parametrize("k", [1, 2, 3, "auto"])
+# every depth on the dense model, one on each other (the rest in the slow tier)
+@pytest.mark.parametrize("name,k", [
+    (name, k) if name == "dense" or (name, k) in (("moe", 3), ("q4", 2)) else slow(name, k)
+    for name in ("dense", "moe", "q4") for k in (1, 2, 3, "auto")])
 def test_greedy_is_constrained_plain_decoding(loaded, name, k):
     model, ref_model, tok = loaded(name)
     prompt = tok.encode("hello world")
@@ -135,14 +137,13 @@ def _schemas():
     return st.recursive(leaf, lambda c: st.one_of(objects(c), arrays(c)), max_leaves=5)
 
 
-@settings(max_examples=50, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(schema=_schemas(), seed=st.integers(0, 2**16), k=st.sampled_from([0, 1, 2, 3]),
-       sampled=st.booleans())
-def test_generated_output_validates_or_is_cut(loaded, schema, seed, k, sampled):
-    """50 generated schemas, random seeds, depths 0-3, greedy or sampled:
-    an output that ends with the stop token parses and validates; one that
-    max_tokens cut is reported as finish_reason "length"."""
+_FUZZ = dict(deadline=None, derandomize=True,
+             suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+_DRAWN = dict(schema=_schemas(), seed=st.integers(0, 2**16), k=st.sampled_from([0, 1, 2, 3]),
+              sampled=st.booleans())
+
+
+def _validates_or_is_cut(loaded, schema, seed, k, sampled):
     model, _, tok = loaded("dense")
     last = None
     text = ""
@@ -156,6 +157,23 @@ def test_generated_output_validates_or_is_cut(loaded, schema, seed, k, sampled):
         jsonschema.validate(json.loads(text), schema)
     else:
         assert last.generation_tokens == 48
+
+
+@settings(max_examples=25, **_FUZZ)
+@given(**_DRAWN)
+def test_generated_output_validates_or_is_cut(loaded, schema, seed, k, sampled):
+    """25 generated schemas, random seeds, depths 0-3, greedy or sampled:
+    an output that ends with the stop token parses and validates; one that
+    max_tokens cut is reported as finish_reason "length"."""
+    _validates_or_is_cut(loaded, schema, seed, k, sampled)
+
+
+@pytest.mark.slow
+@settings(max_examples=100, **_FUZZ)
+@given(**_DRAWN)
+def test_more_generated_outputs_validate_or_are_cut(loaded, schema, seed, k, sampled):
+    """The same over 100 other draws."""
+    _validates_or_is_cut(loaded, schema, seed, k, sampled)
 
 
 def _guided_run(model, tok, prompt, constraint, k, n, rows=1, controller=None, **kw):
