@@ -43,19 +43,22 @@ def turns_ahead(ref_model, turns, max_tokens=MAX_TOKENS, extra=8):
     return out
 
 
-# every run on the dense model; MoE's in the default tier at one depth with
-# drafts partly accepted and one with the head's own
+RUNS = [(k, 0.7) for k in (1, 2, 3, "auto")] + [(2, None), (3, 1.0)]  # (depth, oracle rate)
+FEW_RUNS = {"dense": [(3, 0.7), ("auto", 0.7), (2, None), (3, 1.0)], "moe": [(3, 0.7), (2, None)]}
+
+
+# the default tier: drafts partly accepted, auto, the head's own drafts and
+# all accepted on the dense model, two of those on MoE; every run in the slow tier
 @pytest.mark.parametrize("name,every", [
-    ("dense", True), slow("dense_bf16", True), ("moe", False), slow("moe", True, id="moe-every"),
-    slow("q4", True)], ids=["dense", "dense_bf16", "moe", "moe-every", "q4"])
+    ("dense", False), slow("dense", True, id="dense-every"), slow("dense_bf16", True),
+    ("moe", False), slow("moe", True, id="moe-every"), slow("q4", True)],
+    ids=["dense", "dense-every", "dense_bf16", "moe", "moe-every", "q4"])
 def test_multi_turn_greedy(loaded, name, every):
     model, ref_model, tok = loaded(name)
     turns = [tok.encode(t) for t in TURNS]
     want, _ = mlx_lm_turns(ref_model, turns)
     ahead = turns_ahead(ref_model, turns)
-    runs = [(k, 0.7) for k in (1, 2, 3, "auto")] + [(2, None), (3, 1.0)]
-    if not every:
-        runs = [(3, 0.7), (2, None)]
+    runs = RUNS if every else FEW_RUNS[name]
     for k, rate in runs:
         cache = model.make_cache()
         ref_cache = make_prompt_cache(ref_model)
