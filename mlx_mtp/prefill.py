@@ -182,16 +182,14 @@ def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_ste
         done += v
         progress(done, len(prompt))
         if done in stops:
-            if head is not None or len(cache) > n_trunk:
-                set_last_hidden(cache, last if head is not None else None, model.is_linear)
+            _split_back(spec, [cache], trunk, head, False, [0], [last])
             snapshot(done)
         mx.clear_cache()
     if head is not None and last is not None:  # the last pair: (h_{n-1}, the last token)
         g = head_forward(model, last, ids[:, n:], at(head, n - 1, n),
                          media.embeddings(model, prompt, n, n + 1))
         mx.eval([c.state for c in head], g)
-    if head is not None or len(cache) > n_trunk:
-        set_last_hidden(cache, last if head is not None else None, model.is_linear)
+    _split_back(spec, [cache], trunk, head, False, [0], [last])
     return Prefilled(last, g)
 
 

@@ -58,15 +58,17 @@ class Media:
     delta: int  # a later token's position: its index + delta (all three axes)
     start: int = 0  # the tokens a prompt cache holds before the row's prompt
 
+    def __post_init__(self):
+        if len(self.pads) != self.features.shape[0]:
+            raise ValueError(f"{len(self.pads)} image pads for {self.features.shape[0]} "
+                             "image feature rows")
+
     def embeddings(self, model, prompt: List[int], lo: int, hi: int) -> mx.array:
         """The input embeddings [1, hi - lo, H] of the row's prompt's tokens
         lo..hi (the prompt: the tokens from `start` on): the tokens', the
         features at the pads (one piece at a time: a long prompt's whole
         embeddings are never held at once)."""
         emb = model.embed(mx.array([prompt[lo:hi]], dtype=mx.int32))
-        if len(self.pads) != self.features.shape[0]:
-            raise ValueError(f"{len(self.pads)} image pads for {self.features.shape[0]} "
-                             "image feature rows")
         at = np.nonzero((self.pads >= self.start + lo) & (self.pads < self.start + hi))[0]
         if len(at):
             emb[0, mx.array(self.pads[at] - self.start - lo)] = \

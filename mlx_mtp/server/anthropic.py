@@ -152,10 +152,7 @@ def _tool_result(content, where: str, deferred: Dict[str, dict], read_image=None
     parts = []
     for j, block in enumerate(content):
         if block["type"] == "image":
-            if read_image is None:
-                raise RequestError(f"{where}.{j}: image content is not supported here",
-                                   f"{where}.{j}")
-            parts.append(read_image(block, f"{where}.{j}")["text"])
+            parts.append(_image(block, f"{where}.{j}", read_image)["text"])
             continue
         if block["type"] == "text":
             parts.append(block["text"])
@@ -165,6 +162,14 @@ def _tool_result(content, where: str, deferred: Dict[str, dict], read_image=None
         parts.append(json.dumps(_tool(tool)["function"]) if tool is not None
                      else f"(tool {name!r})")
     return "\n".join(parts) if len(parts) > 1 else "".join(parts)
+
+
+def _image(block: dict, at: str, read_image) -> dict:
+    """An image block's text block in its place, from `read_image` (to_chat's;
+    None: images are refused)."""
+    if read_image is None:
+        raise RequestError(f"{at}: image content is not supported here", at)
+    return read_image(block, at)
 
 
 def to_chat(body: dict, read_image: Optional[Callable[[dict, str], dict]] = None
@@ -201,12 +206,8 @@ def to_chat(body: dict, read_image: Optional[Callable[[dict, str], dict]] = None
                                      "content": _tool_result(block.get("content"),
                                                              f"{where}.{j}.content", deferred,
                                                              read_image)})
-            rest = [b for b in content if b["type"] != "tool_result"]
-            for j, block in enumerate(rest):
-                if block["type"] == "image":
-                    if read_image is None:
-                        raise RequestError(f"{where}: image content is not supported here", where)
-                    rest[j] = read_image(block, f"{where}.{content.index(block)}")
+            rest = [_image(b, f"{where}.{j}", read_image) if b["type"] == "image" else b
+                    for j, b in enumerate(content) if b["type"] != "tool_result"]
             if rest:
                 messages.append({"role": "user", "content": _text(rest)})
             continue
