@@ -1,8 +1,11 @@
 """Images in, MTP out (docs/design.md, "Images"): a Qwen3.5/3.6 prompt with
 images decodes at every depth exactly as plain decoding (depth 0) of the
 same model, alone and as a batch row beside text rows; plain decoding is
-transformers' Qwen3_5ForConditionalGeneration's (slow tier, PyTorch).
-Tiny synthetic VL checkpoints (HF layout, a real tower), dense and MoE."""
+mlx-vlm's own model reading the same folder (default tier) and transformers'
+Qwen3_5ForConditionalGeneration's (slow tier, PyTorch).
+Tiny synthetic VL checkpoints (HF layout, a real tower), dense and MoE, whose
+answers depend on the image (the fixture checks it: else a test comparing
+tokens could not tell whether the image was read)."""
 
 import dataclasses
 
@@ -27,6 +30,11 @@ def _vl(kind, tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp(f"vl_{kind}"), moe=moe,
                             seed=3 if moe else 0, vision=True)
     model, tok = mlx_mtp.load(str(path))
+    # the answer depends on the image: another image, other greedy tokens
+    # within the tests' lengths and other first log-probs
+    one, other = (_run(model, *vision.prompt_media(model, _prompt(model, tok, 1), [image]), 0)
+                  for image in IMAGES)
+    assert one[0] != other[0] and np.abs(one[1][0] - other[1][0]).max() > 1e-3
     return path, model, tok
 
 
@@ -62,6 +70,25 @@ def _run(model, ids, media, k, max_tokens=MAX_TOKENS, **kw):
     return [t for t, _, _ in out], np.stack([np.array(lp) for _, lp, _ in out])
 
 
+def _mlx_vlm_logprobs(path, model, ids, images, tokens):
+    """The log-probs [len(tokens), V] of mlx-vlm's own Qwen3.5 model (its
+    weight loading, tower, feature placement, M-RoPE index and shift) on the
+    same folder: the prompt with the images, then `tokens` one at a time."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model
+
+    theirs = load_model(path)
+    tower = vision.tower_of(model)
+    pixels, grid = vision.preprocess(tower.decode(images), tower.processor)
+    cache = make_prompt_cache(theirs.language_model)
+    rows = [theirs(mx.array([ids]), mx.array(pixels), image_grid_thw=mx.array(grid),
+                   cache=cache).logits[0, -1]]
+    for t in tokens[:-1]:
+        rows.append(theirs.language_model(mx.array([[t]]), cache=cache).logits[0, -1])
+    logits = mx.stack(rows)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
 @pytest.mark.parametrize("n_images", [1, 2])
 def test_image_prompts_decode_as_plain_decoding_at_every_depth(vl, n_images):
     """Greedy tokens at depths 1-3 and auto equal depth 0's, and so do their
@@ -79,20 +106,43 @@ def test_image_prompts_decode_as_plain_decoding_at_every_depth(vl, n_images):
     assert got == want and np.allclose(lp, want_lp, atol=1e-4)
 
 
+def test_image_prompts_decode_as_mlx_vlm_reads_them(vl_once):
+    """Plain decoding (depth 0) and MTP (depth 2) of a prompt with one or two
+    images give the greedy tokens and log-probs (1e-4) of mlx-vlm's own model
+    on the same folder, which places the tower's features and numbers the
+    M-RoPE positions its own way; the images swapped answer otherwise."""
+    path, model, tok = vl_once
+    answers = []
+    for images in (IMAGES[:1], IMAGES, IMAGES[::-1]):
+        ids, media = vision.prompt_media(model, _prompt(model, tok, len(images)), images)
+        want, _ = _run(model, ids, media, 0)
+        theirs = _mlx_vlm_logprobs(path, model, ids, images, want)
+        assert want == theirs.argmax(-1).tolist(), len(images)
+        for k in (0, 2):
+            got, lp = _run(model, ids, media, k)
+            assert got == want and np.abs(lp - theirs).max() < 1e-4, (k, np.abs(lp - theirs).max())
+        answers.append(want)
+    assert answers[1] != answers[2]  # (the same prompt: only the images' order differs)
+
+
 def test_image_rows_and_text_rows_decode_in_one_batch(vl):
-    """Rows (image, text, two images) in one batch, depth 2: each row's
-    tokens are what it decodes alone (per-row M-RoPE shifts)."""
+    """Rows (image, text, two images: M-RoPE shifts of -3, 0 and -6) in one
+    batch, depth 2: each row's tokens and log-probs (1e-4) are what it
+    decodes alone, so each row decodes at its own positions."""
     _, model, tok = vl
     prompts = [vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1]),
                (tok.encode("def f(x): return"), None),
                vision.prompt_media(model, _prompt(model, tok, 2, " again\n"), IMAGES)]
-    alone = [_run(model, ids, media, 2)[0] for ids, media in prompts]
+    assert len({media.delta if media else 0 for _, media in prompts}) == 3
+    alone = [_run(model, ids, media, 2) for ids, media in prompts]
     batch = make_batch(model, draft_tokens=2)
     requests = [batch.prepare(ids, None, MAX_TOKENS, media=media) for ids, media in prompts]
     got = [[] for _ in prompts]
     for i, event in decode_rows(batch, requests, 3):
-        got[i].append(event.token)
-    assert got == alone
+        got[i].append((event.token, np.array(event.logprobs)))
+    for i, ((tokens, lp), row) in enumerate(zip(alone, got)):
+        assert [t for t, _ in row] == tokens, i
+        assert np.abs(np.stack([r for _, r in row]) - lp).max() < 1e-4, i
 
 
 def test_bad_image_requests_are_one_clear_error(vl_once, tmp_path):
@@ -159,14 +209,17 @@ def test_converted_and_grafted_folders_keep_the_tower(vl_once, tmp_path):
     """`mlx_mtp.convert` keeps the tower as released (and its image
     processor's config) beside the head; `--graft` adds the head to
     mlx-vlm's own conversion (`vision_tower.*`, `language_model.*`, no head).
-    Both decode an image prompt with MTP as the source folder does."""
+    Both load the source's tower weights, and decode an image prompt with
+    MTP as the source folder does (tokens and log-probs, 1e-4)."""
+    from mlx.utils import tree_flatten
     from mlx_vlm.convert import convert as mlx_vlm_convert
 
     from mlx_mtp.convert import convert, graft
 
     path, model, tok = vl_once
     ids, media = vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1])
-    want = _run(model, ids, media, 0)[0]
+    want, want_lp = _run(model, ids, media, 0)
+    source_tower = dict(tree_flatten(vision.tower_of(model).model.parameters()))
     ours = tmp_path / "converted"
     summary = convert(path, ours)
     assert summary["vision"].startswith("33 tensors")
@@ -175,8 +228,13 @@ def test_converted_and_grafted_folders_keep_the_tower(vl_once, tmp_path):
     for folder in (ours, tmp_path / "mlx-vlm"):
         m, t = mlx_mtp.load(str(folder))
         assert m.has_mtp
+        tower = dict(tree_flatten(vision.tower_of(m).model.parameters()))
+        assert tower.keys() == source_tower.keys(), folder
+        assert all(mx.array_equal(tower[k], source_tower[k]) for k in tower), folder
         ids2, media2 = vision.prompt_media(m, _prompt(m, t, 1), IMAGES[:1])
-        assert ids2 == ids and _run(m, ids2, media2, 2)[0] == want, folder
+        got, lp = _run(m, ids2, media2, 2)
+        assert ids2 == ids and got == want, folder
+        assert np.abs(lp - want_lp).max() < 1e-4, (folder, np.abs(lp - want_lp).max())
 
 
 def test_the_cli_takes_images(vl_once, tmp_path, capsys):

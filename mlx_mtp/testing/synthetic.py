@@ -414,7 +414,9 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
     (`tiny_vision_config`, `vision_weights`) in place of the one dummy
     tensor, the four vision tokens as special tokens after the others (their
     ids in config.json), and preprocessor_config.json
-    (`TINY_PREPROCESSOR`); the text weights are those without it."""
+    (`TINY_PREPROCESSOR`); the text weights are those without it but the
+    trunk's attention, made louder (`louder_attention`) so that the answers
+    depend on the image."""
     added = (THINK_TOKENS if thinking else ()) + (TOOL_TOKENS if tools else ())
     specials = VISION_TOKENS if vision else ()
     template = (tool_chat_template(tools, thinking) if tools
@@ -439,7 +441,8 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
     if family != "qwen3_5":
         raise ValueError(f"unknown family {family!r}")
     tc = tiny_text_config(moe=moe, **(text_overrides or {}))
-    if weights is None:
+    generated = weights is None
+    if generated:
         weights = random_weights(tc, seed, mtp=mtp, per_expert=per_expert)
     config = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
@@ -452,6 +455,8 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
     if vision:
         vc = tiny_vision_config(tc["hidden_size"], moe=moe)
         weights = {k: v for k, v in weights.items() if not k.startswith("model.visual.")}
+        if generated:
+            weights = louder_attention(weights)
         weights.update(vision_weights(vc, seed))
         config["vision_config"] = vc
         first = _TINY["vocab_size"] + len(added)  # the specials' ids follow the added tokens'
@@ -461,6 +466,24 @@ def write_checkpoint(path, *, moe: bool = False, seed: int = 0, mtp: bool = True
     save_safetensors_shards(path, weights, dtype, shards)
     write_tokenizer(path, tc["eos_token_id"], template, added, specials)
     return path
+
+
+# How much louder a vision checkpoint's trunk attention reads the earlier
+# tokens (its value and output projections, scaled): at the text scale a
+# random model's answer is nearly a function of the last token (another image
+# moved its log-probs by ~1e-2 and its greedy tokens not at all), so a test
+# could not tell whether the image, or its M-RoPE positions, were used.
+VISION_ATTENTION_GAIN = 10.0
+
+
+def louder_attention(weights: Dict[str, np.ndarray], gain: float = VISION_ATTENTION_GAIN
+                     ) -> Dict[str, np.ndarray]:
+    """`weights` with the trunk's full-attention value and output
+    projections scaled by `gain` (the head's left as they are)."""
+    lm = "model.language_model.layers."
+    return {k: v * np.float32(gain) if k.startswith(lm) and k.endswith(
+        (".self_attn.v_proj.weight", ".self_attn.o_proj.weight")) else v
+        for k, v in weights.items()}
 
 
 # Qwen3.5/3.6's vision tokens (as the released tokenizer names them) and the
