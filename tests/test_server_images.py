@@ -82,17 +82,22 @@ def reference(served):
     path, _ = served
     model, tok = mlx_mtp.load(str(path))
 
-    def answer(n_images: int, text: str) -> str:
+    def answer(n_images: int, text: str, images=PNGS) -> str:
         content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
         ids = tok.apply_chat_template([{"role": "user", "content": content}],
                                       add_generation_prompt=True)
-        ids, media = vision.prompt_media(model, ids, [p for p in PNGS[:n_images]])
-        out = [t for t, _, _ in generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS,
-                                                media=media)]
-        if out and out[-1] in tok.eos_token_ids:
-            out = out[:-1]
-        return tok.decode(out), len(ids)
+        ids, media = vision.prompt_media(model, ids, list(images[:n_images]))
+        out = generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS, media=media)
+        return _text(tok, out), len(ids)
     return answer
+
+
+def _text(tok, out) -> str:
+    """An answer's text, as the server writes it: the tokens before the first
+    end-of-turn token (generate_tokens decodes past it)."""
+    tokens = [t for t, _, _ in out]
+    ends = [i for i, t in enumerate(tokens) if t in tok.eos_token_ids]
+    return tok.decode(tokens[:ends[0]] if ends else tokens)
 
 
 def _openai(server, parts, **kw):
@@ -101,9 +106,17 @@ def _openai(server, parts, **kw):
                                           max_tokens=MAX_TOKENS, temperature=0, **kw)
 
 
+def _black(png: bytes) -> np.ndarray:
+    """A black image of the png's size."""
+    return np.zeros(np.asarray(Image.open(io.BytesIO(png))).shape, np.uint8)
+
+
 def test_openai_image_parts_answer_as_the_library(served, files, reference):
+    """The answer is the library's for the same images, which is not its
+    answer for black images of their sizes: the server reads the pixels."""
     _, server = served
     want, prompt_tokens = reference(2, "what are these")
+    assert want != reference(2, "what are these", [_black(p) for p in PNGS])[0]
     for urls in ([_data_url(p) for p in PNGS], [f"{files}/0.png", f"{files}/1.png"]):
         parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [
             {"type": "text", "text": "what are these"}]
@@ -117,6 +130,7 @@ def test_openai_image_parts_answer_as_the_library(served, files, reference):
 def test_anthropic_image_blocks_answer_as_the_library(served, files, reference):
     _, server = served
     want, prompt_tokens = reference(1, "and this one")
+    assert want != reference(1, "and this one", [_black(PNGS[0])])[0]
     client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
     for source in ({"type": "base64", "media_type": "image/png",
                     "data": base64.b64encode(PNGS[0]).decode()},
@@ -203,10 +217,8 @@ def test_a_second_turn_about_an_image_is_served_from_the_cache(served, reference
                  convo[1], convo[2]]
     ids = tok.apply_chat_template(convo_ref, add_generation_prompt=True)
     ids, media = vision.prompt_media(model, ids, PNGS[:1])
-    out = [t for t, _, _ in generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS,
-                                            media=media)]
-    out = out[:-1] if out and out[-1] in tok.eos_token_ids else out
-    assert r2.choices[0].message.content == tok.decode(out)
+    out = generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS, media=media)
+    assert r2.choices[0].message.content == _text(tok, out)
     assert r2.usage.prompt_tokens == len(ids)
     other = [{"type": "image_url", "image_url": {"url": _data_url(_png(7, 64, 96))}},
              {"type": "text", "text": "what is it"}]
@@ -293,12 +305,10 @@ def test_an_image_in_a_tool_result_is_read(served):
     messages = am.to_chat(body, lambda block, at: {"type": "text", "text": placeholder})[0]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     ids, media = vision.prompt_media(model, ids, PNGS[1:2])
-    out = [t for t, _, _ in generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS,
-                                            media=media)]
-    out = out[:-1] if out and out[-1] in tok.eos_token_ids else out
+    out = generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS, media=media)
     answer = r.json()
     assert "".join(b["text"] for b in answer["content"] if b["type"] == "text") == \
-        tok.decode(out)
+        _text(tok, out)
     u = answer["usage"]
     assert u["input_tokens"] + u["cache_creation_input_tokens"] + \
         u["cache_read_input_tokens"] == len(ids)
