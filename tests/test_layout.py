@@ -8,7 +8,11 @@ mlx_mtp.convert (pyproject's package-dir).
 
 import ast
 import re
+import sys
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"mlx_mtp": ROOT / "mlx_mtp", "mlx_mtp.metal": ROOT / "metal",
@@ -27,17 +31,23 @@ def project_modules() -> dict:
     return modules
 
 
+def _from_module(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` statement in `module` names."""
+    base = node.module or ""
+    if node.level:
+        package = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    return base
+
+
 def _imported(module: str, is_package: bool, node, modules) -> set:
     """The project modules one import statement names."""
     if isinstance(node, ast.Import):
         targets = [alias.name for alias in node.names]
     else:
-        base = node.module or ""
-        if node.level:
-            package = module if is_package else module.rpartition(".")[0]
-            for _ in range(node.level - 1):
-                package = package.rpartition(".")[0]
-            base = f"{package}.{base}" if base else package
+        base = _from_module(module, is_package, node)
         # `from pkg import name`: the submodule pkg.name when there is one, else pkg
         targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
                    for a in node.names]
@@ -119,7 +129,6 @@ def test_no_module_hides_a_lazy_export():
             "assert all(callable(getattr(mlx_mtp, n)) for n in mlx_mtp._EXPORTS), "
             "[n for n in mlx_mtp._EXPORTS if not callable(getattr(mlx_mtp, n))]")
     import subprocess
-    import sys
 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -131,7 +140,6 @@ def cycle_files() -> list:
     its tokens handed out as events), eager so that the cycle's own Python
     runs (a compiled cycle runs the same graph without it), on the demo
     model's Qwen3.5 family, on this machine's kernel backend."""
-    import sys
 
     import mlx_mtp
     from mlx_mtp.batch import make_batch
@@ -169,25 +177,121 @@ def test_the_documented_walk_of_one_cycle_is_the_trace(monkeypatch):
     assert listed == files, (listed, files)
 
 
+ROWS, COPIES = "mlx_mtp.rows", {("dataclasses", "replace"), ("copy", "copy"),
+                                ("copy", "deepcopy"), ("copy", "replace")}
+
+
+def row_builders(module: str, is_package: bool, source: str) -> list:
+    """The functions of one module that could make a `rows.Request` without
+    `Batch.prepare`'s checks: any use of the class, by whatever name an
+    import bound it to (a call, `functools.partial`, `__new__`, handed on;
+    not an annotation, not `isinstance`), and, in a module importing the
+    class or its module, a copy of a request (`dataclasses.replace`,
+    `copy.copy`, ... of a name saying request: elsewhere, as in the
+    server's handler, a request is an HTTP request)."""
+    tree = ast.parse(source)
+    classes, row_modules, copiers = set(), set(), set()  # local names bound by imports
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_module(module, is_package, node)
+            for a in node.names:
+                local = a.asname or a.name
+                if base == ROWS and a.name == "Request":
+                    classes.add(local)
+                elif f"{base}.{a.name}" == ROWS:
+                    row_modules.add(local)
+                elif (base, a.name) in COPIES:
+                    copiers.add(local)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == ROWS:
+                    row_modules.add(a.asname or a.name)
+    annotations = set()  # nodes inside annotations and isinstance's classes
+    for node in ast.walk(tree):
+        notes = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            notes = [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                            args.vararg, args.kwarg) if a is not None]
+            notes.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+            notes = [node.args[1]]
+        for note in notes:
+            if note is not None:
+                annotations.update(ast.walk(note))
+    where = {}  # node -> the innermost function holding it
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                where[node] = fn.name
+
+    def dotted(node) -> str:
+        return (node.id if isinstance(node, ast.Name) else
+                f"{dotted(node.value)}.{node.attr}" if isinstance(node, ast.Attribute) else "")
+
+    def names_a_request(node) -> bool:
+        name = dotted(node).rpartition(".")[2].lower()
+        return "request" in name or name.startswith("req")
+
+    found = []
+    for node in ast.walk(tree):
+        if node in annotations:
+            continue
+        uses_class = (isinstance(node, ast.Name) and node.id in classes
+                      and isinstance(node.ctx, ast.Load)) or (
+            isinstance(node, ast.Attribute) and node.attr == "Request"
+            and dotted(node.value) in row_modules)
+        copies = (classes or row_modules) and isinstance(node, ast.Call) and node.args \
+            and names_a_request(node.args[0]) and (
+            dotted(node.func) in copiers
+            or tuple(dotted(node.func).rsplit(".", 1)) in COPIES)
+        if uses_class or copies:
+            found.append(where.get(node, "<module>"))
+    return found
+
+
 def test_rows_are_built_only_by_batch_prepare():
     """One front door for a row: `Batch.prepare` is the one place in the
-    package that constructs a `Request` (api.py, decode.py and the server
-    lane call it), so every row's arguments pass the same checks."""
+    package that makes a `Request` (api.py, decode.py and the server lane
+    call it), so every row's arguments pass the same checks."""
     builders = []
-    for path in sorted((ROOT / "mlx_mtp").rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        where = {}  # call node -> the innermost function holding it
-        for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for node in ast.walk(fn):
-                    where[node] = fn.name
-        for node in ast.walk(tree):
-            func = node.func if isinstance(node, ast.Call) else None
-            if (isinstance(func, ast.Name) and func.id == "Request") or (
-                    isinstance(func, ast.Attribute) and func.attr == "Request"
-                    and isinstance(func.value, ast.Name) and func.value.id == "rows"):
-                builders.append((path.relative_to(ROOT).as_posix(), where.get(node, "<module>")))
+    for module, path in project_modules().items():
+        for fn in row_builders(module, path.name == "__init__.py", path.read_text()):
+            builders.append((path.relative_to(ROOT).as_posix(), fn))
     assert builders == [("mlx_mtp/batch.py", "prepare")], builders
+
+
+@pytest.mark.parametrize("source", [
+    "from .rows import Request\ndef f(): return Request([1])",
+    "from .rows import Request as R\ndef f(): return R([1])",
+    "from . import rows as r\ndef f(): return r.Request([1])",
+    "import mlx_mtp.rows\ndef f(): return mlx_mtp.rows.Request([1])",
+    "from .rows import Request\ndef f(): return functools.partial(Request, [1])",
+    "from .rows import Request\ndef f(): return object.__new__(Request)",
+    "from .rows import Request\nMAKE = Request\ndef f(): return MAKE([1])",
+    "import dataclasses\nfrom .rows import Request\n"
+    "def f(request: Request): return dataclasses.replace(request, prompt=[1])",
+    "from dataclasses import replace as r\nfrom . import rows\n"
+    "def f(req): return r(req, prompt=[1])",
+    "import copy\nfrom .rows import Request\ndef f(self): return copy.copy(self.request)",
+])
+def test_the_front_door_detector_sees_every_way_to_build_a_row(source):
+    assert row_builders("mlx_mtp.api", False, source), source
+
+
+def test_the_front_door_detector_passes_what_builds_no_row():
+    source = ("import urllib.request\nfrom dataclasses import replace\n"
+              "from .rows import Request\nfrom typing import List\n"
+              "def f(x: Request, args) -> List[Request]:\n"
+              "    urllib.request.Request('http://x')\n    replace(args, seed=1)\n"
+              "    y: Request = x\n    return isinstance(x, Request)\n")
+    assert row_builders("mlx_mtp.api", False, source) == []
+    # (an HTTP request copied where the row class is not imported)
+    source = "import copy\ndef fork(request): return copy.copy(request)"
+    assert row_builders("mlx_mtp.server.handler", False, source) == []
 
 
 def test_the_server_lane_reads_nothing_private_of_the_generator():
@@ -212,14 +316,43 @@ ENGINE = ("mlx_mtp/batch.py", "mlx_mtp/cycle.py", "mlx_mtp/rows.py", "mlx_mtp/st
           "metal/")
 
 
-def transfers(guided: bool) -> set:
-    """Where one steady-state `Batch.step()` at depth 2 moves arrays to the
-    host (`np.array` calls made by the engine's files: (file, function)),
-    greedy or with a grammar on its row; eager, so the cycle's Python runs."""
-    import sys
-
+@contextmanager
+def host_reads():
+    """Records where arrays move to the host while it is open: the code
+    objects calling `np.array` / `np.asarray` (of anything: the engine's
+    files convert only device arrays), or an MLX array's `.tolist()` /
+    `.item()` (nanobind methods, which a profiler does not see: wrapped)."""
+    import mlx.core as mx
     import numpy as np
 
+    codes = []
+    methods = {name: getattr(mx.array, name) for name in ("tolist", "item")}
+
+    def wrapped(name, method):
+        def read(self, *a, **k):
+            codes.append(sys._getframe(1).f_code)
+            return method(self, *a, **k)
+        return read
+
+    def record(frame, event, arg):
+        if event == "c_call" and (arg is np.array or arg is np.asarray):
+            codes.append(frame.f_code)
+
+    for name, method in methods.items():
+        setattr(mx.array, name, wrapped(name, method))
+    sys.setprofile(record)
+    try:
+        yield codes
+    finally:
+        sys.setprofile(None)
+        for name, method in methods.items():
+            setattr(mx.array, name, method)
+
+
+def transfers(guided: bool) -> set:
+    """Where one steady-state `Batch.step()` at depth 2 moves arrays to the
+    host (`host_reads` made by the engine's files: (file, function)), greedy
+    or with a grammar on its row; eager, so the cycle's Python runs."""
     import mlx_mtp
     from mlx_mtp.batch import make_batch
 
@@ -230,22 +363,16 @@ def transfers(guided: bool) -> set:
                              tokenizer=tok)])
     for _ in range(3):
         list(batch.step())
-    sites = set()
-
-    def record(frame, event, arg):
-        if event == "c_call" and arg is np.array:
-            path = Path(frame.f_code.co_filename)
-            if ROOT in path.parents:
-                name = path.relative_to(ROOT).as_posix()
-                if name.startswith(ENGINE):
-                    sites.add((name, frame.f_code.co_name))
-
-    sys.setprofile(record)
-    try:
+    with host_reads() as codes:
         events = list(batch.step())
-    finally:
-        sys.setprofile(None)
     assert events
+    sites = set()
+    for code in codes:
+        path = Path(code.co_filename)
+        if ROOT in path.parents:
+            name = path.relative_to(ROOT).as_posix()
+            if name.startswith(ENGINE):
+                sites.add((name, code.co_name))
     return sites
 
 
@@ -260,3 +387,18 @@ def test_only_the_batch_reads_the_device(monkeypatch):
     assert transfers(guided=False) == {("mlx_mtp/batch.py", "_read")}
     assert transfers(guided=True) == {("mlx_mtp/batch.py", "_read"),
                                       ("mlx_mtp/batch.py", "_launch")}
+
+
+def test_the_host_read_detector_sees_every_kind_of_read():
+    """`host_reads` sees each way a device array reaches the host (in the
+    function that asks), and not a device-side call."""
+    import mlx.core as mx
+    import numpy as np
+
+    def reads(x):
+        np.array(x), np.asarray(x), x.tolist(), x[0].item(), mx.add(x, x)
+
+    with host_reads() as codes:
+        reads(mx.array([1, 2]))
+    assert [c.co_name for c in codes] == ["reads"] * 4, codes
+    assert mx.array([3]).item() == 3 and mx.array([3]).tolist() == [3]  # (restored)
