@@ -222,7 +222,10 @@ def test_n_choices_are_batch_rows_each_its_own_lone_request(srv):
             streamed[c.index] += c.delta.content or ""
     assert streamed == lone
     greedy = client.chat.completions.create(n=2, **dict(req, temperature=0))
-    assert len({c.message.content for c in greedy.choices}) == 1
+    alone = client.chat.completions.create(**dict(req, temperature=0))
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert [c.message.content for c in greedy.choices] == [alone.choices[0].message.content] * 2
+    assert greedy.usage.completion_tokens == 2 * alone.usage.completion_tokens
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(n=33, **req)  # (past --decode-concurrency)
     assert e.value.param == "n"
