@@ -4,10 +4,13 @@ thread, each part replaced in place by the model's image placeholder text
 (the chat template then renders it as its own image part renders it), so
 the generation thread gets the prompt and the pixels and nothing else.
 
-Data URLs and base64 are decoded here; an http(s) URL is fetched with a
-size cap and a time limit. Every fault a client can cause is one ApiError
-(400) naming the part: a URL that fails, is too large or of another scheme,
-bytes that are no image, too many pixels or images, a video.
+Data URLs and base64 are decoded here; an http(s) URL is fetched within
+one deadline (connecting, headers, every byte) and a byte cap, both held
+while reading. The limits are vision.ImageLimits (the flags'). Every fault a
+client can cause is one ApiError (400) naming the part: a URL that fails, is
+too slow, too large or of another scheme, bytes that are no image, too many
+pixels or images, a video. The images' token counts (`expanded`) come from
+their sizes here too, for the checks made before a request is queued.
 """
 
 from __future__ import annotations
