@@ -26,6 +26,7 @@ from mlx_mtp.server.images import ImageReader, reader_for  # noqa: E402
 from mlx_mtp.server.schemas import ApiError  # noqa: E402
 from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
 from mlx_mtp.vision import ImageLimits  # noqa: E402
+from util import slow  # noqa: E402
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -284,7 +285,7 @@ os.kept = gen
 """
 
 
-@pytest.mark.parametrize("cache", ["cache", "none"])
+@pytest.mark.parametrize("cache", ["cache", slow("none")])
 def test_a_generator_left_open_at_exit_prints_nothing(cache):
     out = subprocess.run([sys.executable, "-c", LEFT_OPEN, cache], capture_output=True,
                          text=True, timeout=120)
