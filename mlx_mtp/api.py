@@ -49,22 +49,37 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(prompt)
 
 
-def _with_images(model, prompt: mx.array, images, prompt_cache=None
+def _with_images(model, prompt: mx.array, images, prompt_cache=None, name: str = "images"
                  ) -> Tuple[mx.array, object]:
     """The prompt with its images' pads expanded, and their rows.Media (None
     without images). The vision stage (the [vision] extra) loads only here."""
+    if images is None:
+        return prompt, None
+    if not isinstance(images, (list, tuple)):  # (a str would be read as its characters)
+        raise TypeError(f"{name} must be a list of images, one per image placeholder in the "
+                        f"prompt (e.g. {name}=['photo.png']), not a {type(images).__name__}")
     if not images:
         return prompt, None
     if prompt_cache is not None:  # (its earlier images' positions are not known here)
         raise ValueError("images with a prompt cache are not supported yet: give the whole "
                          "conversation, without prompt_cache")
-    from .vision import prompt_media
+    from .vision import decode_image, prompt_media, tower_of
 
-    ids, media = prompt_media(model, prompt.tolist(), [_read(im) for im in images])
+    limit = tower_of(model).max_input_pixels  # (a model without images says so first)
+    decoded = [decode_image(_read(im, i), limit, _image_source(im, i))
+               for i, im in enumerate(images)]
+    ids, media = prompt_media(model, prompt.tolist(), decoded)
     return mx.array(ids), media
 
 
-def _read(image):
+def _image_source(image, i: int) -> str:
+    """How messages name image i: "image 1 (photo.png)", "image 2 (bytes)"."""
+    what = image if isinstance(image, (str, Path)) else \
+        "bytes" if isinstance(image, (bytes, bytearray, memoryview)) else type(image).__name__
+    return f"image {i + 1} ({what})"
+
+
+def _read(image, i: int = 0):
     """An image given as a file path: its bytes (a caller's own files; the
     server never takes paths)."""
     if not isinstance(image, (str, Path)):
@@ -72,7 +87,7 @@ def _read(image):
     try:
         return Path(image).read_bytes()
     except OSError as e:
-        raise ValueError(f"cannot read image {image}: {e.strerror or e}") from None
+        raise ValueError(f"cannot read {_image_source(image, i)}: {e.strerror or e}") from None
 
 
 def _check_options(kwargs: dict) -> dict:
@@ -225,24 +240,31 @@ def stream_generate(
             forced=stats.forced, jumps=stats.jumps,
         )
 
-    with wired_limit(model, [generation_stream]):
-        tic = time.perf_counter()
-        n, event = 0, None
-        try:
-            for n, event in enumerate(gen, start=1):
-                if n == 1:
-                    prompt_tps = prompt.size / (time.perf_counter() - tic)
-                    tic = time.perf_counter()
-                if event.finish == "stop":  # the stop token is not text (as in mlx_lm)
-                    break
-                detokenizer.add_token(event.token)
-                if event.finish is not None:
-                    break
-                yield response(detokenizer.last_segment, event, n)
-        finally:
-            gen.close()  # writes the prompt cache back
-        detokenizer.finalize()
-        yield response(detokenizer.last_segment, event, n)
+    finalizing = sys.is_finalizing  # (bound here: see decode.decode_rows)
+    try:
+        with wired_limit(model, [generation_stream]):
+            tic = time.perf_counter()
+            n, event = 0, None
+            try:
+                for n, event in enumerate(gen, start=1):
+                    if n == 1:
+                        prompt_tps = prompt.size / (time.perf_counter() - tic)
+                        tic = time.perf_counter()
+                    if event.finish == "stop":  # the stop token is not text (as in mlx_lm)
+                        break
+                    detokenizer.add_token(event.token)
+                    if event.finish is not None:
+                        break
+                    yield response(detokenizer.last_segment, event, n)
+            finally:
+                gen.close()  # writes the prompt cache back
+            detokenizer.finalize()
+            yield response(detokenizer.last_segment, event, n)
+    except BaseException:
+        # left open until the interpreter exits: closed once modules are torn
+        # down, when restoring the wired limit (mlx_lm's) can only fail
+        if not finalizing():
+            raise
 
 
 def generate(
@@ -323,6 +345,9 @@ def batch_generate(
     processors = (list(logits_processors) if logits_processors and isinstance(
         logits_processors[0], (list, tuple)) else [logits_processors] * n)
     constraints = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * n
+    if images is not None and not isinstance(images, (list, tuple)):
+        raise TypeError(f"images must be a list with one list of images per prompt (None or "
+                        f"[] for a text row), not a {type(images).__name__}")
     images = [None] * n if images is None else list(images)
     for name, values in (("prompt_caches", prompt_caches), ("max_tokens", max_tokens),
                          ("seeds", seeds), ("sampler", samplers),
@@ -347,7 +372,8 @@ def batch_generate(
         elif return_prompt_caches:
             cache = model.make_cache()
         prompt, media = _with_images(model, mx.array(prompt), images[i],
-                                     None if prompt_caches is None else prompt_caches[i])
+                                     None if prompt_caches is None else prompt_caches[i],
+                                     f"images[{i}]")
         request = batch.prepare(prompt, cache, max_tokens[i], seeds[i], media=media,
                                 sampler=None if opaque else samplers[i],
                                 logits_processors=processors[i],

@@ -12,6 +12,7 @@ last one included, and nothing drafted or rejected (rows.py).
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
@@ -73,13 +74,14 @@ def _generate(batch: Batch, request: Request, owner):
     """One row: yield its events as its cycles are read;
     when the caller stops (max_tokens, a stop token, close) the row's prompt
     cache is written back (by `decode_rows`)."""
+    finalizing = sys.is_finalizing  # (bound here: `sys` is None once modules are torn down)
     try:
         for _, event in decode_rows(batch, [request], 1):
             if event is None:  # max_tokens 0
                 return
             yield event
     finally:
-        if request.keep_cache:
+        if request.keep_cache and not finalizing():
             HeldCache.release(request.prompt_cache, owner)
 
 
@@ -91,6 +93,10 @@ def decode_rows(batch: Batch, requests: List[Request], width: int = 32):
     stops is finished with the tokens yielded so far."""
     pending = deque(enumerate(requests))
     active: dict = {}  # Row -> request index
+    # A generator left open until the interpreter exits is closed after its
+    # modules are torn down (their names None): nothing is left to write back
+    # then, so its cleanup is skipped rather than failing ("Exception ignored").
+    finalizing = sys.is_finalizing
     with mx.stream(generation_stream):
         try:
             while pending or active:
@@ -111,6 +117,6 @@ def decode_rows(batch: Batch, requests: List[Request], width: int = 32):
                         i = active[event.row]
                     yield i, event
         finally:
-            for row in list(active):
+            for row in list(active) if not finalizing() else ():
                 if not row.done:
                     batch.finish(row)

@@ -4,6 +4,8 @@ Each `Param` row says a parameter's type and range and where it appears:
 
 - `openai`: its request fields on /v1/chat/completions and /v1/completions,
 - `anthropic`: its request fields on /v1/messages,
+- `extension`: the server's own request fields, on every API (those two and
+  /v1/responses), checked and applied alike,
 - `generate` / `server`: the flags of `python -m mlx_mtp.generate` and of
   `python -m mlx_mtp.server`,
 - `api`: the Python API's arguments.
@@ -92,6 +94,10 @@ class Param:
     nullable: bool = False  # a request field may be null: the server's default
     openai: Tuple[str, ...] = ()
     anthropic: Tuple[str, ...] = ()
+    # the server's own request fields (no OpenAI or Anthropic API has them):
+    # taken, checked and applied alike by every API (chat, completions,
+    # messages, responses): `FIELDS`, `EXTENSIONS`
+    extension: Tuple[str, ...] = ()
     generate: Tuple[str, ...] = ()
     server: Tuple[str, ...] = ()
     api: Tuple[str, ...] = ()
@@ -183,7 +189,7 @@ TABLE: Tuple[Param, ...] = (
           note="at least --max-tokens"),
     Param("draft_tokens", int, lo=0, hi=MAX_DEPTH,
           extra=(("auto", ""),),
-          nullable=True, openai=("num_draft_tokens",), generate=("--draft-tokens",),
+          nullable=True, extension=("num_draft_tokens",), generate=("--draft-tokens",),
           server=("--draft-tokens",), note="'auto': chosen per cycle from measured acceptance "
                                            "and cost, 0 included",
           api=("generate(draft_tokens)", "stream_generate(draft_tokens)",
@@ -249,9 +255,12 @@ TABLE: Tuple[Param, ...] = (
           why="seconds one image URL's fetch may take"),
 )
 PARAMS: Dict[str, Param] = {p.name: p for p in TABLE}
-# request field -> its row, per HTTP surface
+# the server's own request fields -> their rows (every API takes them)
+EXTENSIONS: Dict[str, Param] = {f: p for p in TABLE for f in p.extension}
+# request field -> its row, per HTTP surface (/v1/responses: OpenAI's)
 FIELDS: Dict[str, Dict[str, Param]] = {
-    s: {f: p for p in TABLE for f in getattr(p, s)} for s in ("openai", "anthropic")}
+    s: {**{f: p for p in TABLE for f in getattr(p, s)}, **EXTENSIONS}
+    for s in ("openai", "anthropic")}
 
 
 def check(name: str, value, field: Optional[str] = None, surface: str = "api"):
@@ -345,8 +354,9 @@ def markdown() -> str:
         served = p.allowed("server")
         allowed = p.allowed("api") + (f" (server: {served})" if served != p.allowed() else "")
         notes = "; ".join(x for x in (p.note, p.why) if x)
-        cells = [p.name, p.kind.__name__, allowed, *(", ".join(getattr(p, s)) or "-"
-                                                     for s in SURFACES), notes]
+        cells = [p.name, p.kind.__name__, allowed,
+                 *(", ".join(getattr(p, s) + (p.extension if s in ("openai", "anthropic")
+                                              else ())) or "-" for s in SURFACES), notes]
         rows.append("| " + " | ".join(cells) + " |")
     rows += ["", "| environment flag | default | on: |", "| --- | --- | --- |"]
     rows += [f"| {name} | {'on' if default else 'off'} | {what} |"

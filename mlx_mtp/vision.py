@@ -6,7 +6,9 @@ sanitize; preprocessing is mlx-vlm's NumPy Qwen3-VL image processor (resize,
 patches, normalize), fed by our decoder (bytes, PIL images and uint8 arrays
 to RGB pixels, transparency composited onto white as transformers does). Both
 come with the optional extra `pip install "mlx-mtp[vision]"`; only this
-module imports them, and nothing on the text path imports this module.
+module imports them (at the first image), and the library's text path
+(mlx_mtp.load, generate) never imports this module; the server imports it
+for `ImageLimits`, the image limits' one home.
 
 Errors a client can cause (undecodable bytes, an unsupported type, too many
 pixels, a prompt whose image spans do not fit its images) are one-line
@@ -19,6 +21,7 @@ import hashlib
 import importlib
 import io
 import itertools
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +36,30 @@ if TYPE_CHECKING:
     import mlx.core as mx
     from PIL import Image as PILImage
 
-# An image with more pixels than this is refused before its pixels are
-# decoded (PIL reads the size from the header). 6000 x 5600; the processor
-# resizes everything to at most the checkpoint's `longest_edge` pixels anyway.
-MAX_INPUT_PIXELS = 6000 * 5600
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The limits on images, with their defaults: one home for the Python
+    API (`max_pixels`), the server's reader (server/images.py) and its
+    flags' defaults (server/cli.py)."""
+
+    # images one request may carry (--max-images)
+    max_images: int = 16
+    # pixels one image may have, checked from its header before its pixels
+    # are decoded (--max-image-pixels): 6000 x 5600; the processor resizes
+    # everything to at most the checkpoint's `longest_edge` pixels anyway
+    max_pixels: int = 6000 * 5600
+    # encoded bytes one image may have (--max-image-bytes); inline base64
+    # is also bounded by the body's limit (--max-body-bytes)
+    max_bytes: int = 20 * 1024 * 1024
+    # seconds one image URL's fetch may take in all: connect, headers and
+    # every byte (--image-timeout)
+    timeout: float = 10.0
+
+
+DEFAULT_LIMITS = ImageLimits()
+MAX_INPUT_PIXELS = DEFAULT_LIMITS.max_pixels  # (the Python API's bound on one image)
 # images whose features the tower keeps (by pixel digest), for the next turn
 FEATURES_KEPT = 16
 
@@ -128,60 +151,77 @@ def pixel_digest(pixels: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def decode_image(image: ImageInput, max_pixels: int = MAX_INPUT_PIXELS) -> DecodedImage:
+def decode_image(image: ImageInput, max_pixels: int = MAX_INPUT_PIXELS,
+                 source: str = "the image") -> DecodedImage:
     """An image as RGB pixels: encoded bytes (any format Pillow reads; the
     first frame of an animation), a PIL image, or an H x W x 3 uint8 array.
-    Transparency is composited onto white (transformers' `convert_to_rgb`,
-    as the Qwen processors do). One-line ValueError for what cannot be an
-    image or has more than `max_pixels` pixels."""
+    An EXIF orientation is applied (the image as a viewer shows it, as
+    transformers' and mlx-vlm's loaders read it); transparency is
+    composited onto white (transformers' `convert_to_rgb`, as the Qwen
+    processors do). One-line ValueError, naming `source` (e.g. "image 2
+    (bytes)"), for what cannot be an image or has more than `max_pixels`
+    pixels."""
     Image = _need("PIL.Image")
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-            raise ValueError(f"an image array must be H x W x 3 uint8 RGB, not "
+            raise ValueError(f"{source}: an image array must be H x W x 3 uint8 RGB, not "
                              f"{'x'.join(map(str, image.shape))} {image.dtype}")
-        _check_pixels(image.shape[0], image.shape[1], max_pixels)
+        _check_pixels(image.shape[0], image.shape[1], max_pixels, source)
         if min(image.shape[:2]) == 0:
-            raise ValueError("an image has no pixels")
+            raise ValueError(f"{source} has no pixels")
         pixels = np.ascontiguousarray(image)
         return DecodedImage(pixels, pixel_digest(pixels))
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
         if not data:
-            raise ValueError("an image is empty (0 bytes)")
+            raise ValueError(f"{source} is empty (0 bytes)")
         try:
             pil = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError:
-            raise ValueError(f"an image has more than {max_pixels} pixels") from None
+            raise ValueError(f"{source} has more than {max_pixels} pixels") from None
+        except Image.UnidentifiedImageError:  # (its message names the BytesIO object)
+            raise ValueError(f"could not decode {source}, {len(data)} bytes: Pillow cannot "
+                             "identify its format") from None
         except (OSError, SyntaxError, ValueError) as e:
-            raise ValueError(f"could not decode an image ({len(data)} bytes): "
-                             f"{_one_line(e) or 'not an image format Pillow reads'}") from None
-        _check_pixels(pil.height, pil.width, max_pixels)
+            raise ValueError(f"could not decode {source}, {len(data)} bytes: "
+                             f"{_one_line(e) or type(e).__name__}") from None
+        _check_pixels(pil.height, pil.width, max_pixels, source)
         try:
             pil.load()
         except Exception as e:  # Pillow's decoders raise OSError, SyntaxError, struct.error ...
-            raise ValueError(f"could not decode an image ({pil.format}, {len(data)} bytes): "
+            raise ValueError(f"could not decode {source}, {len(data)} bytes of {pil.format}: "
                              f"{_one_line(e) or type(e).__name__}") from None
     elif isinstance(image, Image.Image):
         pil = image
-        _check_pixels(pil.height, pil.width, max_pixels)
+        _check_pixels(pil.height, pil.width, max_pixels, source)
     else:
-        raise ValueError(f"unsupported image type {type(image).__name__}: pass encoded bytes, "
-                         f"a PIL image or an H x W x 3 uint8 array")
+        raise ValueError(f"{source}: unsupported image type {type(image).__name__}: pass "
+                         "encoded bytes, a PIL image or an H x W x 3 uint8 array")
     if pil.width == 0 or pil.height == 0:
-        raise ValueError("an image has no pixels")
+        raise ValueError(f"{source} has no pixels")
+    try:  # (a photo's camera orientation: stored sideways, shown upright)
+        pil = _need("PIL.ImageOps").exif_transpose(pil)
+    except Exception as e:  # a malformed EXIF block
+        raise ValueError(f"{source}: its EXIF orientation cannot be read: "
+                         f"{_one_line(e) or type(e).__name__}") from None
     from transformers.image_transforms import convert_to_rgb
 
     pixels = np.ascontiguousarray(convert_to_rgb(pil, return_numpy=True), dtype=np.uint8)
     return DecodedImage(pixels, pixel_digest(pixels))
 
 
-def _check_pixels(height: int, width: int, max_pixels: int):
+def _check_pixels(height: int, width: int, max_pixels: int, source: str = "the image"):
     if height * width > max_pixels:
-        raise ValueError(f"an image of {width}x{height} pixels is over the limit of {max_pixels}")
+        raise ValueError(f"{source} of {width}x{height} pixels is over the limit of {max_pixels}")
 
 
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
+    """An exception's message on one line, without Python object reprs
+    (`<_io.BytesIO object at 0x...>` says nothing to whoever sent it)."""
+    return " ".join(_OBJECT_REPR.sub("the data", str(e)).split())
+
+
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
 
 
 # ------------------------------------------------------------- preprocess
@@ -227,6 +267,24 @@ def image_token_count(grid_thw: Sequence[int], spatial_merge_size: int) -> int:
     patches."""
     t, h, w = (int(x) for x in grid_thw)
     return t * h * w // spatial_merge_size ** 2
+
+
+def image_grid(processor, image: DecodedImage) -> Tuple[int, int, int]:
+    """An image's patch grid (t, h, w), from its size alone: the processor's
+    resize rule (the tower is not needed, nor its pixels processed)."""
+    h, w = processor._resolved_size(*image.size)
+    return (1, h // processor.patch_size, w // processor.patch_size)
+
+
+def expanded_prompt(tokens: Sequence[int], images: Sequence[DecodedImage], spec: VisionSpec,
+                    processor) -> List[int]:
+    """A prompt with one image-pad placeholder per image, each expanded to
+    its image's pads as `prompt_layout` lays it out (from the images' sizes
+    alone): the prompt the model reads, and the tokens `usage` counts.
+    ValueError when the placeholders are not one per image."""
+    counts = [image_token_count(image_grid(processor, im), spec.spatial_merge_size)
+              for im in images]
+    return expand_image_pads(list(tokens), counts, spec)
 
 
 # ------------------------------------------------------------------ tower
@@ -315,11 +373,8 @@ class VisionTower:
         return features, grid
 
     def grid(self, image: "DecodedImage") -> Tuple[int, int, int]:
-        """An image's patch grid (t, h, w), from its size alone (the
-        processor's resize rule, as `token_count`)."""
-        p = self.processor
-        h, w = p._resolved_size(*image.size)
-        return (1, h // p.patch_size, w // p.patch_size)
+        """An image's patch grid (t, h, w), from its size alone (`image_grid`)."""
+        return image_grid(self.processor, image)
 
     def features(self, images: Sequence["DecodedImage"]) -> List["mx.array"]:
         """Each image's features, the tower run once for those not among the
@@ -513,8 +568,7 @@ def prompt_layout(model, tokens: Sequence[int], images: Sequence["DecodedImage"]
                          "<|vision_end|> where each image goes (a chat template with image "
                          "parts writes it)")
     grids = [tower.grid(im) for im in images]
-    counts = [image_token_count(g, spec.spatial_merge_size) for g in grids]
-    expanded = expand_image_pads(list(tokens), counts, spec)
+    expanded = expanded_prompt(tokens, images, spec, tower.processor)
     spans, pos = [], 0  # (a run of pads is one image, as rope_index reads them)
     for pad, run in itertools.groupby(expanded, key=lambda t: t == spec.image_token_id):
         n = len(list(run))

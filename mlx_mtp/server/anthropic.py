@@ -21,7 +21,8 @@ from . import structured
 from .answer import Answer
 from .generation import generate_for
 from .lane import extras
-from .schemas import ApiError, RequestError, generation_failed, validate, warn_once
+from .schemas import (ApiError, RequestError, extension_args, generation_failed, validate,
+                      warn_once)
 
 # Request fields we act on, and those a client may send that do not change
 # the output (accepted, ignored); any other field is ignored with a warning
@@ -372,7 +373,7 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
     structured.attach_grammar(request, wanted, mp)
     # the fields the Messages API does not have take mlx_lm.server's defaults
     args = generation_arguments(
-        **NEUTRAL, model="default_model", draft="default_model",
+        **dict(NEUTRAL, **extension_args(body)), model="default_model", draft="default_model",
         temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
         top_k=body.get("top_k", cli.top_k), min_p=cli.min_p, stop_words=stop_words,
         max_tokens=max_tokens, chat_template_kwargs=template_args)

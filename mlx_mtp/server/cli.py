@@ -19,6 +19,7 @@ import mlx.core as mx
 from .. import checks, params
 from ..loader import CheckpointError
 from ..mlx_lm_compat import parse_size, run_http_server
+from ..vision import ImageLimits
 from .generation import RANK_GRACE_S, MTPModelProvider, MTPResponseGenerator
 from .handler import MTPAPIHandler, _HTTPServer
 from .prompt_store import DiskTier, TieredPromptCache, default_disk_bytes, model_fingerprint
@@ -111,15 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-chunk-ms", type=flag("idle_chunk_ms"), default=20.0, metavar="MS",
                    help="idle-time work (prefilling a chat's next turn) runs in chunks of "
                         "about this long: a request arriving meanwhile waits for one chunk")
-    p.add_argument("--max-images", type=flag("max_images"), default=16, metavar="N",
+    images = ImageLimits()  # (the defaults' one home: vision.py)
+    p.add_argument("--max-images", type=flag("max_images"), default=images.max_images,
+                   metavar="N",
                    help="images one request may carry (a Qwen3.5/3.6 folder with its vision "
                         "tower; pip install 'mlx-mtp[vision]')")
-    p.add_argument("--max-image-pixels", type=flag("max_image_pixels"), default=6000 * 5600,
-                   metavar="N", help="pixels one image may have (checked before decoding)")
-    p.add_argument("--max-image-bytes", type=size("--max-image-bytes"), default=20 * 2 ** 20,
-                   metavar="SIZE", help="encoded bytes one image may have (default 20MiB)")
-    p.add_argument("--image-timeout", type=flag("image_timeout"), default=10.0,
-                   metavar="SECONDS", help="time one image URL's fetch may take")
+    p.add_argument("--max-image-pixels", type=flag("max_image_pixels"),
+                   default=images.max_pixels, metavar="N",
+                   help="pixels one image may have (checked before decoding)")
+    p.add_argument("--max-image-bytes", type=size("--max-image-bytes"),
+                   default=images.max_bytes, metavar="SIZE",
+                   help=f"encoded bytes one image may have (default {images.max_bytes >> 20}MiB); "
+                        "an inline (base64) image is also within --max-body-bytes, raise both")
+    p.add_argument("--image-timeout", type=flag("image_timeout"), default=images.timeout,
+                   metavar="SECONDS",
+                   help="time one image URL's fetch may take in all (connecting, every byte)")
     p.add_argument("--read-timeout", type=flag("read_timeout"), default=30.0, metavar="SECONDS",
                    help="a request (line, headers, body) that sends nothing for this long gets "
                         "408 and its connection closed (default: 30)")

@@ -27,7 +27,8 @@ from ..checks import depth as parse_depth
 from ..distributed import sharded_load
 from ..loader import load
 from ..mlx_lm_compat import CompletionRequest, ModelProvider, ResponseGenerator, generation_stream
-from .images import ImageLimits, reader_for
+from ..vision import ImageLimits
+from .images import reader_for
 from .lane import _Lane, _Settings, extras
 from .logprobs import TokenText
 from .roles import late_system_role, place_system
@@ -110,7 +111,8 @@ class MTPModelProvider(ModelProvider):
         # a request's images, read on the handler's thread (images.py)
         a = self.cli_args
         self.images = reader_for(model, tokenizer, ImageLimits(
-            a.max_images, a.max_image_pixels, a.max_image_bytes, a.image_timeout))
+            max_images=a.max_images, max_pixels=a.max_image_pixels, max_bytes=a.max_image_bytes,
+            timeout=a.image_timeout))
         # structured output's tokenizer (llguidance walks the vocabulary: seconds at
         # 248K tokens), built in the background rather than on the first request
         threading.Thread(target=_warm_structured, args=(tokenizer, model.vocab_size),
@@ -257,7 +259,8 @@ class MTPResponseGenerator(ResponseGenerator):
                   check_context: bool = True) -> list:
         """Checks made in the request's own thread before it is queued: the
         server can take it, the prompt renders and (`check_context`) fits
-        the context with max_tokens."""
+        the context with max_tokens, its images' tokens counted. Returns the
+        prompt as the model reads it (each image's pads expanded)."""
         if not self.generation_available():
             raise ApiError(503, "the generation thread stopped; restart the server",
                            kind="server_error")
@@ -279,6 +282,11 @@ class MTPResponseGenerator(ResponseGenerator):
             raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
         if not prompt:
             raise ApiError(400, "the prompt is empty")
+        if given.images:  # each image's tokens, from its size (what `usage` counts)
+            try:
+                prompt = mp.images.expanded(prompt, given.images)
+            except ValueError as e:
+                raise ApiError(400, str(e)) from None
         if check_context and len(prompt) + max_tokens > mp.context_length:
             raise context_exceeded(len(prompt), max_tokens, mp.context_length,
                                    "messages" if request.request_type == "chat" else "prompt")

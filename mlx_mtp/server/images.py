@@ -4,36 +4,39 @@ thread, each part replaced in place by the model's image placeholder text
 (the chat template then renders it as its own image part renders it), so
 the generation thread gets the prompt and the pixels and nothing else.
 
-Data URLs and base64 are decoded here; an http(s) URL is fetched with a
-size cap and a time limit. Every fault a client can cause is one ApiError
-(400) naming the part: a URL that fails, is too large or of another scheme,
-bytes that are no image, too many pixels or images, a video.
+Data URLs and base64 are decoded here; an http(s) URL is fetched within
+one deadline (connecting, headers, every byte) and a byte cap, both held
+while reading. The limits are vision.ImageLimits (the flags'). Every fault a
+client can cause is one ApiError (400) naming the part: a URL that fails, is
+too slow, too large or of another scheme, bytes that are no image, too many
+pixels or images, a video. The images' token counts (`expanded`) come from
+their sizes here too, for the checks made before a request is queued.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import http.client
 import importlib.util
+import re
+import socket
+import ssl
+import threading
+import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Sequence
 
+from ..vision import ImageLimits
 from .schemas import ApiError
 
 VIDEO = ("video_url", "input_video", "video")
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """The server's limits on a request's images (its flags)."""
-
-    max_images: int = 16  # --max-images
-    max_pixels: int = 6000 * 5600  # --max-image-pixels (one image)
-    max_bytes: int = 20 * 1024 * 1024  # --max-image-bytes (one image, encoded)
-    timeout: float = 10.0  # --image-timeout (one URL's fetch, seconds)
+FETCH_CHUNK = 1 << 16  # bytes read from an image URL at a time
+# whitespace a base64 writer may wrap its lines with (MIME: 76 columns, CRLF)
+_BASE64_SPACE = re.compile(r"[ \t\r\n]+")
 
 
 class ImageReader:
@@ -41,8 +44,12 @@ class ImageReader:
     the text its template writes for one image; None: the model takes no
     images, and an image is refused with `why`)."""
 
-    def __init__(self, limits: ImageLimits, placeholder: Optional[str], why: str = ""):
+    def __init__(self, limits: ImageLimits, placeholder: Optional[str], why: str = "",
+                 model_path: Optional[Path] = None):
         self.limits, self.placeholder, self.why = limits, placeholder, why
+        self.model_path = model_path  # (its image processor sizes the images: `expanded`)
+        self._sizes = None
+        self._sizing_lock = threading.Lock()
 
     def openai(self, messages: list, where: str = "messages") -> list:
         """The images of OpenAI chat messages, in order; each image part
@@ -117,33 +124,178 @@ class ImageReader:
         return self._fetch(url, at)
 
     def _base64(self, data: str, at: str) -> bytes:
-        if len(data) * 3 // 4 > self.limits.max_bytes:
+        """Base64 as MIME encoders write it too (lines of 76 characters):
+        whitespace is dropped, anything else outside the alphabet refused."""
+        data = _BASE64_SPACE.sub("", data)
+        if len(data) * 3 // 4 > self.limits.max_bytes + 2:  # (+2: the last quantum's padding)
             raise self._too_large(at)
         try:
-            return base64.b64decode(data, validate=True)
+            raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ApiError(400, f"{at}: the image's base64 data does not decode",
                            param=at) from None
+        if len(raw) > self.limits.max_bytes:
+            raise self._too_large(at)
+        return raw
 
     def _fetch(self, url: str, at: str) -> bytes:
-        """An http(s) image, at most max_bytes, within the time limit."""
+        """An http(s) image of at most max_bytes, fetched (connection, TLS,
+        headers, redirects and every byte) within one deadline: both limits
+        hold while reading, so a URL that trickles or never ends holds the
+        handler's thread no longer than --image-timeout."""
+        limits = self.limits
+        deadline = _Deadline(limits.timeout)
+        opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
         request = urllib.request.Request(url, headers={"User-Agent": "mlx_mtp"})
         try:
-            with urllib.request.urlopen(request, timeout=self.limits.timeout) as r:
-                data = r.read(self.limits.max_bytes + 1)
+            with opener.open(request, timeout=limits.timeout) as r:
+                length = r.headers.get("Content-Length")
+                if length is not None and length.isdigit() and int(length) > limits.max_bytes:
+                    raise self._too_large(at)
+                data, got = [], 0
+                while True:
+                    chunk = r.read1(FETCH_CHUNK)  # (what one read gives: the deadline's
+                    if not chunk:  # shutdown ends a read that waits)
+                        break
+                    got += len(chunk)
+                    if got > limits.max_bytes:
+                        raise self._too_large(at)
+                    data.append(chunk)
+                if deadline.expired:  # (cut off: what came is not the image)
+                    raise TimeoutError
         except urllib.error.HTTPError as e:
             raise ApiError(400, f"{at}: fetching the image failed: HTTP {e.code}",
                            param=at) from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+            if deadline.expired or isinstance(getattr(e, "reason", e), TimeoutError):
+                raise ApiError(400, f"{at}: fetching the image took more than "
+                                    f"{limits.timeout:g} s (--image-timeout)", param=at) from None
             why = getattr(e, "reason", None) or e
             raise ApiError(400, f"{at}: fetching the image failed: {why}", param=at) from None
-        if len(data) > self.limits.max_bytes:
-            raise self._too_large(at)
-        return data
+        finally:
+            deadline.cancel()
+        return b"".join(data)
 
     def _too_large(self, at: str) -> ApiError:
         return ApiError(400, f"{at}: the image is over {self.limits.max_bytes} bytes "
                              "(--max-image-bytes)", param=at)
+
+    # -- the prompt's size ---------------------------------------------------------------
+    def expanded(self, tokens: Sequence[int], images: Sequence) -> List[int]:
+        """A rendered prompt (one placeholder per image) with each image's
+        pads expanded, from the images' sizes alone (vision.expanded_prompt,
+        the rule the generation lays the prompt out by): what its `usage`
+        counts, known before anything is queued. ValueError when the
+        placeholders are not one per image."""
+        from ..vision import expanded_prompt
+
+        spec, processor = self._sizing()
+        return expanded_prompt(tokens, images, spec, processor)
+
+    def _sizing(self):
+        """The model's VisionSpec and image processor (no tower weights),
+        read at the first image's request."""
+        with self._sizing_lock:
+            if self._sizes is None:
+                from ..checkpoint import read_config_file
+                from ..vision import VisionSpec, image_processor
+
+                config = read_config_file(self.model_path)
+                self._sizes = (VisionSpec.from_config(config),
+                               image_processor(self.model_path, config["vision_config"]))
+            return self._sizes
+
+
+class _Deadline:
+    """One fetch's deadline over all its connections (a redirect opens
+    another): each connects within what is left, and when the time is up
+    every one's socket is shut down, so that a read waiting in the middle of
+    a trickle (the headers' or the body's) returns at once."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+        self.expired = False
+        self._sockets: list = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def watch(self, sock: Optional[socket.socket]):
+        with self._lock:
+            if not self.expired:
+                self._sockets.append(sock)
+                return
+        _shut(sock)
+
+    def _expire(self):
+        with self._lock:
+            self.expired = True
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            _shut(sock)
+
+    def cancel(self):
+        self._timer.cancel()
+
+
+def _shut(sock: Optional[socket.socket]):
+    """End a socket's traffic both ways, from any thread: a read waiting on
+    it returns. (urllib closes the connection's socket object once the
+    response holds it; its descriptor stays open until the response is.)"""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # (already closed)
+            pass
+
+
+class _Watched:
+    """An http.client connection under a fetch's `_Deadline`: it connects
+    (and shakes hands, for TLS) within what is left, each socket operation
+    bounded by it, and is cut when the deadline passes."""
+
+    def __init__(self, *args, deadline: _Deadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self):
+        if self.deadline.expired:
+            raise TimeoutError("the image fetch's deadline passed")
+        self.timeout = max(self.deadline.left(), 0.001)
+        super().connect()
+        self.deadline.watch(self.sock)
+
+
+class _WatchedHTTP(_Watched, http.client.HTTPConnection):
+    pass
+
+
+class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(functools.partial(_WatchedHTTP, deadline=self.deadline), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline):
+        self.context = ssl.create_default_context()
+        super().__init__(context=self.context)
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(functools.partial(_WatchedHTTPS, deadline=self.deadline), req,
+                            context=self.context)
 
 
 def reader_for(model, tokenizer, limits: ImageLimits) -> ImageReader:
@@ -161,15 +313,16 @@ def reader_for(model, tokenizer, limits: ImageLimits) -> ImageReader:
         path = Path(model.model_path)
         spec = VisionSpec.from_config(read_config_file(path))
         if not vision_tensor_names(path):
-            raise ValueError("its folder has no vision tower")
+            raise ValueError("this model takes no images (its folder has no vision tower)")
         if importlib.util.find_spec("mlx_vlm") is None:  # (loaded with the first image)
             raise ImportError
     except ImportError:
         return ImageReader(limits, None, "images need the [vision] extra on the server: "
                                          "pip install 'mlx-mtp[vision]'")
-    except (ValueError, OSError) as e:
+    except ValueError as e:  # (VisionSpec's words: "this model takes no images (...)")
+        return ImageReader(limits, None, str(e))
+    except OSError as e:
         return ImageReader(limits, None, f"this model takes no images ({e})")
     placeholder = tokenizer.decode([spec.vision_start_token_id, spec.image_token_id,
                                     spec.vision_end_token_id])
-    return ImageReader(limits, placeholder)
-
+    return ImageReader(limits, placeholder, model_path=path)

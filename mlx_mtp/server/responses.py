@@ -31,7 +31,8 @@ from ..mlx_lm_compat import NEUTRAL, CompletionRequest, generation_arguments
 from . import structured
 from .answer import Answer, ToolCall
 from .generation import generate_for
-from .schemas import ApiError, RequestError, generation_failed, validate, warn_once
+from .schemas import (ApiError, RequestError, extension_args, generation_failed, validate,
+                      warn_once)
 
 _OPENAI = params.schema("openai")
 REQUEST_SCHEMA = {
@@ -51,6 +52,8 @@ REQUEST_SCHEMA = {
         "store": {}, "include": {}, "metadata": {}, "user": {}, "prompt_cache_key": {},
         "safety_identifier": {}, "service_tier": {}, "truncation": {}, "client_metadata": {},
         "stream_options": {},
+        # the server's own fields (num_draft_tokens), as on every API
+        **{field: _OPENAI[field] for field in params.EXTENSIONS},
     },
 }
 # what a request may ask for that this server cannot do without losing it
@@ -427,7 +430,7 @@ def handle_responses(handler, body: dict, slot):
             max_tokens)
     structured.attach_grammar(request, wanted, mp)
     args = generation_arguments(
-        **NEUTRAL, model="default_model", draft="default_model",
+        **dict(NEUTRAL, **extension_args(body)), model="default_model", draft="default_model",
         temperature=body.get("temperature", cli.temp), top_p=body.get("top_p", cli.top_p),
         top_k=cli.top_k, min_p=cli.min_p, stop_words=[], max_tokens=max_tokens,
         chat_template_kwargs=template_args)

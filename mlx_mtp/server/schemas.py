@@ -214,6 +214,14 @@ def validate(body: dict, schema: dict, surface: str, refused: Optional[dict] = N
 
 
 
+def extension_args(body: dict) -> dict:
+    """The server's own request fields (params.EXTENSIONS: num_draft_tokens)
+    as mlx_lm.server's GenerationArguments names them (alike), from a
+    checked body: what /v1/messages and /v1/responses pass on, as mlx_lm's
+    handler does on chat and completions."""
+    return {field: body.get(field) for field in params.EXTENSIONS}
+
+
 def generation_failed(e: BaseException, status: int = 500) -> ApiError:
     """The error of a generation that failed with `e` (one wording for every
     endpoint and stream)."""
