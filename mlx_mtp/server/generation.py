@@ -152,6 +152,44 @@ def _warm_structured(tokenizer, vocab_size: int):
         logging.info("structured output's tokenizer was not built: %s", e)
 
 
+class _OncePerProcess(logging.Filter):
+    """Lets each of mlx_lm.server's warnings that it repeats on every
+    request through once per process: "Received tools but model does not
+    support tool calling" is logged by each render of a request with tools
+    (a client sends its tools with every turn) on a template without tool
+    calling; the tools still go to the template. A filter on the root
+    logger, which mlx_lm logs to (`logging.warning`)."""
+
+    REPEATED = ("Received tools but model does not support tool calling",)
+
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+        self._seen: set = set()
+        self._installed = False
+
+    def install(self):
+        if not self._installed:
+            with self._lock:
+                if not self._installed:
+                    logging.getLogger().addFilter(self)
+                    self._installed = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str):
+            return True
+        said = next((m for m in self.REPEATED if record.msg.startswith(m)), None)
+        if said is None:
+            return True
+        with self._lock:
+            first = said not in self._seen
+            self._seen.add(said)
+        return first
+
+
+ONCE_PER_PROCESS = _OncePerProcess()
+
+
 # -- generation ---------------------------------------------------------------------------------
 class Slot:
     """A request's places among those generated or waiting (one per choice,
@@ -290,6 +328,7 @@ class MTPResponseGenerator(ResponseGenerator):
         those): Claude Code's requests end in a system message where the
         template keeps it in place (roles.py), and the system prompt's end
         is what a new session of the same agent shares."""
+        ONCE_PER_PROCESS.install()  # (mlx_lm warns of tools on every render)
         out = super()._tokenize(tokenizer, request, args)
         prompt, segments, _, initial_state, vision = out
         messages = request.messages if request.request_type == "chat" else None
