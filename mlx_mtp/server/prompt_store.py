@@ -140,11 +140,23 @@ def _data_crc(f, start: int) -> int:
     return crc
 
 
+def handed_over(prompt_cache: list) -> list:
+    """What the generation thread gives the writer thread: the cache's
+    arrays evaluated (a no-op for a stored cache; an unevaluated array
+    cannot be evaluated on another thread) in new cache objects of their
+    own. No data is copied: an MLX array is a value, so an update of the
+    caller's cache afterwards (a KV cache's slice assignment rebinds its
+    array, and a buffer another array shares is never written in place;
+    a GDN state is replaced) does not reach them."""
+    mx.eval([c.state for c in prompt_cache])
+    return copy.deepcopy(prompt_cache)
+
+
 def frozen(prompt_cache: list) -> list:
     """A copy of a prompt cache whose arrays are evaluated, compact (a KV
     buffer's spare room past its offset left out) and its own: what the
-    writer thread saves while the decode thread goes on (saving it builds
-    no graph)."""
+    writer thread saves, made there (the generation thread only hands the
+    arrays over: `handed_over`)."""
     out = [_compact(c) for c in prompt_cache]
     mx.eval([c.state for c in out])
     return out
@@ -182,7 +194,7 @@ class DiskTier:
         self._entries: Dict[str, Entry] = {}  # file name -> Entry (every model's)
         self._lock = threading.Lock()
         self._seen_mtime = None  # the folder's mtime when last scanned
-        self._pending: deque = deque()  # (name, tokens, frozen cache), oldest first
+        self._pending: deque = deque()  # (name, tokens, cache handed over), oldest first
         self._writing: Optional[str] = None
         self._wake = threading.Condition(self._lock)
         self._closed = False
@@ -325,8 +337,9 @@ class DiskTier:
 
     # -- writing ------------------------------------------------------------------------
     def put(self, tokens, prompt_cache: list):
-        """Queue an entry for the writer (a compact copy of it, made here on
-        the caller's thread); the oldest waiting one is dropped past
+        """Queue an entry for the writer (its arrays, `handed_over`: the
+        compact copy is the writer's work, off the caller's thread, the
+        generation thread); the oldest waiting one is dropped past
         PENDING_WRITES (bounded memory: a newer entry usually extends it)."""
         name = self.name_of(tokens)
         with self._lock:
@@ -336,15 +349,15 @@ class DiskTier:
         if stored is not None:  # the same tokens again: only its last use changes
             _touch(stored.path)
             return
-        copy_ = frozen(prompt_cache)
-        if _nbytes(copy_) + HEADER_SLACK > self.max_bytes:
+        given = handed_over(prompt_cache)
+        if _nbytes(given) + HEADER_SLACK > self.max_bytes:  # (its compact size)
             return
         with self._lock:
             if len(self._pending) >= PENDING_WRITES:
                 dropped = self._pending.popleft()
                 logging.info("prompt cache: %s was not written (the writer is behind)",
                              dropped[0])
-            self._pending.append((name, list(tokens), copy_))
+            self._pending.append((name, list(tokens), given))
             self._wake.notify_all()
 
     def flush(self, timeout: Optional[float] = None) -> bool:
@@ -387,7 +400,9 @@ class DiskTier:
                     self._wake.notify_all()
 
     def _write(self, name: str, tokens: list, cache: list):
-        """temporary file, CRC, fsync, rename, fsync the folder; then evict."""
+        """compact copy, temporary file, CRC, fsync, rename, fsync the
+        folder; then evict."""
+        cache = frozen(cache)
         path = self.folder / name
         tmp = self.folder / f".{os.getpid()}.{name}"
         blob = tokens_blob(tokens)
