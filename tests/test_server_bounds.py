@@ -1,12 +1,17 @@
-"""The server's memory and latency bounds (server/lane.py, generation.py):
-mlx_lm's warning about tools on a template without tool calling is said once
-per process, not on every render."""
+"""The server's memory and latency bounds (server/lane.py, generation.py), in
+process on the demo: OpenAI's `n` choices prefill their prompt once; mlx_lm's
+warning about tools on a template without tool calling is said once per
+process, not on every render."""
 
 import logging
 from types import SimpleNamespace
 
+import pytest
+
+from mlx_mtp.loader import demo_model_path
 from mlx_mtp.mlx_lm_compat import CompletionRequest
 from mlx_mtp.server.generation import ONCE_PER_PROCESS, MTPResponseGenerator
+from serving import LONG_PROMPT
 
 TOOLS_WARNING = "Received tools but model does not support tool calling"
 
@@ -32,3 +37,66 @@ def test_the_tools_warning_is_logged_once_per_process(caplog):
             assert out[0] == [1, 2, 3]
     assert caplog.text.count(TOOLS_WARNING) == 1, caplog.text
     assert given and all(t == tools for t in given)
+
+
+@pytest.fixture(scope="module")
+def generator():
+    """The server's generation thread on the demo, in this process; prompt
+    snapshots only at answers' ends (so no stored prefix starts a choice by
+    chance)."""
+    from mlx_mtp.server.cli import parse_args
+    from mlx_mtp.server.generation import MTPModelProvider
+    from mlx_mtp.server.prompt_store import TieredPromptCache
+
+    args = parse_args(["--model", str(demo_model_path()), "--prompt-snapshots", "end"])
+    args.num_draft_tokens = None  # (as server/cli.py's main sets it)
+    gen = MTPResponseGenerator(MTPModelProvider(args, "demo"), TieredPromptCache(64, 1 << 40))
+    try:
+        yield gen
+    finally:
+        gen.stop_and_join()
+
+
+def _args(seed=None, temperature=0.0, max_tokens=12):
+    from mlx_mtp.mlx_lm_compat import NEUTRAL, generation_arguments
+
+    return generation_arguments(
+        **dict(NEUTRAL, num_draft_tokens=2, seed=seed), model="default_model", draft="default_model",
+        temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, stop_words=[],
+        max_tokens=max_tokens, chat_template_kwargs=None)
+
+
+def _tokens(gen, requests, seeds, temperature):
+    """Each request's tokens, generated as the handler does a request's
+    choices (each queued once the one before started)."""
+    started = [gen.generate(r, _args(seed, temperature)) for r, seed in zip(requests, seeds)]
+    return [[x.token for x in responses] for _, responses in started]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_n_choices_prefill_their_prompt_once_each_a_lone_answer(generator, monkeypatch,
+                                                                temperature):
+    """OpenAI's `n`: the first choice prefills the prompt, the others start
+    from a copy of its state before the last token (only that token's head
+    pair runs for them); each choice is what a lone request with its seed
+    answers (greedy: the greedy answer)."""
+    from mlx_mtp import batch
+    from mlx_mtp.server.handler import fork
+
+    fed = []  # prompt tokens fed by each prefill (all but each prompt's last)
+    real = batch.prefill
+    monkeypatch.setattr(batch, "prefill", lambda spec, caches, prompts, *a, **k: (
+        fed.append(sum(len(p) - 1 for p in prompts)), real(spec, caches, prompts, *a, **k))[1])
+    seeds = [7, 8, 9]
+    lone = [_tokens(generator, [CompletionRequest("text", LONG_PROMPT, [], None, None)],
+                    [seed], temperature)[0] for seed in seeds]
+    cold = len(generator.model_provider.tokenizer.encode(LONG_PROMPT)) - 1
+    assert fed == [cold] * 3
+    del fed[:]
+    first = CompletionRequest("text", LONG_PROMPT, [], None, None)
+    first.mtp = None
+    choices = [first] + [fork(first, None, generator.model_provider) for _ in seeds[1:]]
+    assert _tokens(generator, choices, seeds, temperature) == lone
+    assert sum(fed) == cold, fed
+    if temperature:
+        assert len({tuple(t) for t in lone}) == 3  # (the choices are not one another's)

@@ -40,6 +40,32 @@ class RequestExtras:
     stats: Optional[MTPStats] = None  # the handler's, filled by the generation thread
     ctx: Optional[Any] = None  # its generation context, once a lane decodes it
     images: tuple = ()  # its prompt's images, decoded (images.py), one per placeholder
+    # OpenAI's `n`: the choices' one prompt state, shared by all of them (`SharedPrompt`)
+    shared_prompt: Optional["SharedPrompt"] = None
+
+
+@dataclass
+class SharedPrompt:
+    """The prompt state the choices of one request (OpenAI's `n`) start
+    from: the first choice prepared prefills the prompt and leaves its state
+    before the last token here (`cache`, `length` tokens); the others
+    start from a copy of it, so the prompt is prefilled once, not once per
+    choice. Let go once every other choice took it."""
+
+    waiting: int  # choices yet to start from it
+    cache: Optional[list] = None
+    length: int = 0
+    claimed: bool = False  # a choice prefills it (or did)
+
+    def take(self) -> Optional[tuple]:
+        """(a copy of the state, its length) for one more choice, or None."""
+        if self.cache is None or self.waiting <= 0:
+            return None
+        self.waiting -= 1
+        out = copy.deepcopy(self.cache), self.length
+        if self.waiting == 0:
+            self.cache = None
+        return out
 
 
 def extras(request) -> RequestExtras:
@@ -181,8 +207,6 @@ class _Lane:
         """Prefill the requests' new tokens together (each from its nearest
         stored prefix, snapshots stored at its message boundaries) and add them
         as rows; their first tokens come with the next cycle."""
-        gen = self.gen
-        collectives = gen.sharded
         prompts = []
         for (rqueue, request, args), _ in requests:
             try:
@@ -194,6 +218,27 @@ class _Lane:
             turn = self.next_turns[0]
             logging.debug("next turn: waits at %d of %d tokens for a request", turn.done,
                           len(turn.tokens))
+        # a request's other choices (`n`) joining with its first: once it is prefilled
+        now, later, seen = [], [], set()
+        for r in requests:
+            shared = self._shared(r[0][1])
+            first = shared is None or not (id(shared) in seen or shared.claimed)
+            (now if first else later).append(r)
+            seen.add(id(shared))
+        for part in (now, later):
+            if part:
+                self._add(part)
+
+    def _shared(self, request) -> Optional[SharedPrompt]:
+        """The prompt state a request's choices share; none sharded (each rank
+        has its own copy of each choice's request: they could not agree)."""
+        return None if self.gen.sharded else extras(request).shared_prompt
+
+    def _add(self, requests: list):
+        """Prepare the requests and add them to the batch as rows (their
+        prompts prefilled together)."""
+        gen = self.gen
+        collectives = gen.sharded
         joined = []
         for (rqueue, request, args), settings in requests:
             rid = gen.next_row_id()
@@ -246,7 +291,9 @@ class _Lane:
             with mx.stream(generation_stream):  # (the tower loads on this thread)
                 layout = prompt_layout(model, prompt, given.images)
             prompt, key = layout.tokens, layout.key
-        cache, n = gen.fetch(key[:-1])
+        shared = self._shared(request)
+        start = shared.take() if shared is not None else None
+        cache, n = start if start is not None else gen.fetch(key[:-1])
         while layout is not None and layout.restorable(n) != n:
             cache, n = gen.fetch(key[:layout.restorable(n)])
         if layout is not None:
@@ -266,10 +313,21 @@ class _Lane:
             segments, kinds = [prompt], ["user"]
         stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
                                            gen.cli_args.prompt_snapshots)
+        shared_at = None  # (the first choice of several: its state for the others, there)
+        if shared is not None and not shared.claimed:
+            shared.claimed, shared.length = True, len(prompt) - 1
+            shared_at = len(prompt) - 1 - n
+            if shared_at > 0:
+                stops = tuple(sorted({*stops, shared_at}))
+            else:  # (nothing to prefill before the last token: the state is the fetched one)
+                shared.cache = copy.deepcopy(cache)
 
         def snapshot(done):  # (the end of a system prompt is what many conversations share)
-            gen.store(key[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
-                      persist=kinds_at[done] == "system")
+            if done in kinds_at:
+                gen.store(key[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
+                          persist=kinds_at[done] == "system")
+            if done == shared_at:
+                shared.cache = copy.deepcopy(cache)
 
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed,
