@@ -100,3 +100,52 @@ def test_n_choices_prefill_their_prompt_once_each_a_lone_answer(generator, monke
     assert sum(fed) == cold, fed
     if temperature:
         assert len({tuple(t) for t in lone}) == 3  # (the choices are not one another's)
+
+
+def test_next_turns_count_against_the_prompt_cache_bytes(generator, monkeypatch):
+    """The caches the finished chats' next turns hold (their answers' states,
+    a prefix being prefilled) count against --prompt-cache-bytes with the
+    prefix cache's entries: with a cap that holds two conversations' caches,
+    20 conversations sent back to back (their next turns pile up, up to
+    NEXT_TURNS_HELD) never hold more, after any step of the generation
+    thread, nor once their idle work is done."""
+    import time
+
+    from mlx_mtp.server.lane import _Lane
+
+    store = generator.prompt_cache
+
+    def conversation(i):
+        request = CompletionRequest("chat", "", [{"role": "user", "content": f"def f{i}(x):"}],
+                                    None, None)
+        list(generator.generate(request, _args(max_tokens=6))[1])
+
+    def settled():  # (the next turns prefilled in idle time)
+        deadline = time.monotonic() + 60
+        while generator.lane.idle_work:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    saved = store.max_bytes
+    try:
+        conversation(0)
+        settled()
+        cap = 2 * generator.held_bytes()  # (its answer's state and its next turn's prefix)
+        store.max_bytes = cap
+        seen, turns = [], []
+        real = _Lane._bound
+
+        def bound(self):
+            real(self)
+            seen.append(generator.held_bytes())
+            turns.append(len(self.next_turns))
+
+        monkeypatch.setattr(_Lane, "_bound", bound)
+        for i in range(1, 21):
+            conversation(i)
+        settled()
+        seen.append(generator.held_bytes())
+        assert max(turns) > 2  # (more chats waiting than the cap holds)
+        assert max(seen) <= cap, (max(seen), cap)
+    finally:
+        store.max_bytes = saved

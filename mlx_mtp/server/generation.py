@@ -219,6 +219,7 @@ class MTPResponseGenerator(ResponseGenerator):
         self._inflight = 0  # requests being answered (`serving`)
         self._inflight_changed = threading.Condition()
         self.draining = False  # SIGTERM/SIGINT: no new requests; those in flight finish
+        self.lane: Optional[_Lane] = None  # the latest (it sets it)
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
 
     @contextlib.contextmanager
@@ -406,6 +407,13 @@ class MTPResponseGenerator(ResponseGenerator):
         """mlx_lm's text state machine for a request (no stop words: ours end the text)."""
         mp = self.model_provider
         return self._make_state_machine(mp.model_key, mp.tokenizer, ())[1]
+
+    def held_bytes(self) -> int:
+        """Bytes of prompt caches held in RAM, what --prompt-cache-bytes
+        bounds: the prefix cache's entries and the caches the next turns
+        hold beside them (read between the generation thread's steps)."""
+        lane = self.lane
+        return self.prompt_cache.nbytes + (lane.held_bytes() if lane is not None else 0)
 
     def store(self, tokens: list, cache: list, persist: bool = False,
               kind: str = "assistant"):

@@ -20,6 +20,7 @@ from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
 from .answer import Answer
 from .logprobs import top_logprobs
+from .prompt_store import cache_bytes
 from .schemas import ApiError
 from .stops import StopStrings, answered_tokens
 
@@ -188,6 +189,7 @@ class _Lane:
         self.next_turns = list(next_turns)  # chats that finished (`idle_step`), oldest first
         self.chunk = IDLE_CHUNK_TOKENS[0]  # tokens in the next idle chunk (`_chunk`)
         self.quiet_since = time.perf_counter()  # when the last row finished (`idle_in`)
+        gen.lane = self  # (the generator's `held_bytes` reads its next turns)
 
     def accepts(self, settings: _Settings, joining: list, width: int) -> bool:
         """A request with these settings can join now (the `joining` settings
@@ -228,6 +230,7 @@ class _Lane:
         for part in (now, later):
             if part:
                 self._add(part)
+        self._bound()
 
     def _shared(self, request) -> Optional[SharedPrompt]:
         """The prompt state a request's choices share; none sharded (each rank
@@ -414,6 +417,7 @@ class _Lane:
                 self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
                 if len(self.next_turns) > NEXT_TURNS_HELD:
                     self._done(self.next_turns[0], persist=True)
+            self._bound()
         finally:
             state.rqueue.put(None)
 
@@ -446,6 +450,7 @@ class _Lane:
         gen = self.gen
         if self.idle_work and not gen.stopping:
             self._advance(self.next_turns[0], self._chunk())
+            self._bound()
 
     def _continued(self, prompts: list):
         """The next turns the joining prompts continue are no longer work
@@ -551,6 +556,47 @@ class _Lane:
         failed, or the server stops); a disk fault costs a log line each."""
         for turn in list(self.next_turns):
             self._done(turn, persist=True)
+        self._bound()
+
+    def _bound(self):
+        """The caches next turns hold count against the prefix cache's byte
+        cap (--prompt-cache-bytes) with its entries, after every step of the
+        lane: a prefix being prefilled is reserved there (the least recently
+        used entries leave for it; one larger than the whole cap is not
+        prefilled), and an answer's state held for its chat is held only
+        while it is an entry too (counted once): one the cache let go goes
+        to disk (if there is one) and is let go here too."""
+        store = self.gen.prompt_cache
+        while True:
+            prefilling = [t for t in self.next_turns if t.cache is not None]
+            outside = sum(cache_bytes(t.cache) for t in prefilling)
+            if outside <= store.max_bytes or self.gen.sharded:  # (sharded: the ranks' bytes
+                break  # differ, and their idle work must not: each rank only reserves)
+            turn = prefilling[0]
+            logging.info("a chat's next turn is not prefilled: its prefix takes more than "
+                         "--prompt-cache-bytes")
+            turn.cache = None
+            self._done(turn, persist=True)
+        store.reserve(outside)
+        for turn in self.next_turns:
+            state = turn.state
+            if state.cache is None or (turn.stored and store.holds(state.cache)):
+                continue
+            if turn.stored:
+                store.to_disk(state.key_tokens[:turn.stored], state.cache)
+            state.cache, turn.stored = None, 0
+
+    def held_bytes(self) -> int:
+        """Bytes of the caches the next turns hold beside the prefix cache's
+        entries (`_bound` keeps them within its cap with the entries)."""
+        store, held = self.gen.prompt_cache, 0
+        for turn in list(self.next_turns):
+            if turn.cache is not None:
+                held += cache_bytes(turn.cache)
+            cache = turn.state.cache
+            if cache is not None and not store.holds(cache):
+                held += cache_bytes(cache)
+        return held
 
     def _persist(self, turn: _NextTurn):
         """A next turn not prefilled ahead: its answer's own state goes to disk."""

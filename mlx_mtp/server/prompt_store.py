@@ -32,6 +32,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -513,17 +514,60 @@ def default_disk_bytes(folder) -> int:
     return min(DEFAULT_DISK_BYTES, st.f_bavail * st.f_frsize // 2)
 
 
+def cache_bytes(prompt_cache: list) -> int:
+    """A prompt cache's bytes as mlx_lm's LRU counts them (its buffers whole)."""
+    return sum(c.nbytes for c in prompt_cache)
+
+
+class _Entry(list):
+    """A prompt cache as the LRU holds it: a list a weak reference can
+    follow, so the server can tell whether a cache it holds is still an
+    entry (`TieredPromptCache.holds`)."""
+
+    __slots__ = ("__weakref__",)
+
+
 class TieredPromptCache(LRUPromptCache):
     """mlx_lm's prefix cache (RAM, least recently used entries dropped) with
     a disk tier under it (`disk`, or None: RAM only). A lookup takes the
     longest stored prefix, RAM first, then disk (a disk entry longer than
     RAM's hit is read and kept in RAM too); `insert_cache(persist=True)`
-    also writes the entry to disk (off this thread)."""
+    also writes the entry to disk (off this thread). Caches the server
+    holds beside its entries (a next turn's prefix being prefilled) count
+    against its byte cap (`reserve`)."""
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63,
                  disk: Optional[DiskTier] = None):
         super().__init__(max_size, max_bytes)
         self.disk = disk
+        self.reserved = 0  # bytes held beside the entries, within max_bytes (`reserve`)
+        # id(a cache as given to insert_cache) -> its entry, while the LRU keeps it
+        self._entries = weakref.WeakValueDictionary()
+
+    def reserve(self, nbytes: int):
+        """`nbytes` held beside the entries count against the byte cap: the
+        least recently used entries leave until they fit beside them."""
+        self.reserved = nbytes
+        self._trim()
+
+    def _trim(self):
+        if self.reserved:
+            self.trim_to(n_bytes=self.max_bytes - self.reserved)
+
+    def holds(self, prompt_cache: list) -> bool:
+        """Whether this cache (as given to `insert_cache`) is an entry still."""
+        entry = self._entries.get(id(prompt_cache))
+        return entry is not None and len(entry) == len(prompt_cache) and all(
+            a is b for a, b in zip(entry, prompt_cache))
+
+    def to_disk(self, tokens: List[int], prompt_cache: list):
+        """The cache to disk only (one RAM has let go), if there is a disk tier."""
+        if self.disk is not None and tokens:
+            try:
+                self.disk.put(tokens, prompt_cache)
+            except Exception as e:
+                logging.warning("prompt cache: an entry was not queued for disk: %s: %s",
+                                type(e).__name__, e)
 
     def fetch_nearest_cache(self, model, tokens: List[int]):
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -542,14 +586,14 @@ class TieredPromptCache(LRUPromptCache):
                      entry.nbytes / 1e9 / max(seconds, 1e-9))
         n = entry.length
         super().insert_cache(model, list(tokens[:n]), loaded)
+        self._trim()
         return copy.deepcopy(loaded), tokens[n:]
 
     def insert_cache(self, model, tokens: List[int], prompt_cache: List, *,
                      cache_type: str = "assistant", persist: bool = False):
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        if persist and self.disk is not None and tokens:
-            try:
-                self.disk.put(tokens, prompt_cache)
-            except Exception as e:  # (the RAM entry stands; the disk one is skipped)
-                logging.warning("prompt cache: an entry was not queued for disk: %s: %s",
-                                type(e).__name__, e)
+        entry = _Entry(prompt_cache)  # (the same cache objects)
+        super().insert_cache(model, tokens, entry, cache_type=cache_type)
+        self._entries[id(prompt_cache)] = entry
+        self._trim()
+        if persist:  # (the RAM entry stands whatever the disk does)
+            self.to_disk(tokens, prompt_cache)
