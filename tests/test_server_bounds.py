@@ -149,3 +149,46 @@ def test_next_turns_count_against_the_prompt_cache_bytes(generator, monkeypatch)
         assert max(seen) <= cap, (max(seen), cap)
     finally:
         store.max_bytes = saved
+
+
+def test_a_request_arriving_during_a_next_turn_render_waits_for_that_render_only(
+        generator, monkeypatch):
+    """A finished chat's next turn is rendered in idle time, one template
+    render a piece: a request that arrives during the first render is
+    served before the second."""
+    import threading
+    import time
+
+    from mlx_mtp.server.lane import _Lane
+
+    events, served, sent = [], [], []
+    render, join = generator.next_turn_render, _Lane.join
+
+    def other():
+        request = CompletionRequest("text", LONG_PROMPT, [], None, None)
+        served.append(list(generator.generate(request, _args(max_tokens=2))[1]))
+
+    def rendering(request, args, answer, text):
+        events.append(("render", text))
+        if not sent:  # a request arrives meanwhile (queued before this render ends)
+            sent.append(text)
+            threading.Thread(target=other, daemon=True).start()
+            deadline = time.monotonic() + 10
+            while generator.requests.empty():
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        return render(request, args, answer, text)
+
+    def joining(self, requests):
+        events.append(("join", len(requests)))
+        return join(self, requests)
+
+    monkeypatch.setattr(generator, "next_turn_render", rendering)
+    monkeypatch.setattr(_Lane, "join", joining)
+    chat = CompletionRequest("chat", "", [{"role": "user", "content": "def g(x):"}], None, None)
+    list(generator.generate(chat, _args(max_tokens=6))[1])
+    deadline = time.monotonic() + 60
+    while len(events) < 4 or not served:
+        assert time.monotonic() < deadline, events
+        time.sleep(0.05)
+    assert events[1:4] == [("render", "A"), ("join", 1), ("render", "B")], events

@@ -422,23 +422,25 @@ class MTPResponseGenerator(ResponseGenerator):
         self.prompt_cache.insert_cache(self.model_provider.model_key, tokens, cache,
                                        cache_type=kind, persist=persist)
 
-    def next_turn_prefix(self, request, args, answer: dict) -> Optional[list]:
-        """The tokens every next turn of a chat starts with: its messages, its
-        answer (`answer`, the assistant message its client sends back) and a
-        next message (a tool's result after calls, else the user's), rendered
-        as a request is (`_tokenize`) with two different next messages; their
-        common tokens, up to the last of the chat template's markers (what
-        follows may merge with the next message's text). None without one."""
-        def render(text: str) -> list:
-            calls = answer.get("tool_calls")
-            following = [{"role": "tool", "name": c["function"]["name"], "tool_call_id": str(i),
-                          "content": text} for i, c in enumerate(calls)] if calls else \
-                [{"role": "user", "content": text}]
-            messages = copy.deepcopy(request.messages) + [answer] + following
-            return self._tokenize(self.model_provider.tokenizer, CompletionRequest(
-                "chat", "", messages, request.tools, request.role_mapping), args)[0]
+    def next_turn_render(self, request, args, answer: dict, text: str) -> list:
+        """A chat's messages, its answer (`answer`, the assistant message its
+        client sends back) and a next message holding `text` (a tool's
+        result after calls, else the user's), rendered as a request is
+        (`_tokenize`): one of the two renders `next_turn_prefix` compares."""
+        calls = answer.get("tool_calls")
+        following = [{"role": "tool", "name": c["function"]["name"], "tool_call_id": str(i),
+                      "content": text} for i, c in enumerate(calls)] if calls else \
+            [{"role": "user", "content": text}]
+        messages = copy.deepcopy(request.messages) + [answer] + following
+        return self._tokenize(self.model_provider.tokenizer, CompletionRequest(
+            "chat", "", messages, request.tools, request.role_mapping), args)[0]
 
-        a, b = render("A"), render("B")
+    def next_turn_prefix(self, a: list, b: list) -> Optional[list]:
+        """The tokens every next turn of a chat starts with, from two renders
+        of it with different next messages (`next_turn_render` with
+        lane.NEXT_TURN_TEXTS): their common tokens, up to the last of the chat
+        template's markers (what follows may merge with the next message's
+        text). None without one."""
         common = 0
         for x, y in zip(a, b):
             if x != y:

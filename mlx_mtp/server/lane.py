@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -94,6 +94,9 @@ IDLE_GRACE_S = 0.05
 # tokens at the end of a chat's prompt (its generation prompt: '<|im_start|>
 # assistant\n<think>\n') its next turn may render otherwise
 GENERATION_TAIL = 16
+# the next messages a finished chat is rendered with, one idle piece each: the
+# renders' common tokens start its next turn (generation.next_turn_prefix)
+NEXT_TURN_TEXTS = ("A", "B")
 
 
 class MTPGenerationContext(GenerationContext):
@@ -167,6 +170,7 @@ class _NextTurn:
     answered: int  # tokens of its answer (up to a stop string)
     stored: int  # the length of its answer's entry in the prefix cache (0: none)
     tokens: Optional[list] = None  # its next turn's prefix, once rendered
+    renders: list = field(default_factory=list)  # its renders so far (NEXT_TURN_TEXTS)
     cache: Optional[list] = None  # the cache being fed (None: from the store)
     done: int = 0  # tokens of `tokens` that cache holds
 
@@ -435,7 +439,8 @@ class _Lane:
 
     def idle_step(self):
         """One piece of the idle-time work, each at most one chunk of
-        prefill (--idle-chunk-ms): the generation loop looks for requests
+        prefill (--idle-chunk-ms) or one chat-template render (a next turn
+        is rendered twice): the generation loop looks for requests
         between pieces, and one that arrives is served first (the work waits,
         its cache kept on the turn, and goes on once the batch is idle
         again). The work: the
@@ -476,8 +481,16 @@ class _Lane:
         collectives = gen.sharded
         try:
             if turn.tokens is None:  # rendered on rank 0 and shared: every rank prefills
-                # the same tokens (a template reading the clock could render otherwise)
-                turn.tokens = gen.from_rank0(lambda: self._next_turn_prefix(turn))
+                # the same tokens (a template reading the clock could render otherwise);
+                # one render a piece (a long chat's takes a while: a request may come)
+                text = NEXT_TURN_TEXTS[len(turn.renders)]
+                rendered = gen.from_rank0(lambda: self._next_turn_render(turn, text))
+                if rendered is not None:
+                    turn.renders.append(rendered)
+                    if len(turn.renders) < len(NEXT_TURN_TEXTS):
+                        return
+                    turn.tokens = gen.next_turn_prefix(*turn.renders)
+                turn.renders = []
                 if turn.tokens is None or len(turn.tokens) >= mp.context_length:
                     self._done(turn, persist=True)
                 return
@@ -556,7 +569,6 @@ class _Lane:
         failed, or the server stops); a disk fault costs a log line each."""
         for turn in list(self.next_turns):
             self._done(turn, persist=True)
-        self._bound()
 
     def _bound(self):
         """The caches next turns hold count against the prefix cache's byte
@@ -603,10 +615,11 @@ class _Lane:
         if turn.stored:
             self.gen.store(turn.state.key_tokens[:turn.stored], turn.state.cache, persist=True)
 
-    def _next_turn_prefix(self, turn: _NextTurn) -> Optional[list]:
+    def _next_turn_render(self, turn: _NextTurn, text: str) -> Optional[list]:
         state = turn.state
         try:
-            return self.gen.next_turn_prefix(state.request, state.args, state.answer.message())
+            return self.gen.next_turn_render(state.request, state.args, state.answer.message(),
+                                             text)
         except Exception as e:  # (a template that refuses the history: no prefix then)
             logging.info("no next-turn prefix: the chat template refused the answer: %s: %s",
                          type(e).__name__, e)
