@@ -118,7 +118,7 @@ def test_next_turns_count_against_the_prompt_cache_bytes(generator, monkeypatch)
     def conversation(i):
         request = CompletionRequest("chat", "", [{"role": "user", "content": f"def f{i}(x):"}],
                                     None, None)
-        list(generator.generate(request, _args(max_tokens=6))[1])
+        list(generator.generate(request, _args(max_tokens=3))[1])
 
     def settled():  # (the next turns prefilled in idle time)
         deadline = time.monotonic() + 60
@@ -128,6 +128,7 @@ def test_next_turns_count_against_the_prompt_cache_bytes(generator, monkeypatch)
 
     saved = store.max_bytes
     try:
+        store.trim_to(n_sequences=0)  # (the other tests' entries; the thread is idle)
         conversation(0)
         settled()
         cap = 2 * generator.held_bytes()  # (its answer's state and its next turn's prefix)
