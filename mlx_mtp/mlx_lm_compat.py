@@ -61,6 +61,8 @@ from mlx_lm.models.base import gather_last_axis  # noqa: F401
 from mlx_lm.models.cache import _BaseCache as BaseCache  # noqa: F401
 # LRUPromptCache(max_size, max_bytes): fetch_nearest_cache(key, tokens) ->
 # (cache copy or None, tokens left); insert_cache(key, tokens, cache, cache_type=)
+# (the entry holds the list given; evicted: let go); trim_to(n_bytes=) drops
+# the least recently used entries down to n_bytes; nbytes: the entries' bytes
 from mlx_lm.models.cache import LRUPromptCache  # noqa: F401
 # save_prompt_cache(file, cache, metadata) / load_prompt_cache(file): a prompt
 # cache as safetensors, each object rebuilt from its class name and `state`
@@ -225,6 +227,9 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.cache:LRUPromptCache.fetch_nearest_cache", ("self", "model", "tokens")),
     Need("mlx_lm.models.cache:LRUPromptCache.insert_cache",
          ("self", "model", "tokens", "prompt_cache", "cache_type")),
+    Need("mlx_lm.models.cache:LRUPromptCache.trim_to", ("self", "n_sequences", "n_bytes"),
+         why="server/prompt_store.py: bytes reserved for the next turns (`reserve`)"),
+    Need("mlx_lm.models.cache:LRUPromptCache.nbytes"),
     Need("mlx_lm.models.cache:save_prompt_cache", ("file_name", "cache", "metadata")),
     Need("mlx_lm.models.cache:load_prompt_cache", ("file_name", "return_metadata")),
     Need("mlx_lm.models.cache:KVCache.state", why="(keys, values, offset): prompt_store.py "

@@ -260,3 +260,46 @@ def test_the_fingerprint_tells_models_apart(loaded, tmp_path):
     fa = model_fingerprint(mlx_mtp.load(a, quiet=True)[0])
     assert fa == model_fingerprint(mlx_mtp.load(a, quiet=True)[0])
     assert fa != model_fingerprint(mlx_mtp.load(b, quiet=True)[0])
+
+
+def test_the_writer_thread_makes_the_copy_of_what_was_handed_over(loaded, tmp_path,
+                                                                   monkeypatch):
+    """`put` (called on the generation thread) only hands the cache's arrays
+    over: the compact copy is made on the writer thread. What is written is
+    the cache as handed over, though the caller's cache changes in place
+    before the writer reads it (a KV slice assignment, a GDN state replaced,
+    a token appended), as a decoding row's cache does."""
+    import threading
+
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    model, _, tok = loaded("dense")
+    cache, held = _filled(model, tok)
+    before = prompt_store.frozen(cache)  # (what the entry must hold)
+    copied_on, go = [], threading.Event()
+    real = prompt_store.frozen
+
+    def frozen(c):
+        copied_on.append(threading.current_thread())
+        assert go.wait(30)
+        return real(c)
+
+    monkeypatch.setattr(prompt_store, "frozen", frozen)
+    tier = _tier(tmp_path, model)
+    tier.put(held, cache)
+    kinds = set()
+    for c in cache:  # (the writer waits: the caller's cache moves on meanwhile)
+        if isinstance(c, KVCache) and c.keys is not None:
+            c.keys[..., :2, :] = 7.0
+            c.values[..., :2, :] = 7.0
+            c.update_and_fetch(mx.ones_like(c.keys[..., :1, :]), mx.ones_like(c.values[..., :1, :]))
+            kinds.add("kv")
+        elif isinstance(c, ArraysCache) and c[1] is not None:
+            c[1] = c[1] + 1.0
+            kinds.add("gdn")
+    mx.eval([c.state for c in cache])
+    assert kinds == {"kv", "gdn"}
+    go.set()
+    assert tier.flush(30)
+    assert copied_on and all(t is tier._writer for t in copied_on), copied_on
+    _assert_same(tier.load(tier.find(held)), before, model)

@@ -312,3 +312,15 @@ def test_an_image_in_a_tool_result_is_read(served):
     u = answer["usage"]
     assert u["input_tokens"] + u["cache_creation_input_tokens"] + \
         u["cache_read_input_tokens"] == len(ids)
+
+
+def test_n_choices_with_an_image_each_answer_as_the_library(served, reference):
+    """OpenAI's `n` with an image: the choices start from one prefill of the
+    prompt, its image included (lane.SharedPrompt), and each answers as alone."""
+    _, server = served
+    want, prompt_tokens = reference(1, "what is this")
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(PNGS[0])}},
+             {"type": "text", "text": "what is this"}]
+    r = _openai(server, parts, n=3)
+    assert [c.message.content for c in r.choices] == [want] * 3
+    assert r.usage.prompt_tokens == prompt_tokens

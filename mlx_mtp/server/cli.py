@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-size", type=flag("prompt_cache_size"), default=10,
                    help="prompt cache entries kept (least recently used dropped first)")
     p.add_argument("--prompt-cache-bytes", type=size("--prompt-cache-bytes"), default=None,
-                   help="prompt cache size limit, e.g. 8GB")
+                   help="prompt cache size limit, e.g. 8GB (the finished chats' next-turn caches "
+                        "count against it too)")
     p.add_argument("--prompt-cache-dir", type=str, default=None, metavar="DIR",
                    help="keep prompt caches on disk too, in this folder: a long prefix (an "
                         "agent's system prompt and tools, a conversation so far) is not "

@@ -154,6 +154,44 @@ def _warm_structured(tokenizer, vocab_size: int):
         logging.info("structured output's tokenizer was not built: %s", e)
 
 
+class _OncePerProcess(logging.Filter):
+    """Lets each of mlx_lm.server's warnings that it repeats on every
+    request through once per process: "Received tools but model does not
+    support tool calling" is logged by each render of a request with tools
+    (a client sends its tools with every turn) on a template without tool
+    calling; the tools still go to the template. A filter on the root
+    logger, which mlx_lm logs to (`logging.warning`)."""
+
+    REPEATED = ("Received tools but model does not support tool calling",)
+
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+        self._seen: set = set()
+        self._installed = False
+
+    def install(self):
+        if not self._installed:
+            with self._lock:
+                if not self._installed:
+                    logging.getLogger().addFilter(self)
+                    self._installed = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str):
+            return True
+        said = next((m for m in self.REPEATED if record.msg.startswith(m)), None)
+        if said is None:
+            return True
+        with self._lock:
+            first = said not in self._seen
+            self._seen.add(said)
+        return first
+
+
+ONCE_PER_PROCESS = _OncePerProcess()
+
+
 # -- generation ---------------------------------------------------------------------------------
 class Slot:
     """A request's places among those generated or waiting (one per choice,
@@ -183,6 +221,7 @@ class MTPResponseGenerator(ResponseGenerator):
         self._inflight = 0  # requests being answered (`serving`)
         self._inflight_changed = threading.Condition()
         self.draining = False  # SIGTERM/SIGINT: no new requests; those in flight finish
+        self.lane: Optional[_Lane] = None  # the latest (it sets it)
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
 
     @contextlib.contextmanager
@@ -298,6 +337,7 @@ class MTPResponseGenerator(ResponseGenerator):
         those): Claude Code's requests end in a system message where the
         template keeps it in place (roles.py), and the system prompt's end
         is what a new session of the same agent shares."""
+        ONCE_PER_PROCESS.install()  # (mlx_lm warns of tools on every render)
         out = super()._tokenize(tokenizer, request, args)
         prompt, segments, _, initial_state, vision = out
         messages = request.messages if request.request_type == "chat" else None
@@ -376,6 +416,13 @@ class MTPResponseGenerator(ResponseGenerator):
         mp = self.model_provider
         return self._make_state_machine(mp.model_key, mp.tokenizer, ())[1]
 
+    def held_bytes(self) -> int:
+        """Bytes of prompt caches held in RAM, what --prompt-cache-bytes
+        bounds: the prefix cache's entries and the caches the next turns
+        hold beside them (read between the generation thread's steps)."""
+        lane = self.lane
+        return self.prompt_cache.nbytes + (lane.held_bytes() if lane is not None else 0)
+
     def store(self, tokens: list, cache: list, persist: bool = False,
               kind: str = "assistant"):
         """A prefix's cache into the prompt cache (RAM; `persist`: and disk),
@@ -383,23 +430,25 @@ class MTPResponseGenerator(ResponseGenerator):
         self.prompt_cache.insert_cache(self.model_provider.model_key, tokens, cache,
                                        cache_type=kind, persist=persist)
 
-    def next_turn_prefix(self, request, args, answer: dict) -> Optional[list]:
-        """The tokens every next turn of a chat starts with: its messages, its
-        answer (`answer`, the assistant message its client sends back) and a
-        next message (a tool's result after calls, else the user's), rendered
-        as a request is (`_tokenize`) with two different next messages; their
-        common tokens, up to the last of the chat template's markers (what
-        follows may merge with the next message's text). None without one."""
-        def render(text: str) -> list:
-            calls = answer.get("tool_calls")
-            following = [{"role": "tool", "name": c["function"]["name"], "tool_call_id": str(i),
-                          "content": text} for i, c in enumerate(calls)] if calls else \
-                [{"role": "user", "content": text}]
-            messages = copy.deepcopy(request.messages) + [answer] + following
-            return self._tokenize(self.model_provider.tokenizer, CompletionRequest(
-                "chat", "", messages, request.tools, request.role_mapping), args)[0]
+    def next_turn_render(self, request, args, answer: dict, text: str) -> list:
+        """A chat's messages, its answer (`answer`, the assistant message its
+        client sends back) and a next message holding `text` (a tool's
+        result after calls, else the user's), rendered as a request is
+        (`_tokenize`): one of the two renders `next_turn_prefix` compares."""
+        calls = answer.get("tool_calls")
+        following = [{"role": "tool", "name": c["function"]["name"], "tool_call_id": str(i),
+                      "content": text} for i, c in enumerate(calls)] if calls else \
+            [{"role": "user", "content": text}]
+        messages = copy.deepcopy(request.messages) + [answer] + following
+        return self._tokenize(self.model_provider.tokenizer, CompletionRequest(
+            "chat", "", messages, request.tools, request.role_mapping), args)[0]
 
-        a, b = render("A"), render("B")
+    def next_turn_prefix(self, a: list, b: list) -> Optional[list]:
+        """The tokens every next turn of a chat starts with, from two renders
+        of it with different next messages (`next_turn_render` with
+        lane.NEXT_TURN_TEXTS): their common tokens, up to the last of the chat
+        template's markers (what follows may merge with the next message's
+        text). None without one."""
         common = 0
         for x, y in zip(a, b):
             if x != y:

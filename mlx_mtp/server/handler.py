@@ -32,7 +32,7 @@ from ..mlx_lm_compat import (APIHandler, generation_arguments,
 from . import anthropic, responses, structured
 from .answer import Answer, openai_call
 from .generation import ClientWatch, Refused, Slot
-from .lane import extras
+from .lane import SharedPrompt, extras
 from .logprobs import entries
 from .schemas import (CHAT_SCHEMA, COMPLETION_SCHEMA, ApiError, generation_failed,
                       max_tokens_exceeded, parse_json, utf8, validate)
@@ -528,10 +528,14 @@ class Choice:
 
 def fork(request, wanted, mp):
     """A copy of a rendered request for another choice (OpenAI's `n`): the
-    same prompt, its own grammar state and statistics."""
+    same prompt (prefilled once for all choices: their `SharedPrompt`), its
+    own grammar state and statistics."""
+    given = extras(request)
+    if given.shared_prompt is None:
+        given.shared_prompt = SharedPrompt(waiting=0)
+    given.shared_prompt.waiting += 1
     other = copy.copy(request)
-    other.mtp = replace(extras(request), constraint=None, reasoning_budget=None, stats=None,
-                        ctx=None)
+    other.mtp = replace(given, constraint=None, reasoning_budget=None, stats=None, ctx=None)
     structured.attach_grammar(other, wanted, mp)
     return other
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -20,6 +20,7 @@ from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
 from .answer import Answer
 from .logprobs import top_logprobs
+from .prompt_store import cache_bytes
 from .schemas import ApiError
 from .stops import StopStrings, answered_tokens
 
@@ -40,6 +41,32 @@ class RequestExtras:
     stats: Optional[MTPStats] = None  # the handler's, filled by the generation thread
     ctx: Optional[Any] = None  # its generation context, once a lane decodes it
     images: tuple = ()  # its prompt's images, decoded (images.py), one per placeholder
+    # OpenAI's `n`: the choices' one prompt state, shared by all of them (`SharedPrompt`)
+    shared_prompt: Optional["SharedPrompt"] = None
+
+
+@dataclass
+class SharedPrompt:
+    """The prompt state the choices of one request (OpenAI's `n`) start
+    from: the first choice prepared prefills the prompt and leaves its state
+    before the last token here (`cache`, `length` tokens); the others
+    start from a copy of it, so the prompt is prefilled once, not once per
+    choice. Let go once every other choice took it."""
+
+    waiting: int  # choices yet to start from it
+    cache: Optional[list] = None
+    length: int = 0
+    claimed: bool = False  # a choice prefills it (or did)
+
+    def take(self) -> Optional[tuple]:
+        """(a copy of the state, its length) for one more choice, or None."""
+        if self.cache is None or self.waiting <= 0:
+            return None
+        self.waiting -= 1
+        out = copy.deepcopy(self.cache), self.length
+        if self.waiting == 0:
+            self.cache = None
+        return out
 
 
 def extras(request) -> RequestExtras:
@@ -67,6 +94,9 @@ IDLE_GRACE_S = 0.05
 # tokens at the end of a chat's prompt (its generation prompt: '<|im_start|>
 # assistant\n<think>\n') its next turn may render otherwise
 GENERATION_TAIL = 16
+# the next messages a finished chat is rendered with, one idle piece each: the
+# renders' common tokens start its next turn (generation.next_turn_prefix)
+NEXT_TURN_TEXTS = ("A", "B")
 
 
 class MTPGenerationContext(GenerationContext):
@@ -140,6 +170,7 @@ class _NextTurn:
     answered: int  # tokens of its answer (up to a stop string)
     stored: int  # the length of its answer's entry in the prefix cache (0: none)
     tokens: Optional[list] = None  # its next turn's prefix, once rendered
+    renders: list = field(default_factory=list)  # its renders so far (NEXT_TURN_TEXTS)
     cache: Optional[list] = None  # the cache being fed (None: from the store)
     done: int = 0  # tokens of `tokens` that cache holds
 
@@ -162,6 +193,7 @@ class _Lane:
         self.next_turns = list(next_turns)  # chats that finished (`idle_step`), oldest first
         self.chunk = IDLE_CHUNK_TOKENS[0]  # tokens in the next idle chunk (`_chunk`)
         self.quiet_since = time.perf_counter()  # when the last row finished (`idle_in`)
+        gen.lane = self  # (the generator's `held_bytes` reads its next turns)
 
     def accepts(self, settings: _Settings, joining: list, width: int) -> bool:
         """A request with these settings can join now (the `joining` settings
@@ -181,8 +213,6 @@ class _Lane:
         """Prefill the requests' new tokens together (each from its nearest
         stored prefix, snapshots stored at its message boundaries) and add them
         as rows; their first tokens come with the next cycle."""
-        gen = self.gen
-        collectives = gen.sharded
         prompts = []
         for (rqueue, request, args), _ in requests:
             try:
@@ -194,6 +224,28 @@ class _Lane:
             turn = self.next_turns[0]
             logging.debug("next turn: waits at %d of %d tokens for a request", turn.done,
                           len(turn.tokens))
+        # a request's other choices (`n`) joining with its first: once it is prefilled
+        now, later, seen = [], [], set()
+        for r in requests:
+            shared = self._shared(r[0][1])
+            first = shared is None or not (id(shared) in seen or shared.claimed)
+            (now if first else later).append(r)
+            seen.add(id(shared))
+        for part in (now, later):
+            if part:
+                self._add(part)
+        self._bound()
+
+    def _shared(self, request) -> Optional[SharedPrompt]:
+        """The prompt state a request's choices share; none sharded (each rank
+        has its own copy of each choice's request: they could not agree)."""
+        return None if self.gen.sharded else extras(request).shared_prompt
+
+    def _add(self, requests: list):
+        """Prepare the requests and add them to the batch as rows (their
+        prompts prefilled together)."""
+        gen = self.gen
+        collectives = gen.sharded
         joined = []
         for (rqueue, request, args), settings in requests:
             rid = gen.next_row_id()
@@ -246,7 +298,9 @@ class _Lane:
             with mx.stream(generation_stream):  # (the tower loads on this thread)
                 layout = prompt_layout(model, prompt, given.images)
             prompt, key = layout.tokens, layout.key
-        cache, n = gen.fetch(key[:-1])
+        shared = self._shared(request)
+        start = shared.take() if shared is not None else None
+        cache, n = start if start is not None else gen.fetch(key[:-1])
         while layout is not None and layout.restorable(n) != n:
             cache, n = gen.fetch(key[:layout.restorable(n)])
         if layout is not None:
@@ -266,10 +320,21 @@ class _Lane:
             segments, kinds = [prompt], ["user"]
         stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
                                            gen.cli_args.prompt_snapshots)
+        shared_at = None  # (the first choice of several: its state for the others, there)
+        if shared is not None and not shared.claimed:
+            shared.claimed, shared.length = True, len(prompt) - 1
+            shared_at = len(prompt) - 1 - n
+            if shared_at > 0:
+                stops = tuple(sorted({*stops, shared_at}))
+            else:  # (nothing to prefill before the last token: the state is the fetched one)
+                shared.cache = copy.deepcopy(cache)
 
         def snapshot(done):  # (the end of a system prompt is what many conversations share)
-            gen.store(key[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
-                      persist=kinds_at[done] == "system")
+            if done in kinds_at:
+                gen.store(key[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
+                          persist=kinds_at[done] == "system")
+            if done == shared_at:
+                shared.cache = copy.deepcopy(cache)
 
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed,
@@ -356,6 +421,7 @@ class _Lane:
                 self.next_turns.append(_NextTurn(state, answered - prompt, held if stored else 0))
                 if len(self.next_turns) > NEXT_TURNS_HELD:
                     self._done(self.next_turns[0], persist=True)
+            self._bound()
         finally:
             state.rqueue.put(None)
 
@@ -373,7 +439,8 @@ class _Lane:
 
     def idle_step(self):
         """One piece of the idle-time work, each at most one chunk of
-        prefill (--idle-chunk-ms): the generation loop looks for requests
+        prefill (--idle-chunk-ms) or one chat-template render (a next turn
+        is rendered twice): the generation loop looks for requests
         between pieces, and one that arrives is served first (the work waits,
         its cache kept on the turn, and goes on once the batch is idle
         again). The work: the
@@ -388,6 +455,7 @@ class _Lane:
         gen = self.gen
         if self.idle_work and not gen.stopping:
             self._advance(self.next_turns[0], self._chunk())
+            self._bound()
 
     def _continued(self, prompts: list):
         """The next turns the joining prompts continue are no longer work
@@ -413,8 +481,16 @@ class _Lane:
         collectives = gen.sharded
         try:
             if turn.tokens is None:  # rendered on rank 0 and shared: every rank prefills
-                # the same tokens (a template reading the clock could render otherwise)
-                turn.tokens = gen.from_rank0(lambda: self._next_turn_prefix(turn))
+                # the same tokens (a template reading the clock could render otherwise);
+                # one render a piece (a long chat's takes a while: a request may come)
+                text = NEXT_TURN_TEXTS[len(turn.renders)]
+                rendered = gen.from_rank0(lambda: self._next_turn_render(turn, text))
+                if rendered is not None:
+                    turn.renders.append(rendered)
+                    if len(turn.renders) < len(NEXT_TURN_TEXTS):
+                        return
+                    turn.tokens = gen.next_turn_prefix(*turn.renders)
+                turn.renders = []
                 if turn.tokens is None or len(turn.tokens) >= mp.context_length:
                     self._done(turn, persist=True)
                 return
@@ -494,15 +570,56 @@ class _Lane:
         for turn in list(self.next_turns):
             self._done(turn, persist=True)
 
+    def _bound(self):
+        """The caches next turns hold count against the prefix cache's byte
+        cap (--prompt-cache-bytes) with its entries, after every step of the
+        lane: a prefix being prefilled is reserved there (the least recently
+        used entries leave for it; one larger than the whole cap is not
+        prefilled), and an answer's state held for its chat is held only
+        while it is an entry too (counted once): one the cache let go goes
+        to disk (if there is one) and is let go here too."""
+        store = self.gen.prompt_cache
+        while True:
+            prefilling = [t for t in self.next_turns if t.cache is not None]
+            outside = sum(cache_bytes(t.cache) for t in prefilling)
+            if outside <= store.max_bytes or self.gen.sharded:  # (sharded: the ranks' bytes
+                break  # differ, and their idle work must not: each rank only reserves)
+            turn = prefilling[0]
+            logging.info("a chat's next turn is not prefilled: its prefix takes more than "
+                         "--prompt-cache-bytes")
+            turn.cache = None
+            self._done(turn, persist=True)
+        store.reserve(outside)
+        for turn in self.next_turns:
+            state = turn.state
+            if state.cache is None or (turn.stored and store.holds(state.cache)):
+                continue
+            if turn.stored:
+                store.to_disk(state.key_tokens[:turn.stored], state.cache)
+            state.cache, turn.stored = None, 0
+
+    def held_bytes(self) -> int:
+        """Bytes of the caches the next turns hold beside the prefix cache's
+        entries (`_bound` keeps them within its cap with the entries)."""
+        store, held = self.gen.prompt_cache, 0
+        for turn in list(self.next_turns):
+            if turn.cache is not None:
+                held += cache_bytes(turn.cache)
+            cache = turn.state.cache
+            if cache is not None and not store.holds(cache):
+                held += cache_bytes(cache)
+        return held
+
     def _persist(self, turn: _NextTurn):
         """A next turn not prefilled ahead: its answer's own state goes to disk."""
         if turn.stored:
             self.gen.store(turn.state.key_tokens[:turn.stored], turn.state.cache, persist=True)
 
-    def _next_turn_prefix(self, turn: _NextTurn) -> Optional[list]:
+    def _next_turn_render(self, turn: _NextTurn, text: str) -> Optional[list]:
         state = turn.state
         try:
-            return self.gen.next_turn_prefix(state.request, state.args, state.answer.message())
+            return self.gen.next_turn_render(state.request, state.args, state.answer.message(),
+                                             text)
         except Exception as e:  # (a template that refuses the history: no prefix then)
             logging.info("no next-turn prefix: the chat template refused the answer: %s: %s",
                          type(e).__name__, e)

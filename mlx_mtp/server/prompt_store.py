@@ -32,6 +32,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -140,11 +141,23 @@ def _data_crc(f, start: int) -> int:
     return crc
 
 
+def handed_over(prompt_cache: list) -> list:
+    """What the generation thread gives the writer thread: the cache's
+    arrays evaluated (a no-op for a stored cache; an unevaluated array
+    cannot be evaluated on another thread) in new cache objects of their
+    own. No data is copied: an MLX array is a value, so an update of the
+    caller's cache afterwards (a KV cache's slice assignment rebinds its
+    array, and a buffer another array shares is never written in place;
+    a GDN state is replaced) does not reach them."""
+    mx.eval([c.state for c in prompt_cache])
+    return copy.deepcopy(prompt_cache)
+
+
 def frozen(prompt_cache: list) -> list:
     """A copy of a prompt cache whose arrays are evaluated, compact (a KV
     buffer's spare room past its offset left out) and its own: what the
-    writer thread saves while the decode thread goes on (saving it builds
-    no graph)."""
+    writer thread saves, made there (the generation thread only hands the
+    arrays over: `handed_over`)."""
     out = [_compact(c) for c in prompt_cache]
     mx.eval([c.state for c in out])
     return out
@@ -182,7 +195,7 @@ class DiskTier:
         self._entries: Dict[str, Entry] = {}  # file name -> Entry (every model's)
         self._lock = threading.Lock()
         self._seen_mtime = None  # the folder's mtime when last scanned
-        self._pending: deque = deque()  # (name, tokens, frozen cache), oldest first
+        self._pending: deque = deque()  # (name, tokens, cache handed over), oldest first
         self._writing: Optional[str] = None
         self._wake = threading.Condition(self._lock)
         self._closed = False
@@ -325,8 +338,9 @@ class DiskTier:
 
     # -- writing ------------------------------------------------------------------------
     def put(self, tokens, prompt_cache: list):
-        """Queue an entry for the writer (a compact copy of it, made here on
-        the caller's thread); the oldest waiting one is dropped past
+        """Queue an entry for the writer (its arrays, `handed_over`: the
+        compact copy is the writer's work, off the caller's thread, the
+        generation thread); the oldest waiting one is dropped past
         PENDING_WRITES (bounded memory: a newer entry usually extends it)."""
         name = self.name_of(tokens)
         with self._lock:
@@ -336,15 +350,15 @@ class DiskTier:
         if stored is not None:  # the same tokens again: only its last use changes
             _touch(stored.path)
             return
-        copy_ = frozen(prompt_cache)
-        if _nbytes(copy_) + HEADER_SLACK > self.max_bytes:
+        given = handed_over(prompt_cache)
+        if _nbytes(given) + HEADER_SLACK > self.max_bytes:  # (its compact size)
             return
         with self._lock:
             if len(self._pending) >= PENDING_WRITES:
                 dropped = self._pending.popleft()
                 logging.info("prompt cache: %s was not written (the writer is behind)",
                              dropped[0])
-            self._pending.append((name, list(tokens), copy_))
+            self._pending.append((name, list(tokens), given))
             self._wake.notify_all()
 
     def flush(self, timeout: Optional[float] = None) -> bool:
@@ -387,7 +401,9 @@ class DiskTier:
                     self._wake.notify_all()
 
     def _write(self, name: str, tokens: list, cache: list):
-        """temporary file, CRC, fsync, rename, fsync the folder; then evict."""
+        """compact copy, temporary file, CRC, fsync, rename, fsync the
+        folder; then evict."""
+        cache = frozen(cache)
         path = self.folder / name
         tmp = self.folder / f".{os.getpid()}.{name}"
         blob = tokens_blob(tokens)
@@ -498,17 +514,60 @@ def default_disk_bytes(folder) -> int:
     return min(DEFAULT_DISK_BYTES, st.f_bavail * st.f_frsize // 2)
 
 
+def cache_bytes(prompt_cache: list) -> int:
+    """A prompt cache's bytes as mlx_lm's LRU counts them (its buffers whole)."""
+    return sum(c.nbytes for c in prompt_cache)
+
+
+class _Entry(list):
+    """A prompt cache as the LRU holds it: a list a weak reference can
+    follow, so the server can tell whether a cache it holds is still an
+    entry (`TieredPromptCache.holds`)."""
+
+    __slots__ = ("__weakref__",)
+
+
 class TieredPromptCache(LRUPromptCache):
     """mlx_lm's prefix cache (RAM, least recently used entries dropped) with
     a disk tier under it (`disk`, or None: RAM only). A lookup takes the
     longest stored prefix, RAM first, then disk (a disk entry longer than
     RAM's hit is read and kept in RAM too); `insert_cache(persist=True)`
-    also writes the entry to disk (off this thread)."""
+    also writes the entry to disk (off this thread). Caches the server
+    holds beside its entries (a next turn's prefix being prefilled) count
+    against its byte cap (`reserve`)."""
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63,
                  disk: Optional[DiskTier] = None):
         super().__init__(max_size, max_bytes)
         self.disk = disk
+        self.reserved = 0  # bytes held beside the entries, within max_bytes (`reserve`)
+        # id(a cache as given to insert_cache) -> its entry, while the LRU keeps it
+        self._entries = weakref.WeakValueDictionary()
+
+    def reserve(self, nbytes: int):
+        """`nbytes` held beside the entries count against the byte cap: the
+        least recently used entries leave until they fit beside them."""
+        self.reserved = nbytes
+        self._trim()
+
+    def _trim(self):
+        if self.reserved:
+            self.trim_to(n_bytes=self.max_bytes - self.reserved)
+
+    def holds(self, prompt_cache: list) -> bool:
+        """Whether this cache (as given to `insert_cache`) is an entry still."""
+        entry = self._entries.get(id(prompt_cache))
+        return entry is not None and len(entry) == len(prompt_cache) and all(
+            a is b for a, b in zip(entry, prompt_cache))
+
+    def to_disk(self, tokens: List[int], prompt_cache: list):
+        """The cache to disk only (one RAM has let go), if there is a disk tier."""
+        if self.disk is not None and tokens:
+            try:
+                self.disk.put(tokens, prompt_cache)
+            except Exception as e:
+                logging.warning("prompt cache: an entry was not queued for disk: %s: %s",
+                                type(e).__name__, e)
 
     def fetch_nearest_cache(self, model, tokens: List[int]):
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -527,14 +586,14 @@ class TieredPromptCache(LRUPromptCache):
                      entry.nbytes / 1e9 / max(seconds, 1e-9))
         n = entry.length
         super().insert_cache(model, list(tokens[:n]), loaded)
+        self._trim()
         return copy.deepcopy(loaded), tokens[n:]
 
     def insert_cache(self, model, tokens: List[int], prompt_cache: List, *,
                      cache_type: str = "assistant", persist: bool = False):
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        if persist and self.disk is not None and tokens:
-            try:
-                self.disk.put(tokens, prompt_cache)
-            except Exception as e:  # (the RAM entry stands; the disk one is skipped)
-                logging.warning("prompt cache: an entry was not queued for disk: %s: %s",
-                                type(e).__name__, e)
+        entry = _Entry(prompt_cache)  # (the same cache objects)
+        super().insert_cache(model, tokens, entry, cache_type=cache_type)
+        self._entries[id(prompt_cache)] = entry
+        self._trim()
+        if persist:  # (the RAM entry stands whatever the disk does)
+            self.to_disk(tokens, prompt_cache)
