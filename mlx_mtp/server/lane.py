@@ -20,6 +20,7 @@ from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
 from .answer import Answer
 from .logprobs import top_logprobs
+from .prompt_points import SNAPSHOT_KINDS
 from .schemas import ApiError
 from .stops import StopStrings, answered_tokens
 
@@ -267,9 +268,9 @@ class _Lane:
         stops, kinds_at = _snapshot_points(prompt, segments, kinds, n,
                                            gen.cli_args.prompt_snapshots)
 
-        def snapshot(done):  # (the end of a system prompt is what many conversations share)
-            gen.store(key[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
-                      persist=kinds_at[done] == "system")
+        def snapshot(done):  # (prompt_points.py: which kinds go to disk too)
+            kind, persist = SNAPSHOT_KINDS[kinds_at[done]]
+            gen.store(key[:n + done], copy.deepcopy(cache), kind=kind, persist=persist)
 
         r = self.batch.prepare(
             prompt[n:], cache, args.max_tokens, args.seed,
@@ -518,9 +519,11 @@ class _Lane:
 def _snapshot_points(prompt: list, segments: list, kinds: list, cached: int, mode: str):
     """Where the prefill stores copies of the cache (counts of the new tokens,
     after the `cached` ones), and each one's kind: the end of every segment
-    (system prompt, last user message) and of the prompt but its last token,
-    so a later request sharing that prefix (the next turn, a regenerated
-    answer) starts from it exactly. mode "end": none (only the answers)."""
+    (system prompt, a new session's shared head, the branch point, last user
+    message: prompt_points.py) and of the prompt but its last token, so a
+    later request sharing that prefix (the next turn, a regenerated answer,
+    another session) starts from it exactly. mode "end": none (only the
+    answers)."""
     if mode != "segments":
         return (), {}
     points, end = {}, 0
