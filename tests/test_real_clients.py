@@ -98,8 +98,9 @@ def sse_events(text: str) -> list:
 def test_claude_code(tools, served, tmp_path):
     """`claude -p` with its default model, json and stream-json: every
     request 2xx, every stream whole; the second session (another prompt,
-    another billing line) reads >= 90% of the prefix the two share from the
-    cache; count_tokens takes its request's body as sent."""
+    another billing line) reads >= 97% of its first request's prompt from
+    the cache (its system prompt, tools and the reminder blocks that open its
+    first message); count_tokens takes its request's body as sent."""
     server, url, log = served
     env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "anything",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
@@ -123,6 +124,7 @@ def test_claude_code(tools, served, tmp_path):
     a = calls_since(log, start, "/v1/messages")[0]
     b = calls_since(log, first, "/v1/messages")[0]
     assert a["body"]["system"][0]["text"] != b["body"]["system"][0]["text"]  # (the billing line)
+    from mlx_lm.server import process_message_content
     from mlx_lm.tokenizer_utils import load
 
     tok = load(Path(server.proc.args[server.proc.args.index("--model") + 1]),
@@ -130,13 +132,15 @@ def test_claude_code(tools, served, tmp_path):
     prompts = []
     for c in (a, b):
         messages, tools_, _, _ = am.to_chat(c["body"])
+        process_message_content(messages)  # (text parts joined, as the server's mlx_lm does)
         prompts.append(tok.apply_chat_template(place_system(messages, "user"), tools=tools_,
                                                add_generation_prompt=True))
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
     usage = [e for e in sse_events(b["response"]) if e["type"] == "message_delta"][-1]["usage"]
     print(f"Claude Code's second session: {usage['cache_read_input_tokens']} of "
           f"{len(prompts[1])} prompt tokens read from the cache (the sessions share {shared})")
-    assert usage["cache_read_input_tokens"] >= 0.9 * shared, (usage, shared, len(prompts[1]))
+    assert usage["cache_read_input_tokens"] >= 0.97 * len(prompts[1]), (usage, shared,
+                                                                      len(prompts[1]))
     counted = requests.post(server.url + "/v1/messages/count_tokens?beta=true", json=b["body"],
                             timeout=120)
     assert counted.status_code == 200, counted.text
