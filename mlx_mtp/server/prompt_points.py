@@ -100,8 +100,17 @@ def _message_start(render: Render, messages: List[dict], i: int, text: str) -> O
         a, b = (render(messages[:i] + [dict(messages[i], content=c)], False) for c in "AB")
     except Exception:  # (a template that refuses the probe: no point)
         return None
-    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return at if at is not None and text.startswith(a[:at]) else None
+    at = _parting(a, b)
+    return at if at < min(len(a), len(b)) and text.startswith(a[:at]) else None
+
+
+def _parting(a: str, b: str) -> int:
+    """Where two strings first differ (the shorter's length where it begins
+    the other): compared a slice at a time (a conversation's text is long)."""
+    n, at, step = min(len(a), len(b)), 0, 4096
+    while at < n and a[at:at + step] == b[at:at + step]:
+        at += step
+    return next((k for k in range(at, min(at + step, n)) if a[k] != b[k]), n)
 
 
 def _after_marker(text: str, end: int, markers: Sequence[str]) -> int:
