@@ -50,8 +50,10 @@ def opening_head(messages: Optional[Sequence[dict]]) -> Optional[Tuple[int, str]
     if not messages or any(m.get("role") == "assistant" for m in messages):
         return None
     i = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
-    content = messages[i].get("content") if i is not None else None
-    if messages[i].get("role") != "user" or not isinstance(content, list) or len(content) < 2:
+    if i is None or messages[i].get("role") != "user":
+        return None
+    content = messages[i].get("content")
+    if not isinstance(content, list) or len(content) < 2:
         return None
     if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                for p in content):
@@ -115,9 +117,8 @@ def _parting(a: str, b: str) -> int:
 
 def _after_marker(text: str, end: int, markers: Sequence[str]) -> int:
     """The end of the last marker that ends at or before `end` (0: none)."""
-    found = [k + len(m) for m in markers if m and (k := text.rfind(m, 0, end)) >= 0
-             and k + len(m) <= end]
-    return max(found, default=0)
+    return max((k + len(m) for m in markers if m and (k := text.rfind(m, 0, end)) >= 0),
+               default=0)
 
 
 def _offset(encode, prompt: list, text: str, start: int) -> Optional[int]:
