@@ -172,6 +172,35 @@ def test_the_billing_line_is_left_out_so_a_new_session_reads_the_shared_prefix(s
     assert sum(usage.values()) - usage["output_tokens"] == len(prompts[1])
 
 
+
+# Claude Code's first user message: reminder blocks (environment, tools, skills, date), each
+# its own text block, then the user's text
+REMINDERS = [f"<system-reminder>\n{what}: " + " ".join(f"{what}-{i}" for i in range(12))
+             + "\n</system-reminder>" for what in ("environment", "tools", "agents", "skills",
+                                                    "memory", "todos", "git", "date")]
+
+
+def test_a_new_session_reads_the_reminders_it_shares_from_the_cache(srv, tok):
+    """A second session whose first request shares the system prompt and the
+    reminder blocks at the head of its first user message (not the user's
+    text, nor the billing line) reads >= 97% of its prompt from the cache:
+    a snapshot at the last block's end but one, not only at message ends."""
+    def session(tag, ask):
+        return {"model": "claude-opus-5-5", "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": r} for r in REMINDERS]
+             + [{"type": "text", "text": ask}]}],
+            "system": [{"type": "text", "text": BILLING.format(tag)},
+                       {"type": "text", "text": "You are an agent for software work. " * 12}]}
+
+    first, second = session("2d4", "Say hi"), session("3e5", "def fibonacci(n):")
+    assert post(srv, "/v1/messages", first).status_code == 200
+    usage = post(srv, "/v1/messages", second).json()["usage"]
+    messages = am.to_chat(second)[0]
+    messages[1]["content"] = "".join(b["text"] for b in messages[1]["content"])  # (mlx_lm's join)
+    prompt = rendered(tok, messages)
+    assert sum(usage.values()) - usage["output_tokens"] == len(prompt)
+    assert usage["cache_read_input_tokens"] >= 0.97 * len(prompt), (usage, len(prompt))
+
 # -- context errors in the words clients parse -------------------------------------------------
 def test_context_errors_are_anthropics_and_openais_own(srv, tok):
     long = "def f(x):\n    return x + 1\n" * 400  # (~5K tokens: tokenized, not refused by size)

@@ -370,3 +370,81 @@ def test_the_folder_keeps_its_cap_and_the_server_its_memory(tmp_path, requests_)
     assert max(sizes) <= cap and folder_bytes(folder) <= cap
     assert len(list(folder.iterdir())) >= 2
     assert grown < 48 << 20, f"{grown / 2**20:.1f} MiB more after the last two thirds"
+
+
+# -- a conversation's branch point survives a restart -----------------------------------------
+# a file the demo reads (~200 tokens) and questions about it
+FILE = "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(15))
+ASK_FILE = [SYSTEM, {"role": "user", "content": f"{FILE}\nWhat does f7 return?"}]
+
+
+def test_a_branch_point_is_on_disk_though_its_next_turn_came_at_once(tmp_path, demo_reference):
+    """Turn 1 (a file and a question), turn 2 sent as soon as turn 1's
+    answer is read (it starts from turn 1's state in RAM, before idle time
+    stored its next-turn prefix: --idle-chunk-ms 1 makes that work slow),
+    a graceful stop; after the restart, another follow-up of turn 1 (a
+    retry, an edited question, a sub-agent) reads >= 90% of its prompt from
+    disk: the state after turn 1's answer, which turn 2 passed through. Its
+    answer is a cold prefill's."""
+    model, tok = demo_reference
+    argv = ["mlx_mtp.server", "--prompt-cache-dir", str(tmp_path / "cache"),
+            "--idle-chunk-ms", "1"]
+    s = Server(argv, tmp_path / "before.log")
+    try:
+        answer = greedy(s, ASK_FILE, 24)[2]
+        history = ASK_FILE + [{"role": "assistant", "content": answer}]
+        turn2 = greedy(s, history + [{"role": "user", "content": "And f8?"}], 8)
+        assert cached(turn2[3]) >= len(tok.apply_chat_template(ASK_FILE,
+                                                               add_generation_prompt=True)) - 1
+    finally:
+        s.close()
+    assert s.code == 0
+    other = history + [{"role": "user", "content": "Which one returns x + 9?"}]
+    s = Server(argv, tmp_path / "after.log")
+    try:
+        ids, _, _, usage = greedy(s, other, 12)
+    finally:
+        s.close()
+    prompt = tok.apply_chat_template(other, add_generation_prompt=True)
+    assert usage["prompt_tokens"] == len(prompt)
+    assert cached(usage) >= 0.9 * len(prompt), (usage, s.text()[-3000:])
+    assert ids == greedy_until_eos(model, prompt, 12, set(tok.eos_token_ids))
+
+
+def test_the_branch_point_and_the_shared_head_are_what_other_requests_share(demo_reference):
+    """prompt_points on the demo's template: the branch point of a turn is a
+    prefix of every other follow-up of its answer; the shared head of a first
+    request (reminder blocks, then the user's text) is a prefix of every
+    other first request with those blocks, whatever its text begins with
+    (BPE merges a block's last '>' with a '\\n' or '.' after it)."""
+    from mlx_mtp.server import prompt_points as pp
+
+    _, tok = demo_reference
+    markers = [t.content for t in tok.added_tokens_decoder.values()]
+
+    def points(messages, head=None):
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        return prompt, pp.extra_points(
+            lambda text: tok.encode(text, add_special_tokens=False),
+            lambda m, g: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g),
+            markers, messages, prompt, head)
+
+    history = ASK_FILE + [{"role": "assistant", "content": "It returns x + 7.\n   Done."}]
+    prompt, found = points(history + [{"role": "user", "content": "And f8?"}])
+    (at, kind), = found.items()
+    assert kind == "branch" and at > len(tok.apply_chat_template(ASK_FILE))
+    for ask in ("\nAnd f9?", ". f9", "f9"):
+        assert tok.apply_chat_template(history + [{"role": "user", "content": ask}],
+                                       add_generation_prompt=True)[:at] == prompt[:at]
+    blocks = [{"type": "text", "text": f"<system-reminder>\n{FILE}</system-reminder>"}] * 3
+    opening = [SYSTEM, {"role": "user", "content": blocks + [{"type": "text", "text": "hi"}]}]
+    head = pp.opening_head(opening)
+    joined = [SYSTEM, {"role": "user", "content": "".join(b["text"] for b in
+                                                          opening[1]["content"])}]
+    prompt, found = points(joined, head)
+    (at, kind), = found.items()
+    assert kind == "head" and len(prompt) - 12 < at < len(prompt)
+    for ask in ("\nhello", ". x", " there", "hello", "\n\n"):
+        other = [SYSTEM, {"role": "user", "content": head[1] + ask}]
+        assert tok.apply_chat_template(other, add_generation_prompt=True)[:at] == prompt[:at]
+    assert pp.opening_head(opening + [{"role": "assistant", "content": "hi"}]) is None

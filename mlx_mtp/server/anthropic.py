@@ -182,7 +182,8 @@ def to_chat(body: dict, read_image: Optional[Callable[[dict, str], dict]] = None
     (roles.py). Tools with `defer_loading` are not shown to the model until
     a tool search's result names them (Anthropic's rule). A user's image
     block goes to `read_image(block, where)`, which gives the text block in
-    its place (None: images are refused)."""
+    its place (None: images are refused). A user's several text blocks stay
+    apart, as OpenAI's text parts (the prefix cache keeps where they end)."""
     messages: List[dict] = []
     system = _system(body["system"]) if body.get("system") else ""
     if system:
@@ -209,8 +210,12 @@ def to_chat(body: dict, read_image: Optional[Callable[[dict, str], dict]] = None
                                                              read_image)})
             rest = [_image(b, f"{where}.{j}", read_image) if b["type"] == "image" else b
                     for j, b in enumerate(content) if b["type"] != "tool_result"]
-            if rest:
+            if len(rest) == 1:
                 messages.append({"role": "user", "content": _text(rest)})
+            elif rest:  # text parts, as OpenAI's: where each block ends is a point the
+                # prefix cache may keep (server/prompt_points.py); the template reads their join
+                messages.append({"role": "user", "content": [
+                    {"type": "text", "text": b["text"]} for b in rest]})
             continue
         calls = [{"id": b.get("id"), "type": "function",
                   "function": {"name": b.get("name"), "arguments": b.get("input") or {}}}

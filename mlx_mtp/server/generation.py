@@ -28,6 +28,7 @@ from ..distributed import sharded_load
 from ..loader import load
 from ..mlx_lm_compat import CompletionRequest, ModelProvider, ResponseGenerator, generation_stream
 from ..vision import ImageLimits
+from . import prompt_points
 from .images import reader_for
 from .lane import _Lane, _Settings, extras
 from .logprobs import TokenText
@@ -105,7 +106,9 @@ class MTPModelProvider(ModelProvider):
         self.token_text = TokenText(tokenizer)  # logprobs' token texts and bytes
         # the tokenizer's added tokens (a chat template's markers): text never
         # merges across them, so a rendered prefix ending in one is final
-        self.marker_ids = frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.marker_ids = frozenset(added)
+        self.marker_texts = tuple(sorted({str(getattr(t, "content", t)) for t in added.values()}))
         # where a system message after the conversation began goes (roles.py)
         self.late_system = late_system_role(tokenizer)
         # a request's images, read on the handler's thread (images.py)
@@ -332,6 +335,33 @@ class MTPResponseGenerator(ResponseGenerator):
         return prompt
 
     def _tokenize(self, tokenizer, request, args):
+        """mlx_lm's `_tokenize` (`_segments`), its segments also split at a
+        chat's branch point and shared head (prompt_points.py)."""
+        messages = request.messages if request.request_type == "chat" else None
+        head = prompt_points.opening_head(messages)  # (before mlx_lm joins its blocks)
+        out = self._segments(tokenizer, request, args)
+        prompt, segments, kinds, initial_state, vision = out
+        if (not messages or vision is not None or not tokenizer.has_chat_template
+                or extras(request).images):  # (with images, the lane keeps the prompt whole)
+            return out
+        kwargs = dict(self.model_provider.cli_args.chat_template_args,
+                      **(args.chat_template_kwargs or {}))
+
+        def render(messages, generation_prompt):
+            return tokenizer.apply_chat_template(
+                messages, tools=request.tools, tokenize=False,
+                add_generation_prompt=generation_prompt, **kwargs)
+
+        try:
+            points = prompt_points.extra_points(
+                lambda text: tokenizer.encode(text, add_special_tokens=False), render,
+                self.model_provider.marker_texts, request.messages, prompt, head)
+        except Exception as e:  # (a template or tokenizer that does not render the probes)
+            logging.debug("no branch point or shared head: %s: %s", type(e).__name__, e)
+            return out
+        return (prompt, *prompt_points.split(segments, kinds, points), initial_state, vision)
+
+    def _segments(self, tokenizer, request, args):
         """mlx_lm's `_tokenize`, also splitting off the system prompt of a
         chat that ends in another message than a user's (mlx_lm splits only
         those): Claude Code's requests end in a system message where the
@@ -434,13 +464,13 @@ class MTPResponseGenerator(ResponseGenerator):
         """A chat's messages, its answer (`answer`, the assistant message its
         client sends back) and a next message holding `text` (a tool's
         result after calls, else the user's), rendered as a request is
-        (`_tokenize`): one of the two renders `next_turn_prefix` compares."""
+        (`_segments`, without the snapshot points): one of the two renders `next_turn_prefix` compares."""
         calls = answer.get("tool_calls")
         following = [{"role": "tool", "name": c["function"]["name"], "tool_call_id": str(i),
                       "content": text} for i, c in enumerate(calls)] if calls else \
             [{"role": "user", "content": text}]
         messages = copy.deepcopy(request.messages) + [answer] + following
-        return self._tokenize(self.model_provider.tokenizer, CompletionRequest(
+        return self._segments(self.model_provider.tokenizer, CompletionRequest(
             "chat", "", messages, request.tools, request.role_mapping), args)[0]
 
     def next_turn_prefix(self, a: list, b: list) -> Optional[list]:

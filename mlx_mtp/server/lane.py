@@ -20,6 +20,7 @@ from ..mlx_lm_compat import (GenerationContext, Response, generation_stream,
 from ..sampling import PENALTY_KINDS, Penalties, RowSampling, make_sampler
 from .answer import Answer
 from .logprobs import top_logprobs
+from .prompt_points import SNAPSHOT_KINDS
 from .prompt_store import cache_bytes
 from .schemas import ApiError
 from .stops import StopStrings, answered_tokens
@@ -329,10 +330,10 @@ class _Lane:
             else:  # (nothing to prefill before the last token: the state is the fetched one)
                 shared.cache = copy.deepcopy(cache)
 
-        def snapshot(done):  # (the end of a system prompt is what many conversations share)
+        def snapshot(done):  # (prompt_points.py: which kinds go to disk too)
             if done in kinds_at:
-                gen.store(key[:n + done], copy.deepcopy(cache), kind=kinds_at[done],
-                          persist=kinds_at[done] == "system")
+                kind, persist = SNAPSHOT_KINDS[kinds_at[done]]
+                gen.store(key[:n + done], copy.deepcopy(cache), kind=kind, persist=persist)
             if done == shared_at:
                 shared.cache = copy.deepcopy(cache)
 
@@ -635,9 +636,11 @@ class _Lane:
 def _snapshot_points(prompt: list, segments: list, kinds: list, cached: int, mode: str):
     """Where the prefill stores copies of the cache (counts of the new tokens,
     after the `cached` ones), and each one's kind: the end of every segment
-    (system prompt, last user message) and of the prompt but its last token,
-    so a later request sharing that prefix (the next turn, a regenerated
-    answer) starts from it exactly. mode "end": none (only the answers)."""
+    (system prompt, a new session's shared head, the branch point, last user
+    message: prompt_points.py) and of the prompt but its last token, so a
+    later request sharing that prefix (the next turn, a regenerated answer,
+    another session) starts from it exactly. mode "end": none (only the
+    answers)."""
     if mode != "segments":
         return (), {}
     points, end = {}, 0
