@@ -11,12 +11,17 @@ the lookups and the copy, whatever the row's length.
 
 A proposal is a point draft (q = δ at each token): the one acceptance rule
 (`acceptance.accept`) keeps it exactly (docs/design.md, "Context drafts").
+`ContextDrafter` puts the runs into the decode loop through the `Drafter`
+protocol: opt-in (the loop's `drafter=` option), one row at a time, the first
+step of issue 63.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
+
+import mlx.core as mx
 
 NGRAM_SIZES = (4, 3)  # the suffix lengths looked up, longest first
 MAX_RUN = 16  # the longest run proposed
@@ -88,3 +93,47 @@ class ContextIndex:
                 run.append(tokens[at] if at < end else run[at - end])
             return Proposal(tuple(run), n, start)
         return Proposal()
+
+
+class ContextDrafter:
+    """A `cycle.Drafter` that drafts the row's context run where its suffix
+    occurred before (point drafts: q None), else the head's own chain.
+
+    Opt-in and a first step: pass `drafter=ContextDrafter(prompt)` to the
+    decode loop (`decode.generate_tokens`, `make_batch`). It is host-side (its
+    index is the row's tokens on the host), so its batch decodes one row,
+    eagerly, each cycle read before the next, and the head still runs its
+    chain every cycle. Exact under any sampler: a run is verified by the one
+    acceptance rule like any draft. `prompt`: the tokens the index starts
+    from at each generation (the row's prompt; with a prompt cache, what the
+    caller wants copied from)."""
+
+    host_side = True
+    replaces_head = False
+
+    def __init__(self, prompt: Iterable[int], sizes: Sequence[int] = NGRAM_SIZES):
+        self.prompt = [int(t) for t in prompt]
+        self.index = ContextIndex(self.prompt, sizes)
+        self.sizes = self.index.sizes
+        self.runs = 0  # cycles that drafted a context run (the others: the head's)
+
+    def start(self) -> None:
+        self.index = ContextIndex(self.prompt, self.sizes)
+
+    def observe(self, tokens: List[int]) -> None:
+        self.index.extend(tokens)
+
+    def arrays(self) -> list:
+        return []
+
+    def graph_key(self) -> tuple:
+        return ("context", self.sizes)
+
+    def propose(self, arrays, state, k: int, head_drafts, head_q):
+        """The run after the row's suffix (its last token is the cycle's y),
+        k tokens long, else the head's drafts and their q."""
+        run = self.index.propose(k)
+        if not run:
+            return head_drafts, head_q
+        self.runs += 1
+        return mx.array([run.tokens], dtype=mx.int32), None

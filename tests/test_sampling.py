@@ -588,6 +588,15 @@ def decoder_samples(model, cfg, k, n, oracle=None, seed0=1 << 20, stats=None, n_
     return out
 
 
+def _context_drafter():
+    """Context runs over the prompt and output from 1-grams (the first 3
+    tokens rarely repeat a longer suffix), often proposing tokens outside S
+    (kept with probability 0) and runs of tokens of S (kept or not)."""
+    from mlx_mtp.context_draft import ContextDrafter
+
+    return ContextDrafter(PROMPT + S[:3] + PROMPT + S[3:], sizes=(2, 1))
+
+
 def _q_drafter(trunk_logits, cfg, mix, seed):
     p, _ = exact_tables(trunk_logits, cfg)
     q = _draft_table(p, mix=mix, seed=seed)
@@ -600,12 +609,14 @@ def _q_drafter(trunk_logits, cfg, mix, seed):
 # the whole decoder; each sampler setting (penalties included) is proven on
 # the kernel at 2·10⁴ samples above, the rest here in the slow tier
 E2E_CASES = [slow("rep", 2, "head"), ("top_k", 3, "q"), slow("temp", 1, "q"),
-             slow("min_p", 2, "head_vocab"), slow("xtc", 2, "head")]
+             slow("min_p", 2, "head_vocab"), slow("xtc", 2, "head"),
+             *[slow(c, 3, "context") for c in ("temp", "top_p", "top_k", "min_p", "rep")]]
 DRAFT_VOCAB = sorted(set(range(50)) | set(S[:3]))  # q = 0 on S[3:]: only the residual emits them
 if SLOW:  # every setting at every depth
     E2E_CASES = [(c, k, "head" if k < 3 or c == "xtc" else "q") for c in CONFIGS
                  for k in (1, 2, 3)]
     E2E_CASES += [("min_p", 2, "head_vocab")]
+    E2E_CASES += [(c, 3, "context") for c in ("temp", "top_p", "top_k", "min_p", "rep")]
 
 
 @pytest.mark.parametrize("cfg,k,mode", E2E_CASES)
@@ -618,7 +629,8 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     model = models[0]
     n = 10000 if SLOW else 800  # (~20 s at 800: each sample is a whole generation)
     _, joint = exact_tables(trunk_logits, cfg)
-    oracle = _q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else None
+    oracle = (_q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else
+              _context_drafter() if mode == "context" else None)
     vocab = mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None
     stats = MTPStats()
     samples = decoder_samples(model, cfg, k, n, oracle=oracle, stats=stats, draft_vocab=vocab)
@@ -626,13 +638,13 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     print(f"end-to-end {cfg} depth {k} {mode}: n={n} chi2 p={pvalue:.4f} "
           f"acceptance={stats.acceptance}")
     assert pvalue > ALPHA
-    if mode == "q":
+    if mode in ("q", "context"):
         assert 0 < stats.accepted < stats.drafted  # both paths exercised
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("k,mode", [(1, "head"), (3, "head"), (2, "head_greedy"), (2, "oracle"),
-                                    (3, "q"), ("auto", "q"), (3, "head_vocab")])
+                                    (3, "q"), ("auto", "q"), (3, "head_vocab"), (4, "context")])
 def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
     """Every emitted token's log-prob row (what plain decoding would sample
     from, processors applied with that position's history) equals mlx_lm's
@@ -647,6 +659,8 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
         oracle = OracleDrafter(ref, 0.6, V, seed=2)
     elif mode == "q":
         oracle = _q_drafter(trunk_logits, cfg, 0.2, 4)
+    elif mode == "context":  # copied runs (point drafts), the head's drafts elsewhere
+        oracle = _context_drafter()
     stats = MTPStats()
     got = list(generate_tokens(
         mx.array(PROMPT), model, max_tokens=20, draft_tokens=k,
@@ -669,6 +683,8 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
         assert keep[t]  # never a token outside the support
     if mode == "q" and k != "auto":  # (auto's depths follow timings: not a fixed mix)
         assert 0 < stats.accepted < stats.drafted
+    if mode == "context":
+        assert oracle.runs > 0
 
 
 def test_seed_reproducible(models):
