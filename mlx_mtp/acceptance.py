@@ -5,9 +5,11 @@ the k+1 verify positions and emits `accepted` drafts, then one token of its own.
 Every draft goes through `accept`, whatever proposed it:
 
   - a draft drawn from a distribution q (the MTP head's sampled drafts);
-  - a point draft: a token proposed with certainty (a copied token, a greedy
-    draft, a token a grammar forces), q = δx. Its q is not materialised: a
-    `DraftRun` with q None (every draft) or `point` set (some positions) says it.
+  - a point draft: a token proposed with certainty (a copied token), q = δx.
+    Its q is not materialised: a `DraftRun` with q None (every draft) or
+    `point` set (some positions) says it. (The head's greedy drafts and a
+    grammar's forced tokens are point drafts too; they still come as their
+    one-hot q, which the rule treats bitwise the same.)
 
 Per row, by its sampler:
   greedy rows      keep the longest prefix of drafts equal to the arg-max, then

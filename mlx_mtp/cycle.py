@@ -476,7 +476,7 @@ def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
 class Proposals:
     """What drafting leaves for the verify: k drafts per row (in the
     vocabulary; `bad_drafts` counts those that were not), the distributions
-    they were drawn from (sampled rows), the keys the verify's acceptance and
+    they were drawn from (sampled rows; None: point drafts), the keys the verify's acceptance and
     the next cycle use, and how many entries the head's chain added."""
 
     drafts: mx.array  # [B, k] int32
