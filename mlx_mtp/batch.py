@@ -93,9 +93,6 @@ def make_batch(model, options: Optional[DecodeOptions] = None, *,
     if draft_vocab is not None and model.lm_head_group is not None:
         raise ValueError("a draft vocabulary needs the whole lm_head on each rank; this "
                          "model's is sharded over the vocabulary (tensor parallel)")
-    if is_host_side(drafter) and not (
-            isinstance(sampler, MTPSampler) and sampler.speculative):
-        raise ValueError("a host-side drafter needs an MTPSampler with temp > 0")
     spec = Spec(model, opaque, use_head=use_head,
                 draft_vocab=draft_vocab if use_head else None,
                 drafter=drafter if use_head else None, group=model.distributed_group,

@@ -10,9 +10,10 @@ Each step is a function state -> (state, output) with nothing kept elsewhere:
                        post-norm hidden + the token it drafted);
                     2. verify: the trunk runs [y, d1..dk] in ONE forward, its
                        GDN layers capturing the state after every position;
-                    3. accept, in-graph, per row: greedy rows keep drafts while
-                       they equal the arg-max, sampled rows by Leviathan–Chen,
-                       an opaque sampler by match;
+                    3. accept, in-graph, per row (`acceptance.accept`, the one
+                       rule every draft goes through): greedy rows keep drafts
+                       while they equal the arg-max, sampled rows by
+                       Leviathan–Chen, an opaque sampler by match;
                     4. commit: GDN states by index, attention lengths cut to
                        the accepted prefix, the head's cache rewritten from the
                        trunk's verified hiddens (which gives the next draft's hidden).
@@ -63,8 +64,9 @@ from .cache import Capture, CaptureCache, MTPCache
 from .distributed import share
 from .families.mrope import shifted
 from .constraint import apply_bitmask
-from .sampling import (Filters, SamplerArrays, accept_sampled_rows, advance_window, sample_drafts,
-                       is_greedy, penalize_rows, sample_rows, split_rows)
+from .acceptance import DraftRun, accept
+from .sampling import (Filters, SamplerArrays, advance_window, sample_drafts, is_greedy,
+                       penalize_rows, sample_opaque, sample_rows, split_rows)
 
 RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
 
@@ -85,7 +87,9 @@ class Drafter(Protocol):
 
     def propose(self, arrays, state, k: int, head_drafts, head_q):
         """(drafts [B, k], q [B, k, V] or None) for a cycle of depth k; `state`
-        is the cycle's DecodeState (its y and emitted are per row)."""
+        is the cycle's DecodeState (its y and emitted are per row). q None:
+        every draft is a point draft (q = δ at it: `acceptance.DraftRun`),
+        what a deterministic drafter's drafts are."""
 
     def start(self) -> None:
         """Host-side drafters: a row starts (its generated tokens: none yet)."""
@@ -359,22 +363,6 @@ def _processed(proc, context: mx.array, logits: mx.array) -> mx.array:
     return out
 
 
-def _sample_opaque(sampler, logprobs: mx.array) -> mx.array:
-    """An opaque sampler's token for every row of [B, T, V]: called once per
-    position, as plain decoding calls it once per token (XTC, for one, draws
-    one coin per call for all its rows)."""
-    B, T, V = logprobs.shape
-    rows = []
-    for t in range(T):
-        out = sampler(logprobs[:, t])
-        if not isinstance(out, mx.array) or out.size != B:
-            shape = getattr(out, "shape", type(out).__name__)
-            raise TypeError(f"the sampler returned {shape} for log-probabilities of shape "
-                            f"{tuple(logprobs[:, t].shape)}: it must return one token id per row")
-        rows.append(out.astype(mx.int32).reshape(B))
-    return mx.stack(rows, axis=1)
-
-
 def head_forward(model, hidden: mx.array, tokens: mx.array, cache: list,
                  embeddings: Optional[mx.array] = None) -> mx.array:
     """The head over hiddens [B, T, H] paired with tokens [B, T] (or with
@@ -488,7 +476,7 @@ def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
 class Proposals:
     """What drafting leaves for the verify: k drafts per row (in the
     vocabulary; `bad_drafts` counts those that were not), the distributions
-    they were drawn from (sampled rows), the keys the verify's acceptance and
+    they were drawn from (sampled rows; None: point drafts), the keys the verify's acceptance and
     the next cycle use, and how many entries the head's chain added."""
 
     drafts: mx.array  # [B, k] int32
@@ -573,16 +561,9 @@ def settle(spec: Spec, state: DecodeState, proposals: Proposals, verified: Verif
     drafts = spec.verified_drafts(proposals.drafts, verified.h)
     logprobs = _logprobs(spec, verified.logits, state, history, tokens, words=words)
 
-    # accept: `accepted` drafts, then out[accepted] after them
-    if spec.sampler is not None:  # opaque: keep drafts while they equal its choice
-        out = _sample_opaque(spec.sampler, logprobs)  # [B, k+1]
-        accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
-    else:  # greedy rows keep drafts while they equal the arg-max
-        out = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-        accepted = mx.cumprod((drafts == out[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
-        if spec.filters.sampled:  # sampled rows by Leviathan–Chen
-            accepted, out = accept_sampled_rows(logprobs, proposals.q, drafts, state.sampling,
-                                                spec.filters, keys[:, k], accepted, out)
+    # accept: `accepted` drafts, then out[accepted] after them (acceptance.py)
+    accepted, out = accept(logprobs, DraftRun(drafts, proposals.q), state.sampling, spec.filters,
+                           None if keys is None else keys[:, k], spec.sampler)
     packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
     accepted, raw = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
     out, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
@@ -649,7 +630,7 @@ def plain_sample(spec: Spec, state: DecodeState, fwd: Forwarded, history: Option
                          words=None if guidance is None else guidance.first[:, None])
     key = state.key
     if spec.sampler is not None:
-        y = _sample_opaque(spec.sampler, logprobs)[:, 0]
+        y = sample_opaque(spec.sampler, logprobs)[:, 0]
     else:
         keys = None
         if spec.speculative:

@@ -401,8 +401,9 @@ class DecodeOptions:
     lookahead: bool = True  # queue cycle n+1 before reading cycle n
     compiled: bool = True  # one compiled graph per depth, kept on the model
     draft_vocab: Any = None  # [N] int32: draft among these token ids only
-    # tests and benchmarks: a drafter in place of the head's proposals, an
-    # `auto` controller, a list that gets each read cycle's host timestamps
+    # tests and benchmarks: a drafter in place of the head's proposals (or
+    # context_draft.ContextDrafter: copied runs, opt-in), an `auto`
+    # controller, a list that gets each read cycle's host timestamps
     drafter: Any = None
     controller: Any = None
     timeline: Optional[list] = None

@@ -1,21 +1,19 @@
-"""Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+"""What a row samples from: mlx_lm's samplers and processors, introspected.
 
 `make_sampler` has mlx_lm's signature and returns an `MTPSampler`: a callable
 that samples exactly like `mlx_lm.sample_utils.make_sampler(...)` (so it works
 with mlx_lm.generate too) and that also tells the MTP decoder WHICH
-distribution it samples from. With that the decoder verifies drafts by
-Leviathan–Chen acceptance instead of requiring an exact match:
+distribution it samples from:
 
   p_i = target distribution at verify position i: softmax(filter(logprobs_i) / temp),
         logprobs_i already processed by the logits processors with the history
-        position i would have in plain decoding;
-  q_i = the distribution the draft d_i was sampled from;
-  accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first
-  rejection emit a sample of normalize(max(p_i - q_i, 0)); if all k drafts are
-  accepted emit a sample of p_{k+1}.
+        position i would have in plain decoding (`target_rows`);
+  q_i = the distribution the head's draft d_i was sampled from (`sample_drafts`).
 
-The emitted tokens then have exactly the target distribution, whatever q is.
-Everything here is in-graph (keys are explicit `mx.random` keys).
+With that the decoder verifies drafts by Leviathan–Chen acceptance instead of
+requiring an exact match (the rule, for every kind of draft, is
+`acceptance.accept`). Everything here is in-graph (keys are explicit
+`mx.random` keys).
 
 XTC's filter is itself random (a coin per token decides whether it applies):
 the target is then the mixture of the coin's two outcomes, one distribution
@@ -40,8 +38,8 @@ from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 from .mlx_lm_compat import apply_top_k, apply_top_p, greedy_sampler
 from .params import SAMPLER_DEFAULTS
 
-__all__ = ["MTPSampler", "make_sampler", "make_logits_processors", "speculative_sample",
-           "is_greedy", "RowSampling", "Penalties"]
+__all__ = ["MTPSampler", "make_sampler", "make_logits_processors", "is_greedy", "RowSampling",
+           "Penalties"]
 
 
 class MTPSampler:
@@ -132,66 +130,6 @@ def make_sampler(
 def is_greedy(sampler) -> bool:
     return sampler is None or sampler is greedy_sampler or (
         isinstance(sampler, MTPSampler) and sampler.greedy)
-
-
-def speculative_sample(
-    target_logits: mx.array,
-    q: mx.array,
-    drafts: mx.array,
-    key: mx.array,
-) -> Tuple[mx.array, mx.array]:
-    """Leviathan–Chen verification of k drafts, in-graph, batched over any
-    leading dimensions, with one random key.
-
-    target_logits [..., k+1, V]: logits of p at each verify position (row i
-        is the distribution of the token after drafts d_1..d_i; -inf allowed);
-    q [..., k, V]: probabilities the drafts were sampled from;
-    drafts [..., k]: the drafted tokens.
-    Returns (accepted [...] int32, tokens [..., k+1] int32) where tokens[:a]
-    are the accepted drafts, tokens[a] is the correction (a < k) or the bonus
-    token (a == k); entries after a are meaningless.
-    """
-    k_u, k_s = mx.random.split(key)
-    u = mx.random.uniform(shape=drafts.shape, key=k_u)
-    return _leviathan_chen(target_logits, q, drafts, u,
-                           lambda logits: mx.random.categorical(logits, key=k_s))
-
-
-def speculative_sample_rows(target_logits: mx.array, q: mx.array, drafts: mx.array,
-                            keys: mx.array) -> Tuple[mx.array, mx.array]:
-    """`speculative_sample` with a key per row (keys [B, 2], inputs [B, ...]):
-    row b draws exactly what it draws in a batch of its own with keys[b]."""
-    split = _rows(lambda key: mx.random.split(key))(keys)  # [B, 2, 2]
-    u = _rows(lambda key: mx.random.uniform(shape=drafts.shape[1:], key=key))(split[:, 0])
-    return _leviathan_chen(target_logits, q, drafts, u,
-                           lambda logits: categorical_rows(logits, split[:, 1]))
-
-
-def _leviathan_chen(target_logits, q, drafts, u, categorical):
-    k = drafts.shape[-1]
-    drafts = drafts.astype(mx.int32)
-    logits = target_logits.astype(mx.float32)
-    q = q.astype(mx.float32)
-    lse = mx.logsumexp(logits, axis=-1)  # [..., k+1]
-    ld = mx.take_along_axis(logits[..., :k, :], drafts[..., None], axis=-1)[..., 0]
-    pd = mx.exp(ld - lse[..., :k])
-    qd = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    ok = u * qd < pd  # u < p/q  <=>  accept with probability min(1, p/q)
-    accepted = mx.cumprod(ok.astype(mx.int32), axis=-1).sum(axis=-1)  # [...]
-    # only row a is ever emitted from: the residual (a < k) or p_{k+1} (a == k)
-    ia = accepted[..., None, None]
-    p_a = mx.exp(mx.take_along_axis(logits, ia, axis=-2)[..., 0, :]
-                 - mx.take_along_axis(lse, accepted[..., None], axis=-1))
-    q_a = mx.take_along_axis(q, mx.minimum(ia, k - 1), axis=-2)[..., 0, :]
-    resid = mx.maximum(p_a - q_a, 0.0)
-    # p == q (up to rounding) rejects with probability ~0; keep the row valid
-    use_resid = (accepted < k) & (resid.sum(axis=-1) > 0)
-    row = mx.where(use_resid[..., None], resid, p_a)
-    sample = categorical(mx.log(row)).astype(mx.int32)  # [...]
-    pad = mx.zeros(drafts.shape[:-1] + (1,), mx.int32)
-    tokens = mx.where(mx.arange(k + 1) == accepted[..., None], sample[..., None],
-                      mx.concatenate([drafts, pad], axis=-1))
-    return accepted.astype(mx.int32), tokens
 
 
 # -- one batch, a sampler per row ------------------------------------------------------------
@@ -573,6 +511,22 @@ def sample_rows(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -> 
     return mx.where(arrays.inv_temp > 0, drawn, greedy)
 
 
+def sample_opaque(sampler, logprobs: mx.array) -> mx.array:
+    """An opaque sampler's token for every row of [B, T, V]: called once per
+    position, as plain decoding calls it once per token (XTC, for one, draws
+    one coin per call for all its rows)."""
+    B, T, V = logprobs.shape
+    rows = []
+    for t in range(T):
+        out = sampler(logprobs[:, t])
+        if not isinstance(out, mx.array) or out.size != B:
+            shape = getattr(out, "shape", type(out).__name__)
+            raise TypeError(f"the sampler returned {shape} for log-probabilities of shape "
+                            f"{tuple(logprobs[:, t].shape)}: it must return one token id per row")
+        rows.append(out.astype(mx.int32).reshape(B))
+    return mx.stack(rows, axis=1)
+
+
 def sample_drafts(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -> Tuple[mx.array, mx.array]:
     """Each row's draft from the head's log-probs [B, V] and the distribution
     q [B, V] it was drawn from (one-hot for greedy drafts)."""
@@ -584,19 +538,6 @@ def sample_drafts(logprobs: mx.array, arrays: SamplerArrays, f: Filters, keys) -
     tok = mx.where(sampled, drawn, greedy)
     one_hot = (mx.arange(logprobs.shape[-1]) == greedy[:, None]).astype(mx.float32)
     return tok, mx.where(sampled[:, None], mx.softmax(logits, axis=-1), one_hot)
-
-
-def accept_sampled_rows(logprobs: mx.array, q: mx.array, drafts: mx.array, arrays: SamplerArrays,
-                        f: Filters, keys, greedy_accepted: mx.array,
-                        greedy: mx.array) -> Tuple[mx.array, mx.array]:
-    """A batch's sampled rows by Leviathan–Chen, beside its greedy rows
-    (their acceptance, by arg-max match, is the cycle's: cycle.py).
-    logprobs [B, k+1, V] (processed); returns (accepted [B], tokens [B, k+1])."""
-    target = target_rows(logprobs, arrays, f, arrays.inv_temp)
-    acc_s, out_s = speculative_sample_rows(target, q, drafts, keys)
-    sampled = arrays.inv_temp > 0
-    return (mx.where(sampled, acc_s, greedy_accepted.astype(mx.int32)),
-            mx.where(sampled[:, None], out_s, greedy))
 
 
 # -- a sampled row's key ------------------------------------------------------------

@@ -39,7 +39,8 @@ from mlx_mtp.cycle import Spec
 from mlx_mtp.testing.drafters import DistributionDrafter, OracleDrafter
 from mlx_mtp.decode import generate_tokens
 from mlx_mtp.stats import MTPStats
-from mlx_mtp.sampling import make_sampler, speculative_sample
+from mlx_mtp.acceptance import speculative_sample
+from mlx_mtp.sampling import make_sampler
 from util import slow
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -234,10 +235,25 @@ def _draft_table(p_tab, mix=0.4, seed=0):
     return q
 
 
-def simulate(p_tab, q_tab, k, n, seed, claimed=None):
+def _copy_table(p_tab, seed=0):
+    """A point drafter's choice after each prefix (q = δ there): the most
+    probable token half of the time, else any token of S (often one that p
+    gives little mass, or that a filter removed), like a copied run that
+    is sometimes right."""
+    rng = np.random.default_rng(seed)
+    copy = {}
+    for pre, p in p_tab.items():
+        t = S[int(np.argmax(p[S]))] if rng.random() < 0.5 else S[rng.integers(len(S))]
+        copy[pre] = (np.arange(V) == t).astype(np.float64)
+    return copy
+
+
+def simulate(p_tab, q_tab, k, n, seed, claimed=None, copy=None, point_share=0.0):
     """First L tokens of n independent generations at depth k: t1 ~ p, then
     cycles of (drafts ~ q, Leviathan–Chen on the verify rows), exactly the
-    decoder's cycle, on restricted-support tables. Returns [n, L] tokens."""
+    decoder's cycle, on restricted-support tables. With a `copy` table, each
+    draft is instead, with probability `point_share`, the copy table's token,
+    verified as a point draft (all of them: q None). Returns [n, L] tokens."""
     m = len(S)
     prefixes = [pre for i in range(L) for pre in itertools.product(range(m), repeat=i)]
     pid = {pre: i for i, pre in enumerate(prefixes)}
@@ -255,6 +271,7 @@ def simulate(p_tab, q_tab, k, n, seed, claimed=None):
 
     P, Q = table(p_tab), table(q_tab)
     C = table(claimed) if claimed is not None else Q
+    X = table(copy).argmax(axis=1) if copy is not None else None
     rng = np.random.default_rng(seed)
     key = mx.random.key(seed)
 
@@ -271,17 +288,26 @@ def simulate(p_tab, q_tab, k, n, seed, claimed=None):
     rows_n = np.arange(n)
     with np.errstate(divide="ignore"):
         while (length < L).any():
-            ids, drafts, claims = [cur], [], []
+            ids, drafts, claims, points = [cur], [], [], []
             for _ in range(k):
                 d = draw(Q[ids[-1]])
+                point = rng.random(n) < point_share
+                if X is not None:
+                    d = np.where(point, X[ids[-1]], d)
                 drafts.append(d)
                 claims.append(C[ids[-1]])
+                points.append(point)
                 ids.append(child[ids[-1], d])
             target = np.log(np.stack([P[i] for i in ids], axis=1))  # [n, k+1, m]
             key, sub = mx.random.split(key)
-            a, out = speculative_sample(mx.array(target.astype(np.float32)),
-                                        mx.array(np.stack(claims, 1).astype(np.float32)),
-                                        mx.array(np.stack(drafts, 1)), sub)
+            q = mx.array(np.stack(claims, 1).astype(np.float32))
+            point = mx.array(np.stack(points, 1))
+            if point_share == 1:
+                q, point = None, None
+            elif point_share == 0:
+                point = None
+            a, out = speculative_sample(mx.array(target.astype(np.float32)), q,
+                                        mx.array(np.stack(drafts, 1)), sub, point)
             a, out = np.array(a), np.array(out)
             for j in range(k + 1):
                 on = j <= a
@@ -403,6 +429,144 @@ def test_kernel_accept_rates():
     assert a.tolist() == [2, 0]
 
 
+# -- point drafts (a copied token: q = δx) through the same rule --------------------------
+POINT_CASES = ["temp", "top_p", "top_k", "min_p", "rep", "xtc"]  # (~0.1 s each)
+
+
+@pytest.mark.parametrize("cfg", POINT_CASES)
+def test_chi2_point_drafts_exact(trunk_logits, cfg):
+    """Copied drafts, verified as point drafts (q None: keep x with
+    probability p(x), else sample p without x), every sampler setting: the
+    joint of the first 3 tokens is the target's. Depth 3, 2·10⁴ samples."""
+    p, joint = exact_tables(trunk_logits, cfg)
+    samples = simulate(p, p, 3, N, seed=31 + len(cfg), copy=_copy_table(p, seed=1),
+                       point_share=1.0)
+    assert chi2_pvalue(samples, joint) > ALPHA
+
+
+@pytest.mark.parametrize("cfg", ["top_p", "rep"])
+def test_chi2_point_and_sampled_drafts_mixed(trunk_logits, cfg):
+    """Point drafts and drafts sampled from q in one run (per position, as
+    rows of a batch may carry runs of different sources): exact."""
+    p, joint = exact_tables(trunk_logits, cfg)
+    samples = simulate(p, _draft_table(p, seed=2), 3, N, seed=41, copy=_copy_table(p, seed=3),
+                       point_share=0.5)
+    assert chi2_pvalue(samples, joint) > ALPHA
+
+
+def _accept_always(q, point, drafts):
+    return mx.zeros(drafts.shape, mx.float32)  # u * 0 < p(x): x kept whenever p(x) > 0
+
+
+def _residual_keeps_x(p_a, q, point, drafts, accepted):
+    return p_a  # on rejection, p itself: x not removed
+
+
+SABOTAGE = {"accept_always": ("_draft_probability", _accept_always),
+            "residual_keeps_x": ("_residual", _residual_keeps_x)}
+
+
+@pytest.mark.parametrize("cfg", POINT_CASES)
+@pytest.mark.parametrize("bug", list(SABOTAGE))
+def test_chi2_point_drafts_catch_a_sabotaged_rule(trunk_logits, monkeypatch, cfg, bug):
+    """Power: the point-draft χ² above fails when the rule is broken in the
+    module itself: x kept with probability 1, or the rejection's sample
+    drawn from p with x still in it."""
+    from mlx_mtp import acceptance
+
+    monkeypatch.setattr(acceptance, *SABOTAGE[bug])
+    p, joint = exact_tables(trunk_logits, cfg)
+    samples = simulate(p, p, 3, N, seed=31 + len(cfg), copy=_copy_table(p, seed=1),
+                       point_share=1.0)
+    assert chi2_pvalue(samples, joint) < ALPHA
+
+
+def test_point_drafts_are_one_hot_q_bitwise():
+    """A point draft (q None, or `point` set with any q there) is verified
+    exactly as the one-hot q it stands for: the same acceptances and the
+    same tokens, draw for draw, batched with a key per row."""
+    from mlx_mtp.acceptance import speculative_sample_rows
+
+    rng = np.random.default_rng(0)
+    B, k, Vs = 64, 4, 7
+    logits = rng.normal(size=(B, k + 1, Vs)) * 2
+    logits[rng.random((B, k + 1, Vs)) < 0.3] = -np.inf  # filtered tokens
+    logits[..., 0] = 0.0  # at least one allowed token per position
+    target = mx.array(logits.astype(np.float32))
+    drafts = mx.array(rng.integers(0, Vs, (B, k)), dtype=mx.int32)
+    keys = mx.random.split(mx.random.key(3), B)
+    one_hot = (mx.arange(Vs) == drafts[..., None]).astype(mx.float32)
+    want = speculative_sample_rows(target, one_hot, drafts, keys)
+    got = speculative_sample_rows(target, None, drafts, keys)
+    assert all(mx.array_equal(w, g).item() for w, g in zip(want, got))
+    # a mix: sampled drafts with their q, point drafts with garbage q under `point`
+    q = mx.array(rng.dirichlet(np.ones(Vs), (B, k)).astype(np.float32))
+    point = mx.array(rng.random((B, k)) < 0.5)
+    want = speculative_sample_rows(target, mx.where(point[..., None], one_hot, q), drafts, keys)
+    got = speculative_sample_rows(target, mx.where(point[..., None], 7.0, q), drafts, keys, point)
+    assert all(mx.array_equal(w, g).item() for w, g in zip(want, got))
+    assert 0 < int(want[0].sum()) < B * k  # accepts and rejections both happened
+
+
+def test_accept_greedy_and_sampled_rows_in_one_batch():
+    """`accept`: a greedy row keeps the longest prefix of drafts equal to the
+    arg-max and emits the arg-max after it, whatever the drafts' source
+    (q None); a sampled row beside it draws what it draws alone; an opaque
+    sampler keeps drafts while they equal its draws."""
+    from mlx_mtp.acceptance import DraftRun, accept, speculative_sample_rows
+    from mlx_mtp.sampling import Filters, RowSampling, SamplerArrays, target_rows
+
+    rng = np.random.default_rng(1)
+    k, Vs = 5, 11
+    logprobs = mx.array(rng.normal(size=(4, k + 1, Vs)).astype(np.float32))
+    best = np.array(mx.argmax(logprobs, axis=-1))
+    drafts = best[:, :k].copy()
+    for row, right in enumerate([0, 2, 5, 3]):  # drafts right up to `right`
+        if right < k:
+            drafts[row, right] = (best[row, right] + 1) % Vs
+    drafts = mx.array(drafts, dtype=mx.int32)
+    rows = [RowSampling(), RowSampling(), RowSampling(), RowSampling(temp=0.8)]
+    f = Filters.of(rows)
+    arrays = SamplerArrays.of(rows, f, Vs)
+    keys = mx.random.split(mx.random.key(5), 4)
+    for q in (None, mx.ones((4, k, Vs)) / Vs):
+        accepted, out = accept(logprobs, DraftRun(drafts, q), arrays, f, keys)
+        assert accepted.tolist()[:3] == [0, 2, 5]
+        for row, a in enumerate(accepted.tolist()[:3]):
+            assert out[row, :a + 1].tolist() == best[row, :a + 1].tolist()
+        alone = speculative_sample_rows(target_rows(logprobs[3:], arrays.take_rows(mx.array([3])),
+                                                    f, arrays.inv_temp[3:]),
+                                        None if q is None else q[3:], drafts[3:], keys[3:])
+        assert accepted[3].item() == alone[0].item()
+        assert out[3, :alone[0].item() + 1].tolist() == alone[1][0, :alone[0].item() + 1].tolist()
+    # greedy only (no sampled row: no keys) and an opaque sampler
+    g = Filters.of(rows[:3])
+    accepted, _ = accept(logprobs[:3], DraftRun(drafts[:3]), SamplerArrays(), g, None)
+    assert accepted.tolist() == [0, 2, 5]
+    accepted, out = accept(logprobs, DraftRun(drafts), SamplerArrays(), g, None,
+                           sampler=lambda lp: mx.argmax(lp, axis=-1))
+    assert accepted.tolist() == [0, 2, 5, 3] and mx.array_equal(out, mx.array(best)).item()
+
+
+@pytest.mark.parametrize("cfg", ["rep", "top_p"])
+def test_point_drafts_through_the_decoder_are_one_hot_q_bitwise(models, cfg):
+    """Through the decode loop: a drafter reporting point drafts (q None)
+    emits, seeded, the tokens and log-probs of the same drafter claiming
+    the one-hot q, over accepts and rejections (depth 3)."""
+    model = models[0]
+    ref = [t for t, _, _ in generate_tokens(mx.array(PROMPT), model, max_tokens=24,
+                                            draft_tokens=0, logits_processors=processors(cfg))]
+    runs = []
+    for point in (False, True):
+        stats = MTPStats()
+        runs.append([(t, np.array(row).tobytes()) for t, row, _ in generate_tokens(
+            mx.array(PROMPT), model, max_tokens=24, draft_tokens=3, sampler=sampler(cfg),
+            logits_processors=processors(cfg), seed=3, stats=stats,
+            drafter=OracleDrafter(ref, 0.6, V, seed=1, point=point))])
+        assert 0 < stats.accepted < stats.drafted
+    assert runs[0] == runs[1]
+
+
 # -- end to end through the decoder ---------------------------------------------
 def _first_tokens(model, cfg, k, n_tokens, seed, oracle=None, draft_temp=None):
     return [t for t, _, _ in generate_tokens(
@@ -424,6 +588,15 @@ def decoder_samples(model, cfg, k, n, oracle=None, seed0=1 << 20, stats=None, n_
     return out
 
 
+def _context_drafter():
+    """Context runs over the prompt and output from 1-grams (the first 3
+    tokens rarely repeat a longer suffix), often proposing tokens outside S
+    (kept with probability 0) and runs of tokens of S (kept or not)."""
+    from mlx_mtp.context_draft import ContextDrafter
+
+    return ContextDrafter(PROMPT + S[:3] + PROMPT + S[3:], sizes=(2, 1))
+
+
 def _q_drafter(trunk_logits, cfg, mix, seed):
     p, _ = exact_tables(trunk_logits, cfg)
     q = _draft_table(p, mix=mix, seed=seed)
@@ -436,12 +609,14 @@ def _q_drafter(trunk_logits, cfg, mix, seed):
 # the whole decoder; each sampler setting (penalties included) is proven on
 # the kernel at 2·10⁴ samples above, the rest here in the slow tier
 E2E_CASES = [slow("rep", 2, "head"), ("top_k", 3, "q"), slow("temp", 1, "q"),
-             slow("min_p", 2, "head_vocab"), slow("xtc", 2, "head")]
+             slow("min_p", 2, "head_vocab"), slow("xtc", 2, "head"),
+             *[slow(c, 3, "context") for c in ("temp", "top_p", "top_k", "min_p", "rep")]]
 DRAFT_VOCAB = sorted(set(range(50)) | set(S[:3]))  # q = 0 on S[3:]: only the residual emits them
 if SLOW:  # every setting at every depth
     E2E_CASES = [(c, k, "head" if k < 3 or c == "xtc" else "q") for c in CONFIGS
                  for k in (1, 2, 3)]
     E2E_CASES += [("min_p", 2, "head_vocab")]
+    E2E_CASES += [(c, 3, "context") for c in ("temp", "top_p", "top_k", "min_p", "rep")]
 
 
 @pytest.mark.parametrize("cfg,k,mode", E2E_CASES)
@@ -454,7 +629,8 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     model = models[0]
     n = 10000 if SLOW else 800  # (~20 s at 800: each sample is a whole generation)
     _, joint = exact_tables(trunk_logits, cfg)
-    oracle = _q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else None
+    oracle = (_q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else
+              _context_drafter() if mode == "context" else None)
     vocab = mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None
     stats = MTPStats()
     samples = decoder_samples(model, cfg, k, n, oracle=oracle, stats=stats, draft_vocab=vocab)
@@ -462,13 +638,13 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     print(f"end-to-end {cfg} depth {k} {mode}: n={n} chi2 p={pvalue:.4f} "
           f"acceptance={stats.acceptance}")
     assert pvalue > ALPHA
-    if mode == "q":
+    if mode in ("q", "context"):
         assert 0 < stats.accepted < stats.drafted  # both paths exercised
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("k,mode", [(1, "head"), (3, "head"), (2, "head_greedy"), (2, "oracle"),
-                                    (3, "q"), ("auto", "q"), (3, "head_vocab")])
+                                    (3, "q"), ("auto", "q"), (3, "head_vocab"), (4, "context")])
 def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
     """Every emitted token's log-prob row (what plain decoding would sample
     from, processors applied with that position's history) equals mlx_lm's
@@ -483,6 +659,8 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
         oracle = OracleDrafter(ref, 0.6, V, seed=2)
     elif mode == "q":
         oracle = _q_drafter(trunk_logits, cfg, 0.2, 4)
+    elif mode == "context":  # copied runs (point drafts), the head's drafts elsewhere
+        oracle = _context_drafter()
     stats = MTPStats()
     got = list(generate_tokens(
         mx.array(PROMPT), model, max_tokens=20, draft_tokens=k,
@@ -505,6 +683,8 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
         assert keep[t]  # never a token outside the support
     if mode == "q" and k != "auto":  # (auto's depths follow timings: not a fixed mix)
         assert 0 < stats.accepted < stats.drafted
+    if mode == "context":
+        assert oracle.runs > 0
 
 
 def test_seed_reproducible(models):

@@ -20,13 +20,15 @@ class OracleDrafter:
     output), each draft right with probability `accept_rate` and otherwise
     deliberately wrong: a device-side table lookup at the state's emitted
     count, so pipelined and compiled cycles can use it. The head still runs
-    its chain; with sampling, q is claimed one-hot."""
+    its chain; with sampling, q is claimed one-hot, or with `point` the
+    drafts are reported as point drafts (q None: the same q, not materialised)."""
 
     host_side = False
     replaces_head = False
 
     def __init__(self, sequence: List[int], accept_rate: float = 1.0, vocab_size: int = 2,
-                 seed: int = 0, margin: int = 64):
+                 seed: int = 0, margin: int = 64, point: bool = False):
+        self.point = point
         rng = random.Random(seed)
         table = []
         for j in range(len(sequence) + margin):
@@ -39,7 +41,7 @@ class OracleDrafter:
         return [self.table]
 
     def graph_key(self):
-        return ("oracle",)
+        return ("oracle", self.point)
 
     def propose(self, arrays, state, k, head_drafts, head_q):
         """Drafts for emitted positions emitted .. emitted+k-1 (index 0 is the
@@ -47,7 +49,7 @@ class OracleDrafter:
         (table,) = arrays
         idx = mx.minimum(state.emitted[:, None] + mx.arange(k, dtype=mx.int32), table.size - 1)
         drafts = mx.take(table, idx)
-        return drafts, _one_hot(drafts, head_q)
+        return drafts, None if self.point else _one_hot(drafts, head_q)
 
 
 def _one_hot(drafts: mx.array, head_q: Optional[mx.array]) -> Optional[mx.array]:
