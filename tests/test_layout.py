@@ -430,7 +430,7 @@ def test_the_host_read_detector_sees_every_kind_of_read():
              lambda x: int(x[0]), lambda x: float(x[0]), lambda x: operator.index(x[0]),
              lambda x: [0, 1, 2][x[0]], branch]
     for kind in kinds:
-        def reads(x):
+        def reads(x, kind=kind):
             kind(x)
             mx.add(x, x)
         with host_reads() as codes:
