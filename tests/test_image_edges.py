@@ -182,7 +182,9 @@ PNG_152 = _png(np.zeros((4, 4, 3), np.uint8))
 class SlowImages(http.server.BaseHTTPRequestHandler):
     """/trickle: a small PNG one byte every 0.25 s; /endless: bytes without
     end, fast; /drip: a byte every 0.05 s without end; /silent: no answer at
-    all. Each handler notes when it ended (its client gone)."""
+    all; /png: the PNG at once; /moved: a 302 to /png; /to-ftp: a 302 to an
+    ftp: URL on this machine's port 1 (nothing listens). Each handler notes
+    when it ended (its client gone)."""
 
     protocol_version = "HTTP/1.0"
     ended: dict = {}
@@ -194,6 +196,19 @@ class SlowImages(http.server.BaseHTTPRequestHandler):
         try:
             if self.path == "/silent":
                 time.sleep(30)
+                return
+            if self.path in ("/moved", "/to-ftp"):
+                self.send_response(302)
+                self.send_header("Location", "/png" if self.path == "/moved"
+                                 else "ftp://127.0.0.1:1/x")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if self.path == "/png":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(PNG_152)))
+                self.end_headers()
+                self.wfile.write(PNG_152)
                 return
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
@@ -267,6 +282,75 @@ def test_a_fetch_within_its_limits_is_read_whole(slow_server, tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def _fetch_one(reader, url):
+    return reader.openai([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}]}])
+
+
+def _live_timers() -> list:
+    return [t for t in threading.enumerate()
+            if isinstance(t, threading.Timer) and not t.finished.is_set()]
+
+
+@pytest.mark.parametrize("url", ["http://[::1/a.png", "https://[zz]/a.png", "http://[::1"])
+def test_a_malformed_image_url_is_a_400_naming_its_part(url):
+    """A URL urllib cannot parse (an IPv6 host unclosed or not an address):
+    the usual one-line 400 naming the part, and no deadline timer left
+    running."""
+    reader = ImageReader(ImageLimits(timeout=60.0), PLACEHOLDER)
+    before = _live_timers()
+    with pytest.raises(ApiError) as e:
+        _fetch_one(reader, url)
+    assert e.value.status == 400, str(e.value)
+    assert str(e.value).startswith("messages.0.content.0: fetching the image failed: ")
+    assert "\n" not in str(e.value)
+    assert _live_timers() == before
+
+
+def test_a_redirect_is_followed_to_http_only(slow_server):
+    """A 302 to another http URL is followed (the image is read); one to an
+    ftp: URL (which urllib's default opener follows, outside the deadline)
+    is refused in one line without connecting anywhere else."""
+    reader = ImageReader(ImageLimits(timeout=5.0), PLACEHOLDER)
+    [image] = _fetch_one(reader, slow_server + "/moved")
+    assert image.digest == vision.decode_image(PNG_152).digest
+    with pytest.raises(ApiError) as e:
+        _fetch_one(reader, slow_server + "/to-ftp")
+    assert e.value.status == 400
+    assert str(e.value) == ("messages.0.content.0: fetching the image failed: HTTP 302 "
+                            "redirects to a ftp: URL (images are fetched over http:// and "
+                            "https:// only)"), str(e.value)
+
+
+def test_the_deadline_is_done_before_the_response_closes(slow_server, monkeypatch):
+    """The fetch's deadline is cancelled before its response (and so its
+    socket's descriptor) is closed, and a timer firing after cancel() shuts
+    nothing: a descriptor closed and reused meanwhile is never shut down."""
+    import http.client
+    import socket
+
+    from mlx_mtp.server import images
+
+    events = []
+    cancel, close = images._Deadline.cancel, http.client.HTTPResponse.close
+    monkeypatch.setattr(images._Deadline, "cancel",
+                        lambda self: (events.append("cancel"), cancel(self))[1])
+    monkeypatch.setattr(http.client.HTTPResponse, "close",
+                        lambda self: (events.append("close"), close(self))[1])
+    _fetch_one(ImageReader(ImageLimits(timeout=5.0), PLACEHOLDER), slow_server + "/png")
+    assert "close" in events and events.index("cancel") < events.index("close"), events
+    monkeypatch.undo()
+
+    deadline = images._Deadline(60.0)
+    a, b = socket.socketpair()
+    with a, b:
+        deadline.watch(a)
+        deadline.cancel()
+        deadline._expire()  # (the timer, had it fired just then)
+        a.sendall(b"x")
+        assert b.recv(1) == b"x" and not deadline.expired
 
 
 # ------------------------------------------------- a generator left open

@@ -319,32 +319,54 @@ ENGINE = ("mlx_mtp/batch.py", "mlx_mtp/cycle.py", "mlx_mtp/rows.py", "mlx_mtp/st
 @contextmanager
 def host_reads():
     """Records where arrays move to the host while it is open: the code
-    objects calling `np.array` / `np.asarray` (of anything: the engine's
-    files convert only device arrays), or an MLX array's `.tolist()` /
-    `.item()` (nanobind methods, which a profiler does not see: wrapped)."""
+    objects calling numpy's converters (`np.array`, `np.asarray`,
+    `np.asanyarray`, what `np.stack` calls, `np.ascontiguousarray`: of
+    anything, the engine's files convert only device arrays), `np.concatenate`
+    of an MLX array (it converts in C, unseen by a profiler: wrapped), or an
+    MLX array's `.tolist()` / `.item()` or implicit reads (`bool(x)`, `int(x)`,
+    `float(x)`, `__index__`: nanobind methods, which a profiler does not see:
+    wrapped). A read made inside numpy is the caller's, outside numpy."""
     import mlx.core as mx
     import numpy as np
 
+    numpy_dir = str(Path(np.__file__).parent)
+    converters = (np.array, np.asarray, np.asanyarray, np.ascontiguousarray)
     codes = []
-    methods = {name: getattr(mx.array, name) for name in ("tolist", "item")}
 
-    def wrapped(name, method):
+    def note(frame):
+        while frame is not None and frame.f_code.co_filename.startswith(numpy_dir):
+            frame = frame.f_back
+        codes.append(frame.f_code)
+
+    methods = {name: getattr(mx.array, name)
+               for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")}
+
+    def wrapped(method):
         def read(self, *a, **k):
-            codes.append(sys._getframe(1).f_code)
+            note(sys._getframe(1))
             return method(self, *a, **k)
         return read
 
+    concatenate = np.concatenate
+
+    def concatenate_read(arrays, *a, **k):
+        if any(isinstance(x, mx.array) for x in arrays):
+            note(sys._getframe(1))
+        return concatenate(arrays, *a, **k)
+
     def record(frame, event, arg):
-        if event == "c_call" and (arg is np.array or arg is np.asarray):
-            codes.append(frame.f_code)
+        if event == "c_call" and any(arg is c for c in converters):
+            note(frame)
 
     for name, method in methods.items():
-        setattr(mx.array, name, wrapped(name, method))
+        setattr(mx.array, name, wrapped(method))
+    np.concatenate = concatenate_read
     sys.setprofile(record)
     try:
         yield codes
     finally:
         sys.setprofile(None)
+        np.concatenate = concatenate
         for name, method in methods.items():
             setattr(mx.array, name, method)
 
@@ -391,14 +413,35 @@ def test_only_the_batch_reads_the_device(monkeypatch):
 
 def test_the_host_read_detector_sees_every_kind_of_read():
     """`host_reads` sees each way a device array reaches the host (in the
-    function that asks), and not a device-side call."""
+    function that asks, also through numpy's own functions), and not a
+    device-side call nor numpy work on host arrays."""
+    import operator
+
     import mlx.core as mx
     import numpy as np
 
-    def reads(x):
-        np.array(x), np.asarray(x), x.tolist(), x[0].item(), mx.add(x, x)
+    def branch(x):
+        if x[0]:
+            return 1
+
+    kinds = [np.array, np.asarray, np.asanyarray, np.ascontiguousarray,
+             lambda x: np.stack([x, x]), lambda x: np.concatenate([x, x]),
+             lambda x: x.tolist(), lambda x: x[0].item(), lambda x: bool(x[0]),
+             lambda x: int(x[0]), lambda x: float(x[0]), lambda x: operator.index(x[0]),
+             lambda x: [0, 1, 2][x[0]], branch]
+    for kind in kinds:
+        def reads(x, kind=kind):
+            kind(x)
+            mx.add(x, x)
+        with host_reads() as codes:
+            reads(mx.array([1, 2]))
+        asks = getattr(kind, "__code__", reads.__code__)  # (a numpy function: its caller)
+        assert codes and set(codes) == {asks}, (kind, [c.co_name for c in codes])
 
     with host_reads() as codes:
-        reads(mx.array([1, 2]))
-    assert [c.co_name for c in codes] == ["reads"] * 4, codes
-    assert mx.array([3]).item() == 3 and mx.array([3]).tolist() == [3]  # (restored)
+        y = np.arange(2)
+        np.concatenate([y, y]), np.add(y, y), mx.add(mx.array(1), 1)
+    assert codes == []
+    x = mx.array(3)  # (restored)
+    assert x.item() == 3 and x.tolist() == 3 and int(x) == 3 and bool(x) and float(x) == 3
+    assert operator.index(x) == 3 and np.concatenate([x[None], x[None]]).tolist() == [3, 3]

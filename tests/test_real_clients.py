@@ -13,6 +13,7 @@ MLX's bundled BLAS."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ CODEX = "@openai/codex@0.171.0"
 AIDER = "aider-chat==0.86.2"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 RUN_TIMEOUT = 900  # seconds a client may take (a cold 17K-token prefill included)
+NODE_MIN = 18  # the oldest Node.js major Claude Code runs on (.ci/run warns below it)
 
 
 def in_ci() -> bool:
@@ -55,16 +57,36 @@ def install(argv, timeout):
                     f"({e.__class__.__name__}):\n{(e.stderr or '')[-3000:]}", pytrace=False)
 
 
+def unavailable(why: str):
+    """A client that cannot be installed or run: skip, but fail under CI."""
+    if in_ci():
+        pytest.fail(f"{why} (CI=true: the real clients must run)", pytrace=False)
+    pytest.skip(why)
+
+
+def check_node():
+    """npm, and a Node.js of at least NODE_MIN (Debian's nodejs may be
+    older): otherwise one line naming what is missing or the version."""
+    if shutil.which("npm") is None:
+        unavailable("npm is not installed (Node.js): the npm clients cannot be installed "
+                    "(.ci/run installs it)")
+    try:
+        version = subprocess.run(["node", "--version"], capture_output=True, text=True,
+                                 timeout=30, check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        unavailable(f"node does not run ({e.__class__.__name__}): the npm clients need Node.js")
+    major = re.match(r"v?(\d+)\.", version)
+    if major is None or int(major.group(1)) < NODE_MIN:
+        unavailable(f"Node.js {version or '(no version)'} is older than {NODE_MIN}, which "
+                    f"Claude Code needs: install Node.js {NODE_MIN} or newer")
+
+
 @pytest.fixture(scope="module")
 def tools(tmp_path_factory):
     """The clients, installed: (claude, codex, aider) executables. Without
-    npm (Node.js) they skip, but under CI they fail: CI is never green
-    without running them (.ci/run installs Node.js and npm)."""
-    if shutil.which("npm") is None:
-        why = "npm is not installed (Node.js): the npm clients cannot be installed"
-        if in_ci():
-            pytest.fail(f"{why} (CI=true: .ci/run installs it)", pytrace=False)
-        pytest.skip(why)
+    npm or with a Node.js too old they skip, but under CI they fail: CI is
+    never green without running them (.ci/run installs Node.js and npm)."""
+    check_node()
     root = tmp_path_factory.mktemp("clients")
     install(["npm", "install", "--no-audit", "--no-fund", "--prefix", root, CLAUDE_CODE, CODEX],
             600)
@@ -73,6 +95,30 @@ def tools(tmp_path_factory):
     install([venv / "bin" / "pip", "install", "-q", AIDER], 900)
     bin_ = root / "node_modules" / ".bin"
     return bin_ / "claude", bin_ / "codex", venv / "bin" / "aider"
+
+
+@pytest.mark.parametrize("version,ci,outcome", [
+    ("v12.22.12", "true", pytest.fail.Exception), ("v12.22.12", "", pytest.skip.Exception),
+    ("v17.9.1", "1", pytest.fail.Exception), ("v18.19.0", "true", None),
+    ("v20.20.2", "", None)])
+def test_node_too_old_fails_under_ci_and_skips_elsewhere(tmp_path, monkeypatch, version, ci,
+                                                          outcome):
+    """check_node against a stand-in `node` (and `npm`) printing `version`:
+    below NODE_MIN one line naming it, a failure under CI, else a skip."""
+    for name, text in (("node", version), ("npm", "10.0.0")):
+        exe = tmp_path / name
+        exe.write_text(f"#!/bin/sh\necho {text}\n")
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CI", ci)
+    if outcome is None:
+        check_node()
+        return
+    with pytest.raises(outcome) as e:
+        check_node()
+    assert str(e.value).startswith(f"Node.js {version} is older than {NODE_MIN}, which "
+                                   "Claude Code needs"), str(e.value)
+    assert "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")

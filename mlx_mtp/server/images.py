@@ -26,6 +26,7 @@ import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -142,38 +143,51 @@ class ImageReader:
         """An http(s) image of at most max_bytes, fetched (connection, TLS,
         headers, redirects and every byte) within one deadline: both limits
         hold while reading, so a URL that trickles or never ends holds the
-        handler's thread no longer than --image-timeout."""
+        handler's thread no longer than --image-timeout. Only http(s) is
+        fetched, redirects included. Not bounded: resolving a host name
+        (getaddrinfo, the system resolver's own timeouts), before each
+        connection."""
         limits = self.limits
-        deadline = _Deadline(limits.timeout)
-        opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
-        request = urllib.request.Request(url, headers={"User-Agent": "mlx_mtp"})
+        deadline = None
         try:
-            with opener.open(request, timeout=limits.timeout) as r:
-                length = r.headers.get("Content-Length")
-                if length is not None and length.isdigit() and int(length) > limits.max_bytes:
-                    raise self._too_large(at)
-                data, got = [], 0
-                while True:
-                    chunk = r.read1(FETCH_CHUNK)  # (what one read gives: the deadline's
-                    if not chunk:  # shutdown ends a read that waits)
-                        break
-                    got += len(chunk)
-                    if got > limits.max_bytes:
-                        raise self._too_large(at)
-                    data.append(chunk)
+            request = urllib.request.Request(url, headers={"User-Agent": "mlx_mtp"})
+            deadline = _Deadline(limits.timeout)
+            with _opener(deadline).open(request, timeout=limits.timeout) as r:
+                try:
+                    data = self._read(r, at)
+                finally:  # (before the response closes its descriptor: see _Deadline)
+                    deadline.cancel()
                 if deadline.expired:  # (cut off: what came is not the image)
                     raise TimeoutError
         except urllib.error.HTTPError as e:
             raise ApiError(400, f"{at}: fetching the image failed: HTTP {e.code}",
                            param=at) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
-            if deadline.expired or isinstance(getattr(e, "reason", e), TimeoutError):
+            if deadline is not None and (deadline.expired or
+                                         isinstance(getattr(e, "reason", e), TimeoutError)):
                 raise ApiError(400, f"{at}: fetching the image took more than "
                                     f"{limits.timeout:g} s (--image-timeout)", param=at) from None
             why = getattr(e, "reason", None) or e
             raise ApiError(400, f"{at}: fetching the image failed: {why}", param=at) from None
         finally:
-            deadline.cancel()
+            if deadline is not None:
+                deadline.cancel()
+        return data
+
+    def _read(self, r, at: str) -> bytes:
+        """A response's body, refused as soon as it passes max_bytes."""
+        length = r.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_bytes:
+            raise self._too_large(at)
+        data, got = [], 0
+        while True:
+            chunk = r.read1(FETCH_CHUNK)  # (what one read gives: the deadline's
+            if not chunk:  # shutdown ends a read that waits)
+                break
+            got += len(chunk)
+            if got > self.limits.max_bytes:
+                raise self._too_large(at)
+            data.append(chunk)
         return b"".join(data)
 
     def _too_large(self, at: str) -> ApiError:
@@ -215,6 +229,7 @@ class _Deadline:
     def __init__(self, seconds: float):
         self.end = time.monotonic() + seconds
         self.expired = False
+        self._done = False
         self._sockets: list = []
         self._lock = threading.Lock()
         self._timer = threading.Timer(seconds, self._expire)
@@ -226,19 +241,28 @@ class _Deadline:
 
     def watch(self, sock: Optional[socket.socket]):
         with self._lock:
-            if not self.expired:
+            if not (self.expired or self._done):
                 self._sockets.append(sock)
                 return
-        _shut(sock)
-
-    def _expire(self):
-        with self._lock:
-            self.expired = True
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
             _shut(sock)
 
+    def _expire(self):
+        # (sockets shut under the lock: once cancel() has returned, none is
+        # touched, so a descriptor closed and reused after it is safe)
+        with self._lock:
+            if self._done:
+                return
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+            self._sockets = []
+
     def cancel(self):
+        """Done with the fetch (call it before the response is closed): the
+        timer, should it fire now, shuts nothing and `expired` stays."""
+        with self._lock:
+            self._done = True
+            self._sockets = []
         self._timer.cancel()
 
 
@@ -296,6 +320,31 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
     def https_open(self, req):
         return self.do_open(functools.partial(_WatchedHTTPS, deadline=self.deadline), req,
                             context=self.context)
+
+
+def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
+    """urllib's opener for http(s) alone, under `deadline`: build_opener's
+    would also open ftp:, file: and data: URLs, a redirect's included (an
+    ftp: one outside the deadline)."""
+    opener = urllib.request.OpenerDirector()
+    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(),
+                    _HTTPHandler(deadline), _HTTPSHandler(deadline),
+                    urllib.request.HTTPDefaultErrorHandler(), _HTTPRedirects(),
+                    urllib.request.HTTPErrorProcessor()):
+        opener.add_handler(handler)
+    return opener
+
+
+class _HTTPRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows redirects to http(s) URLs only (urllib's also goes to ftp:)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
+        if scheme not in ("http", "https"):
+            fp.close()
+            raise urllib.error.URLError(f"HTTP {code} redirects to a {scheme}: URL (images are "
+                                        "fetched over http:// and https:// only)")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def reader_for(model, tokenizer, limits: ImageLimits) -> ImageReader:
