@@ -62,7 +62,8 @@ from mlx_lm.models.cache import _BaseCache as BaseCache  # noqa: F401
 # LRUPromptCache(max_size, max_bytes): fetch_nearest_cache(key, tokens) ->
 # (cache copy or None, tokens left); insert_cache(key, tokens, cache, cache_type=)
 # (the entry holds the list given; evicted: let go); trim_to(n_bytes=) drops
-# the least recently used entries down to n_bytes; nbytes: the entries' bytes
+# the least recently used entries down to n_bytes; nbytes: the entries' bytes;
+# max_bytes: the byte cap it was made with (read, as the cap reserve() counts against)
 from mlx_lm.models.cache import LRUPromptCache  # noqa: F401
 # save_prompt_cache(file, cache, metadata) / load_prompt_cache(file): a prompt
 # cache as safetensors, each object rebuilt from its class name and `state`
@@ -223,7 +224,8 @@ RELIED_ON: List[Need] = [
     Need("mlx_lm.models.base:create_attention_mask", ("h", "cache")),
     Need("mlx_lm.models.base:gather_last_axis", ("x", "group")),
     Need("mlx_lm.models.cache:_BaseCache"),
-    Need("mlx_lm.models.cache:LRUPromptCache", ("max_size", "max_bytes")),
+    Need("mlx_lm.models.cache:LRUPromptCache", ("max_size", "max_bytes"), sets=("max_bytes",),
+         why="server/prompt_store.py's `reserve` and lane.py's `_bound` read the byte cap"),
     Need("mlx_lm.models.cache:LRUPromptCache.fetch_nearest_cache", ("self", "model", "tokens")),
     Need("mlx_lm.models.cache:LRUPromptCache.insert_cache",
          ("self", "model", "tokens", "prompt_cache", "cache_type")),

@@ -11,6 +11,7 @@ import pytest
 from mlx_mtp.loader import demo_model_path
 from mlx_mtp.mlx_lm_compat import CompletionRequest
 from mlx_mtp.server.generation import ONCE_PER_PROCESS, MTPResponseGenerator
+from mlx_mtp.server.prompt_store import cache_bytes
 from serving import LONG_PROMPT
 
 TOOLS_WARNING = "Received tools but model does not support tool calling"
@@ -102,54 +103,103 @@ def test_n_choices_prefill_their_prompt_once_each_a_lone_answer(generator, monke
         assert len({tuple(t) for t in lone}) == 3  # (the choices are not one another's)
 
 
-def test_next_turns_count_against_the_prompt_cache_bytes(generator, monkeypatch):
+def _conversation(gen, i: int):
+    """A one-message chat of its own (`i`), answered (3 tokens)."""
+    request = CompletionRequest("chat", "", [{"role": "user", "content": f"def f{i}(x):"}],
+                                None, None)
+    list(gen.generate(request, _args(max_tokens=3))[1])
+
+
+def _settled(gen):
+    """Once the finished chats' next turns are prefilled in idle time."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while gen.lane is not None and gen.lane.idle_work:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def capped(generator, monkeypatch):
+    """The generator's prefix cache emptied, its byte cap set by the test
+    (put back after); next-turn prefixes prefilled 2 tokens a chunk, so
+    each is reserved beside the entries for a while before it is stored."""
+    from mlx_mtp.server.lane import _Lane
+
+    store = generator.prompt_cache
+    monkeypatch.setattr(_Lane, "_chunk", lambda self: 2)  # (a prefix here: ~7 tokens to go)
+    saved = store.max_bytes
+    _settled(generator)
+    store.trim_to(n_sequences=0)  # (the other tests' entries; the thread is idle)
+    try:
+        yield store
+    finally:
+        store.max_bytes = saved
+
+
+def test_a_stored_next_turn_prefix_evicts_only_what_it_needs(generator, capped, monkeypatch):
+    """A next turn's prefix is reserved beside the prefix cache's entries
+    while it is prefilled, and no longer once it is stored: the entry made of
+    it counts once (counted twice, it evicted one entry too many). With a cap
+    that holds two conversations' entries exactly (each its answer's state
+    and its next turn's prefix), all four are there once the second is
+    settled."""
+    store, reserved = capped, []
+    real = type(store).reserve
+    monkeypatch.setattr(store, "reserve", lambda n: (reserved.append(n), real(store, n))[1])
+
+    def two_conversations():  # -> (entries, bytes) once both are settled
+        store.trim_to(n_sequences=0)
+        for i in range(2):
+            _conversation(generator, i)
+            _settled(generator)
+        return len(store), store.nbytes
+
+    held = two_conversations()  # (uncapped)
+    store.max_bytes = held[1]
+    capped_held = two_conversations()
+    assert max(reserved) > 0  # (each prefix was reserved before it was stored)
+    assert held[0] == 4 and capped_held == held, (capped_held, held)
+
+
+def test_next_turns_count_against_the_prompt_cache_bytes(generator, capped, monkeypatch):
     """The caches the finished chats' next turns hold (their answers' states,
     a prefix being prefilled) count against --prompt-cache-bytes with the
     prefix cache's entries: with a cap that holds two conversations' caches,
     20 conversations sent back to back (their next turns pile up, up to
     NEXT_TURNS_HELD) never hold more, after any step of the generation
-    thread, nor once their idle work is done."""
-    import time
-
+    thread, nor once their idle work is done; and the cache is not kept
+    below its cap by holding less: once settled, the last conversation's
+    next-turn prefix is an entry, and the entries fill the cap up to less
+    than one such prefix."""
     from mlx_mtp.server.lane import _Lane
 
-    store = generator.prompt_cache
+    store = capped
+    _conversation(generator, 0)
+    _settled(generator)
+    cap = 2 * generator.held_bytes()  # (its answer's state and its next turn's prefix)
+    store.max_bytes = cap
+    seen, turns, stored = [], [], []
+    real, store_real = _Lane._bound, generator.store
 
-    def conversation(i):
-        request = CompletionRequest("chat", "", [{"role": "user", "content": f"def f{i}(x):"}],
-                                    None, None)
-        list(generator.generate(request, _args(max_tokens=3))[1])
-
-    def settled():  # (the next turns prefilled in idle time)
-        deadline = time.monotonic() + 60
-        while generator.lane.idle_work:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-
-    saved = store.max_bytes
-    try:
-        store.trim_to(n_sequences=0)  # (the other tests' entries; the thread is idle)
-        conversation(0)
-        settled()
-        cap = 2 * generator.held_bytes()  # (its answer's state and its next turn's prefix)
-        store.max_bytes = cap
-        seen, turns = [], []
-        real = _Lane._bound
-
-        def bound(self):
-            real(self)
-            seen.append(generator.held_bytes())
-            turns.append(len(self.next_turns))
-
-        monkeypatch.setattr(_Lane, "_bound", bound)
-        for i in range(1, 21):
-            conversation(i)
-        settled()
+    def bound(self):
+        real(self)
         seen.append(generator.held_bytes())
-        assert max(turns) > 2  # (more chats waiting than the cap holds)
-        assert max(seen) <= cap, (max(seen), cap)
-    finally:
-        store.max_bytes = saved
+        turns.append(len(self.next_turns))
+
+    monkeypatch.setattr(_Lane, "_bound", bound)
+    monkeypatch.setattr(generator, "store", lambda tokens, cache, *a, **k: (
+        stored.append((list(tokens), cache)), store_real(tokens, cache, *a, **k))[1])
+    for i in range(1, 21):
+        _conversation(generator, i)
+    _settled(generator)
+    seen.append(generator.held_bytes())
+    assert max(turns) > 2  # (more chats waiting than the cap holds)
+    assert max(seen) <= cap, (max(seen), cap)
+    prefix, cache = stored[-1]  # (the last conversation's next turn)
+    assert generator.fetch(prefix)[1] == len(prefix)
+    assert store.nbytes > cap - cache_bytes(cache), (store.nbytes, cap, cache_bytes(cache))
 
 
 def test_a_request_arriving_during_a_next_turn_render_waits_for_that_render_only(

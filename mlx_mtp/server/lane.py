@@ -517,7 +517,7 @@ class _Lane:
             self._measured(len(piece), took)
             turn.done += len(piece)
             if turn.done == len(turn.tokens):
-                gen.store(turn.tokens, turn.cache, persist=True)
+                gen.store(turn.tokens, self._unreserved(turn), persist=True)
                 logging.info("a chat's next turn: its prefix of %d tokens is prefilled and stored",
                              turn.done)
                 self._done(turn)
@@ -537,9 +537,17 @@ class _Lane:
             return
         logging.debug("next turn: paused at %d of %d tokens for its request", turn.done,
                       len(turn.tokens))
+        cache = self._unreserved(turn)
         if turn.done:
-            self.gen.store(turn.tokens[:turn.done], turn.cache)
-        turn.cache = None
+            self.gen.store(turn.tokens[:turn.done], cache)
+
+    def _unreserved(self, turn: _NextTurn) -> list:
+        """The turn's prefix cache, taken off it and no longer reserved in
+        the prefix cache, so that an entry made of it is counted once (not
+        also as bytes beside the entries, which would evict one more)."""
+        cache, turn.cache = turn.cache, None
+        self._bound()
+        return cache
 
     def _chunk(self) -> int:
         """Tokens in the next idle chunk: about --idle-chunk-ms of prefill at
@@ -578,37 +586,46 @@ class _Lane:
         used entries leave for it; one larger than the whole cap is not
         prefilled), and an answer's state held for its chat is held only
         while it is an entry too (counted once): one the cache let go goes
-        to disk (if there is one) and is let go here too."""
+        to disk (if there is one) and is let go here too. After it, what
+        `held_bytes` counts is what the cache reserves."""
         store = self.gen.prompt_cache
-        while True:
-            prefilling = [t for t in self.next_turns if t.cache is not None]
-            outside = sum(cache_bytes(t.cache) for t in prefilling)
-            if outside <= store.max_bytes or self.gen.sharded:  # (sharded: the ranks' bytes
-                break  # differ, and their idle work must not: each rank only reserves)
-            turn = prefilling[0]
+        self._let_go_answers()
+        while (outside := self.held_bytes()) > store.max_bytes and not self.gen.sharded:
+            # (sharded: the ranks' bytes differ, and their idle work must not: each only reserves)
+            turn = next(t for t in self.next_turns if t.cache is not None)
             logging.info("a chat's next turn is not prefilled: its prefix takes more than "
                          "--prompt-cache-bytes")
             turn.cache = None
             self._done(turn, persist=True)
         store.reserve(outside)
+        self._let_go_answers()  # (the entries the reservation evicted)
+
+    def _let_go_answers(self):
+        """The answers' states the prefix cache no longer holds go to disk
+        (if there is one), and their chats let go of them."""
         for turn in self.next_turns:
             state = turn.state
-            if state.cache is None or (turn.stored and store.holds(state.cache)):
+            if state.cache is None or self._is_entry(turn):
                 continue
             if turn.stored:
-                store.to_disk(state.key_tokens[:turn.stored], state.cache)
+                self.gen.prompt_cache.to_disk(state.key_tokens[:turn.stored], state.cache)
             state.cache, turn.stored = None, 0
 
+    def _is_entry(self, turn: _NextTurn) -> bool:
+        """Whether the turn's answer state is an entry of the prefix cache still."""
+        return bool(turn.stored) and self.gen.prompt_cache.holds(turn.state.cache)
+
     def held_bytes(self) -> int:
-        """Bytes of the caches the next turns hold beside the prefix cache's
-        entries (`_bound` keeps them within its cap with the entries)."""
-        store, held = self.gen.prompt_cache, 0
-        for turn in list(self.next_turns):
+        """Bytes the next turns hold beside the prefix cache's entries (what
+        counts against its cap with them, `_bound`): each prefix being
+        prefilled, and each answer's state that is not an entry."""
+        held = 0
+        for turn in list(self.next_turns):  # (list: read off the generation thread too)
             if turn.cache is not None:
                 held += cache_bytes(turn.cache)
-            cache = turn.state.cache
-            if cache is not None and not store.holds(cache):
-                held += cache_bytes(cache)
+            answer = turn.state.cache
+            if answer is not None and not self._is_entry(turn):
+                held += cache_bytes(answer)
         return held
 
     def _persist(self, turn: _NextTurn):
