@@ -180,13 +180,15 @@ def sharded_load(
     return_config: bool = False,
     *,
     tokenizer_config: Optional[Dict[str, Any]] = None,
+    ngram_tables: str = "auto",
 ):
     """mlx_lm's `sharded_load` with the MTP head: load this rank's share of
     the model (tensor parallel by default, pipeline with `pipeline_group`),
     the head replicated. Weights load lazily, so a rank reads only the
     tensors it keeps (and, from the Hub, downloads only the files with them).
     Decode it with `mlx_mtp.stream_generate` / `generate` / `generate_step`
-    on every rank."""
+    on every rank. `ngram_tables`: as `mlx_mtp.load`'s (each rank reads its
+    rows from disk)."""
     if pipeline_group is None and tensor_group is None:
         tensor_group = mx.distributed.init()
     model_path = _resolve_for(path_or_hf_repo, pipeline_group)
@@ -202,7 +204,8 @@ def sharded_load(
         start, end, share = 0, _num_layers(model_path), "tensor-parallel share"
     check_files(model_path, start, end, share)
     model, tokenizer, config = load(model_path, tokenizer_config, lazy=True, return_config=True,
-                                    strict=False, quiet=mx.distributed.init().rank() != 0)
+                                    strict=False, quiet=mx.distributed.init().rank() != 0,
+                                    ngram_tables=ngram_tables)
     if tensor_group is not None and tensor_group.size() > 1:
         if not hasattr(model, "shard"):
             raise ValueError(f"{config['model_type']} models have no tensor parallelism in "
