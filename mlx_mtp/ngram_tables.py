@@ -16,6 +16,7 @@ graphs uncompiled (`MTPModel.host_lookups`).
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -75,6 +76,16 @@ def choose(mode: str, tables: int, total: int, memory: Optional[int] = None) -> 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
+
+
+def _map(file: Path) -> np.ndarray:
+    """A file's bytes, memory-mapped read-only. Lookups read scattered rows:
+    no readahead (MADV_RANDOM), so the pages touched are about the rows read."""
+    with open(file, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        m.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(m, dtype=np.uint8)
 
 
 class _Store:
@@ -159,7 +170,7 @@ def open_tables(model, model_path: Path, headers=None, strict: bool = True) -> i
                 raise CheckpointError(f"{f}: tensor {name}: n-gram tables on disk read "
                                       f"{', '.join(_NUMPY)}, not {info['dtype']}")
             if mm is None:
-                base, mm = safetensors_data_start(f), np.memmap(f, dtype=np.uint8, mode="r")
+                base, mm = safetensors_data_start(f), _map(f)
             a, b = info["data_offsets"]
             arr = mm[base + a: base + b].view(_NUMPY[info["dtype"]]).reshape(info["shape"])
             found.setdefault(t[0], []).append((t[1], t[2], arr, info["dtype"], f, name))
