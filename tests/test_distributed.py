@@ -127,13 +127,13 @@ def test_sharded_equals_one_process(request, checkpoints, tmp_path, kind, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_sharded_tables_on_disk(checkpoints, tmp_path, mode):
-    """qwen4_exp with its n-gram tables on disk (each rank reads its rows
-    from the files: tensor parallel its block of rows, the others zeros;
-    pipeline the stage holding the PLE layer): rank 0's tokens equal one
-    process's with the tables in memory, as in the test above."""
-    _sharded_equals_one_process(checkpoints["qwen4_exp"], tmp_path, mode, False, "disk")
+def test_sharded_tables_on_disk(checkpoints, tmp_path):
+    """qwen4_exp tensor parallel with its n-gram tables on disk (each rank
+    reads its block of rows from the files, the others as zeros): rank 0's
+    tokens equal one process's with the tables in memory, as in the test
+    above. (A pipeline refuses them: the stages hung at depth 'auto', a
+    stage's host read waiting on a send the lookahead left unsent.)"""
+    _sharded_equals_one_process(checkpoints["qwen4_exp"], tmp_path, "tensor", False, "disk")
 
 
 def _sharded_equals_one_process(path, tmp_path, mode, every, ngram_tables="auto"):

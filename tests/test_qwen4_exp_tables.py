@@ -138,3 +138,31 @@ def test_auto_follows_the_machines_memory(fp32, capsys):
     assert len(said) == 1 and "in memory (auto:" in said[0], said
     with pytest.raises(ValueError, match="ngram_tables must be one of"):
         mlx_mtp.load(path, ngram_tables="ram")
+
+
+def test_pipeline_refuses_tables_on_disk(fp32):
+    """A pipeline's stages hung with the tables on disk (docs/distributed.md):
+    `sharded_load` refuses them in one line, before loading anything."""
+    from types import SimpleNamespace
+
+    from mlx_mtp.distributed import sharded_load
+
+    two = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    with pytest.raises(ValueError, match="not supported with pipeline parallelism"):
+        sharded_load(fp32[0], pipeline_group=two, ngram_tables="disk")
+
+
+def test_generate_cli_ngram_tables(fp32, capsys):
+    """`--ngram-tables disk` on the command line: the tables are read from
+    disk (the loader's line says so) and the text is the in-memory run's."""
+    from mlx_mtp.cli import main
+
+    argv = ["--model", str(fp32[0]), "--prompt", "abc", "--max-tokens", "6", "--draft-tokens", "2"]
+    texts = {}
+    for mode in ("disk", "memory"):
+        assert main(argv + ["--ngram-tables", mode]) == 0
+        out = capsys.readouterr()
+        said = [l for l in out.err.splitlines() if "n-gram tables" in l]
+        assert len(said) == 1 and (("read from disk" in said[0]) == (mode == "disk")), said
+        texts[mode] = out.out
+    assert texts["disk"] == texts["memory"] and texts["disk"].strip()
