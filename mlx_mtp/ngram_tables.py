@@ -27,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .checkpoint import CheckpointError, safetensors_data_start, safetensors_header, weight_files
+from .models.qwen4_exp import table_tensor
 
 MODES = ("auto", "disk", "memory")
 # auto: the tables stay in memory while the whole checkpoint takes at most this
@@ -49,8 +50,6 @@ def _tensors(model_path: Path, strict: bool = True):
 
 def weight_bytes(headers) -> Tuple[int, int]:
     """(bytes of the n-gram tables, bytes of all weights) from the files' headers."""
-    from .models.qwen4_exp import table_tensor
-
     tables = total = 0
     for _, header in headers:
         for name, info in header.items():
@@ -63,7 +62,7 @@ def weight_bytes(headers) -> Tuple[int, int]:
     return tables, total
 
 
-def choose(mode: str, tables: int, total: int, memory: Optional[int] = None) -> str:
+def choose(mode: str, total: int, memory: Optional[int] = None) -> str:
     """'disk' or 'memory' for `mode` ('auto': memory while the checkpoint
     takes at most MEMORY_SHARE of the machine's memory)."""
     if mode not in MODES:
@@ -75,7 +74,7 @@ def choose(mode: str, tables: int, total: int, memory: Optional[int] = None) -> 
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _map(file: Path) -> np.ndarray:
@@ -155,8 +154,6 @@ def open_tables(model, model_path: Path, headers=None, strict: bool = True) -> i
     """Replace every PLE layer's table (`RowShardedEmbedding`, not evaluated:
     a lazy load) by its rows in the files, memory-mapped. Returns the bytes
     mapped. The quantization (group size, bits, mode) is the loaded module's."""
-    from .models.qwen4_exp import table_tensor
-
     headers = _tensors(model_path, strict) if headers is None else headers
     found: Dict[int, List[tuple]] = {}
     mapped = 0
@@ -201,7 +198,8 @@ def open_tables(model, model_path: Path, headers=None, strict: bool = True) -> i
                                   f"checkpoint ({covered} of {table.total_rows} rows)")
         if not parts:
             continue
-        ngram.ngram_embedding = DiskRows(table.total_rows, _Store(list(parts.items())), dtypes, quantization)
+        ngram.ngram_embedding = DiskRows(table.total_rows, _Store(list(parts.items())), dtypes,
+                                         quantization)
     return mapped
 
 
@@ -213,13 +211,13 @@ def place_tables(model, model_path: Path, mode: str, headers, strict: bool, quie
     tables, total = weight_bytes(headers)
     if not tables:
         return ""
-    chosen = choose(mode, tables, total)
+    chosen = choose(mode, total)
     if chosen == "disk":
         open_tables(model, model_path, headers, strict)
         model.host_lookups = True
     if not quiet:
         why = f"--ngram-tables {mode}" if mode != "auto" else (
             f"auto: {_gb(total)} of weights, {_gb(machine_memory())} of memory")
-        print(f"[mlx_mtp] n-gram tables ({_gb(tables)}): {'read from disk' if chosen == 'disk' else 'in memory'} "
-              f"({why})", file=sys.stderr)
+        where = "read from disk" if chosen == "disk" else "in memory"
+        print(f"[mlx_mtp] n-gram tables ({_gb(tables)}): {where} ({why})", file=sys.stderr)
     return chosen
