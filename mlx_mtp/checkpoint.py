@@ -75,6 +75,14 @@ def safetensors_header(file: Path) -> Dict[str, Any]:
     return header
 
 
+def safetensors_data_start(file: Path) -> int:
+    """Where a safetensors file's data begins: its header's `data_offsets`
+    count from here (8 bytes of header length, then the header). safetensors
+    0.8's `safe_open` gives no offsets, so they are read from the header."""
+    with open(file, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
 WEIGHT_INDEX = "model.safetensors.index.json"
 
 

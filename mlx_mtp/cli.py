@@ -15,6 +15,7 @@ import threading
 import mlx.core as mx
 
 from . import checks, params
+from .ngram_tables import MEMORY_SHARE, MODES
 from .params import SAMPLER_DEFAULTS
 from .api import print_stats, stream_generate
 
@@ -98,6 +99,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="A folder holding the model's MTP head, drafted with instead of the "
                         "checkpoint's own (mlx-vlm's split drafter, or mtp.* safetensors with "
                         "their config). A separate draft model is refused: the head drafts")
+    p.add_argument("--ngram-tables", choices=list(MODES), default="auto",
+                   help="where a qwen4_exp model's n-gram tables stay: memory, disk "
+                        "(memory-mapped, rows read per lookup; decoding runs uncompiled) or "
+                        "auto (default: memory while the checkpoint takes at most "
+                        f"{MEMORY_SHARE * 100:.0f}%% of this machine's memory)")
     p.add_argument("--max-draft-tokens", type=flag("max_draft_tokens"),
                    default=params.DecodeOptions.max_draft_tokens,
                    help="largest depth 'auto' tries")
@@ -274,10 +280,10 @@ def _main(argv=None):
                 model, tokenizer = sharded_load(
                     model_path, pipeline_group=group if args.pipeline else None,
                     tensor_group=None if args.pipeline else group,
-                    tokenizer_config=tokenizer_config)
+                    tokenizer_config=tokenizer_config, ngram_tables=args.ngram_tables)
             else:
                 model, tokenizer = load(model_path, tokenizer_config=tokenizer_config,
-                                        draft=args.draft_model)
+                                        draft=args.draft_model, ngram_tables=args.ngram_tables)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             rank = "" if group is None else f"rank {group.rank()}: "
             print(f"error: {rank}{e}", file=sys.stderr)

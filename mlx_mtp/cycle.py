@@ -288,8 +288,9 @@ class Spec:
     @property
     def compilable(self) -> bool:
         """Processors need the host's token history, opaque samplers mx.random's
-        global state, host drafters the host: those steps run eagerly."""
-        return (not self.host_history and self.sampler is None
+        global state, host drafters and tables on disk the host: those steps
+        run eagerly."""
+        return (not self.host_history and self.sampler is None and not self.model.host_lookups
                 and not metal.backend().startswith("emu"))
 
     def graph_key(self) -> tuple:

@@ -180,17 +180,28 @@ def sharded_load(
     return_config: bool = False,
     *,
     tokenizer_config: Optional[Dict[str, Any]] = None,
+    ngram_tables: str = "auto",
 ):
     """mlx_lm's `sharded_load` with the MTP head: load this rank's share of
     the model (tensor parallel by default, pipeline with `pipeline_group`),
     the head replicated. Weights load lazily, so a rank reads only the
     tensors it keeps (and, from the Hub, downloads only the files with them).
     Decode it with `mlx_mtp.stream_generate` / `generate` / `generate_step`
-    on every rank."""
+    on every rank. `ngram_tables`: as `mlx_mtp.load`'s, tensor parallel
+    (each rank reads its block of rows from disk); a pipeline keeps them in
+    memory ('disk' is refused)."""
     if pipeline_group is None and tensor_group is None:
         tensor_group = mx.distributed.init()
     model_path = _resolve_for(path_or_hf_repo, pipeline_group)
     pipelined = pipeline_group is not None and pipeline_group.size() > 1
+    if pipelined and ngram_tables == "disk":
+        # a stage's host read of its n-gram ids waits on the previous stage's
+        # send, which the loop's lookahead may leave unsent: the ranks hang
+        # (docs/distributed.md, "qwen4_exp")
+        raise ValueError("n-gram tables on disk are not supported with pipeline parallelism "
+                         "yet: use tensor parallelism or --ngram-tables memory")
+    if pipelined:
+        ngram_tables = "memory"  # ('auto' as well, for the same reason)
     # The load is lenient (a pipeline stage has only its own files from the
     # Hub), so this rank checks that its share is all there: the files it
     # reads before, and every parameter it keeps after (a missing one would
@@ -202,7 +213,8 @@ def sharded_load(
         start, end, share = 0, _num_layers(model_path), "tensor-parallel share"
     check_files(model_path, start, end, share)
     model, tokenizer, config = load(model_path, tokenizer_config, lazy=True, return_config=True,
-                                    strict=False, quiet=mx.distributed.init().rank() != 0)
+                                    strict=False, quiet=mx.distributed.init().rank() != 0,
+                                    ngram_tables=ngram_tables)
     if tensor_group is not None and tensor_group.size() > 1:
         if not hasattr(model, "shard"):
             raise ValueError(f"{config['model_type']} models have no tensor parallelism in "

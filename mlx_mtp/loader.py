@@ -6,10 +6,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
+import mlx.core as mx
+
 from .checkpoint import (CheckpointError, read_config_file,  # noqa: F401 (CheckpointError: re-exported)
                          safetensors_header, weight_files)
 from .draft import attach_head, read_draft
 from .families import MODEL_CLASSES, family_of
+from .ngram_tables import MODES, place_tables
 from .quantized import use_shared_reads
 
 if TYPE_CHECKING:
@@ -85,6 +88,7 @@ def load(
     quiet: bool = False,
     draft: Optional[Union[str, Path]] = None,
     strict: bool = True,
+    ngram_tables: str = "auto",
 ) -> Union[Tuple["MTPModel", "TokenizerWrapper"],
            Tuple["MTPModel", "TokenizerWrapper", Dict[str, Any]]]:
     """Load model (trunk + MTP head) and tokenizer (and the config with
@@ -95,6 +99,10 @@ def load(
     (one notice on stderr). `draft`: a folder holding an MTP head for this
     trunk (mlx-vlm's split drafter, or `mtp.*` safetensors with their
     config; see mlx_mtp/draft.py), drafted with instead of the checkpoint's own.
+    `ngram_tables` ('auto', 'disk', 'memory'): where a `qwen4_exp` model's
+    n-gram tables stay (mlx_mtp/ngram_tables.py); 'auto' keeps them in memory
+    while the checkpoint fits this machine's memory comfortably. One line says
+    which was chosen.
     """
     from .mlx_lm_compat import load_model, load_tokenizer
 
@@ -102,20 +110,25 @@ def load(
     config = read_config(model_path)
     if model_config:
         config.update(model_config)
-    for f in weight_files(model_path, must_exist=strict):
-        safetensors_header(f)
+    headers = [(f, safetensors_header(f)) for f in weight_files(model_path, must_exist=strict)]
+    if ngram_tables not in MODES:
+        raise ValueError(f"ngram_tables must be one of {', '.join(MODES)}, not {ngram_tables!r}")
     check_tokenizer_files(model_path)
     head = None
     if draft is not None:
         head = read_draft(draft, config, model_path)
 
+    # lazily: n-gram tables read from disk are never evaluated (never read whole)
     model, config = load_model(
         model_path,
-        lazy=lazy,
+        lazy=True,
         strict=strict,
         model_config=model_config,
         get_model_classes=lambda config: MODEL_CLASSES[config["model_type"]],
     )
+    place_tables(model, model_path, ngram_tables, headers, strict, quiet)
+    if not lazy:
+        mx.eval(model.parameters())
     model.model_path = str(model_path)
     model.head_context = head_context(config, model_path)
     if head is not None:

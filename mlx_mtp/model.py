@@ -218,6 +218,9 @@ class MTPModel:
     head_match_keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
     # whether the trunk and head rotate by M-RoPE positions (images; set at init)
     takes_images = False
+    # a lookup reads the host (n-gram tables on disk, mlx_mtp/ngram_tables.py):
+    # the decode graphs run uncompiled
+    host_lookups = False
 
     @property
     def text_model(self) -> nn.Module:

@@ -60,7 +60,8 @@ def main():
     group = mx.distributed.init()
     plan = json.loads(open(plan_file).read())
     model, tok = sharded_load(path, pipeline_group=group if mode == "pipeline" else None,
-                              tensor_group=group if mode == "tensor" else None)
+                              tensor_group=group if mode == "tensor" else None,
+                              ngram_tables=plan.get("ngram_tables", "auto"))
     prompts, n = plan["prompts"], plan["max_tokens"]
     t0 = time.perf_counter()
     mark = lambda what: print(f"rank {group.rank()}: {what} at {time.perf_counter() - t0:.1f} s",
@@ -91,6 +92,7 @@ def main():
         turns.append([int(t) for t, _ in mlx_mtp.generate_step(
             mx.array(p), model, max_tokens=n, draft_tokens=2, prompt_cache=cache)])
     out["turns"] = turns
+    out["host_lookups"] = model.host_lookups  # (n-gram tables read from disk)
     mark("turns")
     if plan.get("mixed_turns"):
         out["mixed_turns"], head_length = mixed_turns(model, prompts, n)

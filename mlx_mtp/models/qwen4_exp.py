@@ -757,6 +757,21 @@ _TABLE = re.compile(r"^language_model\.model\.layers\.(\d+)\.ple\.ple_embedding\
                     r"(?:(\w+)\.)?(weight|scales|biases)$")
 
 
+def mlx_name(name: str) -> str:
+    """A trunk tensor's name in this file's layout (HF `model.language_model.*`
+    -> `language_model.model.*`; `lm_head` etc. under `language_model.`)."""
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name[len("model.language_model."):]
+    return name if name.startswith("language_model.") else "language_model." + name
+
+
+def table_tensor(name: str) -> Optional[tuple]:
+    """(layer, piece name or None for a joined table, leaf) of an n-gram
+    table tensor (HF or MLX name); None for any other tensor."""
+    m = _TABLE.match(mlx_name(name))
+    return None if m is None else (int(m.group(1)), m.group(2), m.group(3))
+
+
 class Model(nn.Module):
     """`qwen4_exp` text trunk (vision tower and MTP head dropped). See docs/qwen4_exp.md."""
 
@@ -820,10 +835,7 @@ class Model(nn.Module):
         for k, v in weights.items():
             if k.startswith(("vision_tower", "model.visual", "mtp.", "model.mtp.")) or k.endswith(_DERIVED):
                 continue
-            if k.startswith("model.language_model."):
-                k = "language_model.model." + k[len("model.language_model."):]
-            elif not k.startswith("language_model."):
-                k = "language_model." + k
+            k = mlx_name(k)
             m = _TABLE.match(k)
             if m:  # regrouped below, table by table
                 tables.setdefault((int(m.group(1)), m.group(3)), []).append((m.group(2), v))

@@ -19,6 +19,7 @@ import mlx.core as mx
 from .. import checks, params
 from ..loader import CheckpointError
 from ..mlx_lm_compat import parse_size, run_http_server
+from ..ngram_tables import MEMORY_SHARE, MODES
 from ..vision import ImageLimits
 from .generation import RANK_GRACE_S, MTPModelProvider, MTPResponseGenerator
 from .handler import MTPAPIHandler, _HTTPServer
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", type=str, default=None, metavar="FOLDER",
                    help="a folder holding an MTP head for a trunk without one (mlx-vlm's "
                         "split drafter, or mtp.* files with their config)")
+    p.add_argument("--ngram-tables", choices=list(MODES), default="auto",
+                   help="where a qwen4_exp model's n-gram tables stay: memory, disk "
+                        "(memory-mapped, rows read per lookup; decoding runs uncompiled) or "
+                        "auto (default: memory while the checkpoint takes at most "
+                        f"{MEMORY_SHARE * 100:.0f}%% of this machine's memory)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", type=str, default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])

@@ -91,10 +91,12 @@ class MTPModelProvider(ModelProvider):
             if self.cli_args.draft_model is not None:
                 raise ValueError("--draft-model is not supported on a sharded model")
             model, tokenizer = sharded_load(model_path, self.pipeline_group, self.tensor_group,
-                                            tokenizer_config=self._tokenizer_config)
+                                            tokenizer_config=self._tokenizer_config,
+                                            ngram_tables=self.cli_args.ngram_tables)
         else:
             model, tokenizer = load(model_path, tokenizer_config=self._tokenizer_config,
-                                    draft=self.cli_args.draft_model)
+                                    draft=self.cli_args.draft_model,
+                                    ngram_tables=self.cli_args.ngram_tables)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
