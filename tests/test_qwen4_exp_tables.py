@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from util import mtp, reference
