@@ -166,10 +166,14 @@ def test_claude_code(tools, served, tmp_path):
     """`claude -p` with its default model, json and stream-json: every
     request 2xx, every stream whole; the second session (another prompt,
     another billing line) reads >= 97% of the prefix the two share from the
-    cache (system prompt, tools, the reminder blocks before the user's text:
-    snapshots inside a message; what follows the user's text, `-p`'s
+    cache (the system prompt and tools; what follows the user's text, `-p`'s
     environment as a system message rendered in its place, cannot be a
-    shared prefix); count_tokens takes its request's body as sent."""
+    shared prefix); count_tokens takes its request's body as sent. `-p`
+    sends the user's text as one block, so this does not exercise the shared
+    head (prompt_points.opening_head is None here: the system prompt's end
+    alone meets the bound); the interactive shape, reminder blocks before
+    the user's text, is tested on a synthetic request in
+    test_server_agents.py (test_a_new_session_reads_the_reminders_...)."""
     server, url, log = served
     env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "anything",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}

@@ -394,8 +394,11 @@ def test_a_branch_point_is_on_disk_though_its_next_turn_came_at_once(tmp_path, d
         answer = greedy(s, ASK_FILE, 24)[2]
         history = ASK_FILE + [{"role": "assistant", "content": answer}]
         turn2 = greedy(s, history + [{"role": "user", "content": "And f8?"}], 8)
-        assert cached(turn2[3]) >= len(tok.apply_chat_template(ASK_FILE,
-                                                               add_generation_prompt=True)) - 1
+        # the premise: turn 2 started from turn 1's state in RAM, before the
+        # branch point (had idle time stored the next-turn prefix first, it
+        # would start there, and that prefix goes to disk on its own)
+        assert len(tok.apply_chat_template(ASK_FILE, add_generation_prompt=True)) - 1 \
+            <= cached(turn2[3]) < len(next_turn_prefix(tok, history)), (turn2[3], s.text())
     finally:
         s.close()
     assert s.code == 0
@@ -411,6 +414,41 @@ def test_a_branch_point_is_on_disk_though_its_next_turn_came_at_once(tmp_path, d
     assert ids == greedy_until_eos(model, prompt, 12, set(tok.eos_token_ids))
 
 
+def next_turn_prefix(tok, history) -> list:
+    """The server's next-turn prefix of `history` (the tokens every next
+    user message starts with), as generation.next_turn_prefix cuts it."""
+    from types import SimpleNamespace
+
+    from mlx_mtp.server.generation import MTPResponseGenerator
+    from mlx_mtp.server.lane import NEXT_TURN_TEXTS
+
+    a, b = (tok.apply_chat_template(history + [{"role": "user", "content": t}],
+                                    add_generation_prompt=True) for t in NEXT_TURN_TEXTS)
+    gen = SimpleNamespace(model_provider=SimpleNamespace(
+        marker_ids=frozenset(tok.added_tokens_decoder)))
+    return MTPResponseGenerator.next_turn_prefix(gen, a, b)
+
+
+# Qwen3's rule in a few lines: an answer keeps its reasoning only after the
+# last user query (`last_query_index`), decided on the whole conversation
+QWEN3_REASONING_TEMPLATE = (
+    "{%- set ns = namespace(multi=true, last=messages|length - 1) %}"
+    "{%- for m in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi and m.role == 'user' and not m.content.startswith('<tool_response>') %}"
+    "{%- set ns.multi = false %}{%- set ns.last = index %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{%- if loop.index0 > ns.last and m.reasoning_content %}"
+    "{{ '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{%- endif %}"
+    "{{ m.content }}{%- for c in m.tool_calls or [] %}"
+    "{{ '\n<tool_call>' + c.function.name + '</tool_call>' }}{%- endfor %}{{ '<|im_end|>\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
 def test_the_branch_point_and_the_shared_head_are_what_other_requests_share(demo_reference):
     """prompt_points on the demo's template: the branch point of a turn is a
     prefix of every other follow-up of its answer; the shared head of a first
@@ -422,11 +460,12 @@ def test_the_branch_point_and_the_shared_head_are_what_other_requests_share(demo
     _, tok = demo_reference
     markers = [t.content for t in tok.added_tokens_decoder.values()]
 
-    def points(messages, head=None):
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    def points(messages, head=None, **template):
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, **template)
         return prompt, pp.extra_points(
             lambda text: tok.encode(text, add_special_tokens=False),
-            lambda m, g: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g),
+            lambda m, g: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g,
+                                                 **template),
             markers, messages, prompt, head)
 
     history = ASK_FILE + [{"role": "assistant", "content": "It returns x + 7.\n   Done."}]
@@ -436,6 +475,22 @@ def test_the_branch_point_and_the_shared_head_are_what_other_requests_share(demo
     for ask in ("\nAnd f9?", ". f9", "f9"):
         assert tok.apply_chat_template(history + [{"role": "user", "content": ask}],
                                        add_generation_prompt=True)[:at] == prompt[:at]
+    # the one cut, after the last marker before the next message: the next-turn prefix's
+    assert prompt[:at] == next_turn_prefix(tok, history)
+    # Claude Code's shape on a Qwen3-style template: the answer's reasoning
+    # is dropped because a user message follows its tool's result
+    qwen3 = dict(chat_template=QWEN3_REASONING_TEMPLATE)
+    called = ASK_FILE + [{"role": "assistant", "content": "", "reasoning_content": "Read it.",
+                          "tool_calls": [{"function": {"name": "Read", "arguments": "{}"}}]}]
+    after = [{"role": "tool", "content": FILE},
+             {"role": "user", "content": "<system-reminder>\nThe date changed.</system-reminder>"}]
+    prompt, found = points(called + after, **qwen3)
+    (at, kind), = found.items()
+    assert kind == "branch" and at > len(tok.apply_chat_template(ASK_FILE, **qwen3))
+    for other in ([{"role": "tool", "content": "no such file"}, after[1]],
+                  [{"role": "tool", "content": FILE}, {"role": "user", "content": "Stop."}]):
+        assert tok.apply_chat_template(called + other, add_generation_prompt=True,
+                                       **qwen3)[:at] == prompt[:at]
     blocks = [{"type": "text", "text": f"<system-reminder>\n{FILE}</system-reminder>"}] * 3
     opening = [SYSTEM, {"role": "user", "content": blocks + [{"type": "text", "text": "hi"}]}]
     head = pp.opening_head(opening)

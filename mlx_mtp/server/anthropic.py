@@ -372,7 +372,8 @@ def handle_messages(handler, body: dict, slot, count_only: bool = False):
     call_tools = [_tool(t) for t in body.get("tools") or ()] or None
     extras(request).call_tools = call_tools
     extras(request).images = tuple(images)
-    prompt = rg.preflight(request, template_args, max_tokens, check_context=not count_only)
+    prompt = rg.preflight(request, template_args, max_tokens, check_context=not count_only,
+                          count_only=count_only)
     if count_only:
         return handler._send_json(200, {"input_tokens": len(prompt)})
     structured.attach_grammar(request, wanted, mp)

@@ -300,11 +300,12 @@ class MTPResponseGenerator(ResponseGenerator):
             held.release()
 
     def preflight(self, request, chat_template_kwargs, max_tokens: int,
-                  check_context: bool = True) -> list:
+                  check_context: bool = True, count_only: bool = False) -> list:
         """Checks made in the request's own thread before it is queued: the
         server can take it, the prompt renders and (`check_context`) fits
         the context with max_tokens, its images' tokens counted. Returns the
-        prompt as the model reads it (each image's pads expanded)."""
+        prompt as the model reads it (each image's pads expanded).
+        `count_only`: the prompt is only counted (no snapshot points)."""
         if not self.generation_available():
             raise ApiError(503, "the generation thread stopped; restart the server",
                            kind="server_error")
@@ -317,7 +318,7 @@ class MTPResponseGenerator(ResponseGenerator):
             # kept on the request: the generation thread then does not render it again
             given = extras(request)
             given.tokenized = self._tokenize(mp.tokenizer, request, SimpleNamespace(
-                chat_template_kwargs=chat_template_kwargs))
+                chat_template_kwargs=chat_template_kwargs), points=not count_only)
             given.template_kwargs = chat_template_kwargs
             prompt = given.tokenized[0]
         except ApiError:
@@ -336,14 +337,15 @@ class MTPResponseGenerator(ResponseGenerator):
                                    "messages" if request.request_type == "chat" else "prompt")
         return prompt
 
-    def _tokenize(self, tokenizer, request, args):
+    def _tokenize(self, tokenizer, request, args, points: bool = True):
         """mlx_lm's `_tokenize` (`_segments`), its segments also split at a
-        chat's branch point and shared head (prompt_points.py)."""
+        chat's branch point and shared head (prompt_points.py; `points`:
+        False for a prompt only counted, as they cost a render or two)."""
         messages = request.messages if request.request_type == "chat" else None
         head = prompt_points.opening_head(messages)  # (before mlx_lm joins its blocks)
         out = self._segments(tokenizer, request, args)
         prompt, segments, kinds, initial_state, vision = out
-        if (not messages or vision is not None or not tokenizer.has_chat_template
+        if (not points or not messages or vision is not None or not tokenizer.has_chat_template
                 or extras(request).images):  # (with images, the lane keeps the prompt whole)
             return out
         kwargs = dict(self.model_provider.cli_args.chat_template_args,

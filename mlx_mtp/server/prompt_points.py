@@ -8,8 +8,12 @@ Two more points, each one state that later requests start from:
   sub-agent; the turn that came next took it from RAM);
 - the shared head: the end of the last content block but one of a
   conversation's opening message, what another session of the same agent
-  sends again (Claude Code's `<system-reminder>` blocks before the user's
-  text; Codex's instructions).
+  sends again (Claude Code's interactive `<system-reminder>` blocks before
+  the user's text). It applies to a message of several text parts only:
+  Codex CLI's instructions and developer messages are system messages (the
+  system prompt's segment), its environment a user message of its own
+  (Responses' parts are joined into one string, `responses.to_chat`),
+  which no point here splits from the user's text.
 
 Both are found on the rendered text, tokenizing only what follows the
 chat template's marker before them (text never merges across a marker:
@@ -25,7 +29,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 # disk too: what another conversation or a later turn starts from
 SNAPSHOT_KINDS: Dict[str, Tuple[str, bool]] = {
     "system": ("system", True),
-    "head": ("system", True),  # the shared head
+    # the shared head: a user's entry (normal LRU rank), though on disk, since
+    # a block the client sends before the user's text may be the user's own
+    # (then this entry is one session's, and must not outlive a system prompt)
+    "head": ("user", True),
     "branch": ("user", True),  # the branch point
     "user": ("user", False),  # (superseded by the prompt's end and its answer)
     "assistant": ("assistant", False),
@@ -33,10 +40,16 @@ SNAPSHOT_KINDS: Dict[str, Tuple[str, bool]] = {
 SYSTEM_ROLES = ("system", "developer")
 # a block's last tokens may merge with the text after it (BPE: '>' then '\n'
 # is one token, '>\n'): the head's point is this many tokens before its end,
-# where another session's different text leaves the tokens as they are
+# where another session's different text leaves the tokens as they are. A
+# margin: the demo's byte-level BPE needs 1 (a merge spans the block's last
+# token and the next text's first); a tokenizer whose merges reach further
+# back needs more, and 4 costs at most 3 tokens of prefill
 BLOCK_END_SLACK = 4
 # a shared head shorter than this is not worth a copy of the whole cache
 MIN_HEAD_TOKENS = 64
+# the probe render's stand-in for a message's content (private-use
+# characters: no conversation or template writes them)
+PROBE = "\ue000mlx-mtp probe\ue001"
 
 Render = Callable[[List[dict], bool], str]  # (messages, add_generation_prompt) -> the text
 
@@ -76,14 +89,14 @@ def extra_points(encode: Callable[[str], list], render: Render, markers: Sequenc
     if last is not None and last + 1 < len(messages):
         at = _message_start(render, messages, last + 1, text)
         if at is not None:
-            offset = _offset(encode, prompt, text, _after_marker(text, at, markers))
-            if offset:
+            offset = _offset(encode, prompt, text, after_marker(text, at, markers))
+            if offset is not None:
                 points[offset] = "branch"
     if head is not None:
         i, head_text = head
         at = _message_start(render, messages, i, text)
         if at is not None and text.startswith(head_text, at):
-            start = _after_marker(text, at, markers)
+            start = after_marker(text, at, markers)
             offset = _offset(encode, prompt, text, start)
             if offset is not None:
                 piece = encode(text[start:at + len(head_text)])
@@ -95,28 +108,25 @@ def extra_points(encode: Callable[[str], list], render: Render, markers: Sequenc
 
 
 def _message_start(render: Render, messages: List[dict], i: int, text: str) -> Optional[int]:
-    """Where message i's content begins in the rendered `text`: where two
-    renders of the messages before it and message i with other contents
-    part, if `text` begins as they do."""
+    """Where message i's content begins in the rendered `text`: where the
+    probe (the whole conversation, message i's content `PROBE`) writes it,
+    if `text` begins as the probe does up to there. The messages after i
+    stay: a template may decide for the whole conversation (Qwen3's
+    `last_query_index` keeps or drops earlier answers' reasoning)."""
     try:
-        a, b = (render(messages[:i] + [dict(messages[i], content=c)], False) for c in "AB")
+        probe = render(messages[:i] + [dict(messages[i], content=PROBE)] + messages[i + 1:],
+                       True)
     except Exception:  # (a template that refuses the probe: no point)
         return None
-    at = _parting(a, b)
-    return at if at < min(len(a), len(b)) and text.startswith(a[:at]) else None
+    at = probe.find(PROBE)
+    return at if at >= 0 and text.startswith(probe[:at]) else None
 
 
-def _parting(a: str, b: str) -> int:
-    """Where two strings first differ (the shorter's length where it begins
-    the other): compared a slice at a time (a conversation's text is long)."""
-    n, at, step = min(len(a), len(b)), 0, 4096
-    while at < n and a[at:at + step] == b[at:at + step]:
-        at += step
-    return next((k for k in range(at, min(at + step, n)) if a[k] != b[k]), n)
-
-
-def _after_marker(text: str, end: int, markers: Sequence[str]) -> int:
-    """The end of the last marker that ends at or before `end` (0: none)."""
+def after_marker(text: str, end: int, markers: Sequence[str]) -> int:
+    """The end of the last marker that ends at or before `end` (0: none):
+    where a prefix of `text` is final, whatever text comes after `end`
+    (generation.next_turn_prefix cuts its tokens there too: the test of
+    the points checks the two cuts agree)."""
     return max((k + len(m) for m in markers if m and (k := text.rfind(m, 0, end)) >= 0),
                default=0)
 
