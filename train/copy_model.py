@@ -15,7 +15,8 @@ induction, which plain stdlib text trains far too slowly on this CPU
 1 and the file window `--file-weight`. Tokenizer: the demo's. Training,
 export and the reload check are train/train.py's (`losses`, `build_model`,
 train/export.py); `python -m train.copy_model measure FOLDER` scores copying
-on held-out files (`measure`).
+on held-out files (`measure`). So far (train/README.md, "The copy model")
+46 CPU minutes did not reach copying, and nothing is shipped.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def edit_prompt(rel: str, source: str, rng: random.Random, max_file_chars: int =
     return search_prompt(rel, window, rng.choice(starts), given_lines, span_lines)
 
 
-def batches(docs, tok, words, seed: int, B: int, T: int, file_weight: float,
+def batches(docs, tok, words, seed, B: int, T: int, file_weight: float,
             file_chars: Tuple[int, int] = (1100, 1100), blocks: Tuple[int, int] = (1, 3)):
     """Endless (tokens [B, T], weights [B, T-1]) of packed edit documents,
     each row starting at a document; a pure function of the seed."""
@@ -197,7 +198,8 @@ def train(args) -> int:
     config = full_config(tc, eos)
     model = build_model(config)
     if args.init:
-        model.load_weights(str(args.init))
+        # float32 for training, whatever the file holds (the partial run is float16)
+        model.load_weights([(k, v.astype(mx.float32)) for k, v in mx.load(str(args.init)).items()])
         log(f"initialized from {args.init}", logf)
     model.train()
     npar = n_params(model)
@@ -218,7 +220,9 @@ def train(args) -> int:
         return a, b
 
     pair = lambda v: tuple(int(x) for x in v.split(","))  # noqa: E731
-    stream = batches(train_docs, tok, words, args.seed, args.batch, args.seq, args.file_weight,
+    # a continuation draws other documents than the run it continues
+    data_seed = f"{args.seed}:{args.init}" if args.init else args.seed
+    stream = batches(train_docs, tok, words, data_seed, args.batch, args.seq, args.file_weight,
                      pair(args.file_chars), pair(args.blocks))
     t0 = time.time()
     ema = None
