@@ -3,7 +3,7 @@ it repeats a held-out file's span when a SEARCH block starts it, and greedy
 MTP decoding on that edit prompt is token-identical to mlx_lm's.
 
 No model that copies has been trained yet (train/README.md, "The copy
-model": 46 minutes on the 2-core CPU reached 38% teacher-forced top-1 on the
+model": 53 minutes on the 2-core CPU reached 59% teacher-forced top-1 on the
 span, ~3% of it copied greedily), so none is shipped and this test skips
 until one is; it fails on a model that does not copy (checked with the demo
 model and with stage C's partial copy model: 1 of 321 characters)."""
