@@ -90,10 +90,11 @@ def verify_reload(model, path: Path, tokens) -> tuple:
     return e1, e2
 
 
-def ship(hf_path: Path, demo_dir: Path):
+def ship(hf_path: Path, demo_dir: Path, dtype: str = None):
     """Convert the HF export with the project's converter into demo_dir
-    (keeping a README.txt); falls back to copying the HF folder when the
-    converter is unavailable."""
+    (keeping a README.txt), its weights in `dtype` (None: the export's
+    float32); falls back to copying the HF folder when the converter is
+    unavailable."""
     demo_dir = Path(demo_dir)
     keep = {}
     for f in ("README.txt",):
@@ -103,7 +104,8 @@ def ship(hf_path: Path, demo_dir: Path):
     if tmp.exists():
         shutil.rmtree(tmp)
     r = subprocess.run(
-        [sys.executable, "-m", "mlx_mtp.convert", "--hf-path", str(hf_path), "--mlx-path", str(tmp)],
+        [sys.executable, "-m", "mlx_mtp.convert", "--hf-path", str(hf_path), "--mlx-path", str(tmp)]
+        + (["--dtype", dtype] if dtype else []),
         capture_output=True, text=True,
     )
     if r.returncode != 0:
