@@ -119,11 +119,16 @@ def test_cost_per_token_does_not_grow_with_the_row():
 
 
 # -- through the decode loop (ContextDrafter: opt-in, one row) ------------------------------
-@pytest.mark.parametrize("name", ["dense", slow("moe")])
-def test_greedy_with_context_drafts_is_mlx_lms(loaded, name):
+@pytest.mark.parametrize("name,source,k", [
+    ("dense", "copy", 16), ("dense", "natural", "auto"),
+    slow("dense", "copy", 2), slow("dense", "copy", "auto"), slow("dense", "natural", 2),
+    slow("dense", "natural", 16),
+    *[slow("moe", s, k) for s in ("copy", "natural") for k in (2, 16, "auto")]])
+def test_greedy_with_context_drafts_is_mlx_lms(loaded, name, source, k):
     """Greedy with context runs drafted in place of the head's wherever the
     row's suffix occurred before: tokens and log-prob rows equal mlx_lm's
-    greedy decoding at depths 2, 16 and auto. "copy": the index starts from
+    greedy decoding at depths 2, 16 and auto (the default tier: a copy at 16,
+    natural text at auto; the rest slow). "copy": the index starts from
     the prompt, the answer, the prompt again (a row re-typing what its
     context holds), so runs of 16 are kept whole; "natural": the prompt
     alone, 1- and 2-grams (the tiny models' random weights repeat little),
@@ -137,15 +142,14 @@ def test_greedy_with_context_drafts_is_mlx_lms(loaded, name):
     ids = tok.encode(LONG * 2)
     n = 48
     want, want_rows = reference(ref_model, ids, n, rows=True)
-    for source, context, sizes in [("copy", ids + want + ids, (4, 3)), ("natural", ids, (2, 1))]:
-        for k in (2, 16, "auto"):  # (auto: plain steps between cycles too)
-            stats, drafter = MTPStats(), ContextDrafter(context, sizes)
-            got, rows = mtp(model, ids, k, n, rows=True, stats=stats, drafter=drafter)
-            assert got == want, f"{source} depth {k}"
-            assert SAME(rows, want_rows), f"log-probs, {source} depth {k}"
-            print(name, source, k, drafter.runs, stats.acceptance)
-            assert drafter.runs > 0
-            if source == "copy":  # runs kept, and rejected (past the copy's end)
-                assert 0 < stats.accepted < stats.drafted
-            if source == "copy" and k != "auto":  # whole runs of k
-                assert stats.accepted_at[k - 1] > 0
+    context, sizes = {"copy": (ids + want + ids, (4, 3)), "natural": (ids, (2, 1))}[source]
+    stats, drafter = MTPStats(), ContextDrafter(context, sizes)  # (auto: plain steps between cycles too)
+    got, rows = mtp(model, ids, k, n, rows=True, stats=stats, drafter=drafter)
+    assert got == want, f"{source} depth {k}"
+    assert SAME(rows, want_rows), f"log-probs, {source} depth {k}"
+    print(name, source, k, drafter.runs, stats.acceptance)
+    assert drafter.runs > 0
+    if source == "copy":  # runs kept, and rejected (past the copy's end)
+        assert 0 < stats.accepted < stats.drafted
+    if source == "copy" and k != "auto":  # whole runs of k
+        assert stats.accepted_at[k - 1] > 0

@@ -229,6 +229,7 @@ def test_context_errors_are_anthropics_and_openais_own(srv, tok):
 
 
 # -- the OpenAI surface ------------------------------------------------------------------------
+@pytest.mark.slow  # (test_server_bounds: n's choices each a lone answer, greedy and sampled)
 def test_n_choices_are_batch_rows_each_its_own_lone_request(srv):
     """Choice i is what a lone request seeded seed + i answers (sampled, at
     a fixed depth: with 'auto' the depths follow timings, and a seeded
