@@ -1,6 +1,8 @@
 """A server as a real process (or mlx.launch ranks) on a free local port, for
 the server tests (not a test module)."""
 
+import contextlib
+import http.server
 import os
 import signal
 import socket
@@ -216,3 +218,17 @@ class PeakRSS:
         self.thread.join()
         peak = max(self.sampled, (_high_water_mark(self.pid) or 0) if self.hwm else 0)
         self.growth = peak - self.before
+
+
+@contextlib.contextmanager
+def local_http(handler):
+    """A ThreadingHTTPServer on a free loopback port (handler threads are
+    daemons), its base URL, shut down and closed at the end."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -26,6 +26,7 @@ from mlx_mtp.server.images import ImageReader, reader_for  # noqa: E402
 from mlx_mtp.server.schemas import ApiError  # noqa: E402
 from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
 from mlx_mtp.vision import ImageLimits  # noqa: E402
+from serving import local_http  # noqa: E402
 from util import slow  # noqa: E402
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -234,12 +235,8 @@ class SlowImages(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def slow_server():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowImages)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with local_http(SlowImages) as url:
+        yield url
 
 
 @pytest.mark.parametrize("path,words", [("/trickle", "took more than 1 s (--image-timeout)"),
@@ -272,16 +269,11 @@ def test_a_fetch_within_its_limits_is_read_whole(slow_server, tmp_path):
 
     (tmp_path / "a.png").write_bytes(PNG_152)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
+    with local_http(handler) as url:
         reader = ImageReader(ImageLimits(timeout=1.0, max_bytes=len(PNG_152)), PLACEHOLDER)
         [image] = reader.openai([{"role": "user", "content": [{"type": "image_url", "image_url": {
-            "url": f"http://127.0.0.1:{httpd.server_address[1]}/a.png"}}]}])
+            "url": url + "/a.png"}}]}])
         assert image.digest == vision.decode_image(PNG_152).digest
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def _fetch_one(reader, url):

@@ -9,7 +9,6 @@ import base64
 import contextlib
 import http.server
 import io
-import threading
 import time
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ from PIL import Image  # noqa: E402
 import mlx_mtp  # noqa: E402
 from mlx_mtp import vision  # noqa: E402
 from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
-from serving import Server  # noqa: E402
+from serving import Server, local_http  # noqa: E402
 
 CONTEXT = 256
 TIMEOUT = 1.0  # --image-timeout
@@ -99,12 +98,8 @@ class Files(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def files():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with local_http(Files) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import mlx_mtp  # noqa: E402
 from mlx_mtp import vision  # noqa: E402
 from mlx_mtp.decode import generate_tokens  # noqa: E402
 from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
-from serving import Server  # noqa: E402
+from serving import Server, local_http  # noqa: E402
 
 MAX_TOKENS = 12
 
@@ -58,10 +58,8 @@ def files(tmp_path_factory):
     for i, png in enumerate(PNGS):
         (root / f"{i}.png").write_bytes(png)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with local_http(handler) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
