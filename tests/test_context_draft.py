@@ -149,7 +149,9 @@ def test_greedy_with_context_drafts_is_mlx_lms(loaded, name, source, k):
     assert SAME(rows, want_rows), f"log-probs, {source} depth {k}"
     print(name, source, k, drafter.runs, stats.acceptance)
     assert drafter.runs > 0
-    if source == "copy":  # runs kept, and rejected (past the copy's end)
-        assert 0 < stats.accepted < stats.drafted
+    if source == "copy":  # runs kept; at a fixed depth also rejected (past the copy's end:
+        # auto's depth follows measured costs and may stay short of it)
+        assert 0 < stats.accepted <= stats.drafted
+        assert k == "auto" or stats.accepted < stats.drafted
     if source == "copy" and k != "auto":  # whole runs of k
         assert stats.accepted_at[k - 1] > 0

@@ -196,37 +196,67 @@ def test_a_request_arriving_during_idle_work_starts_before_it_ends(srv):
     sent once that work has begun, finds it midway (logged with how far it
     got) and is served; the work goes on and ends after it. Its own next
     turn, sent while that turn's prefix is being prefilled, starts from
-    what was prefilled."""
+    what was prefilled. Whether a request lands inside that window (a few
+    hundred ms here) is up to the machine's load: each half tries fresh
+    chats until one does (ATTEMPTS), and checks every try's order of events."""
     client = srv.openai(timeout=300)
+    for attempt in range(ATTEMPTS):
+        if _another_chat_during_idle_work(srv, client, attempt):
+            break
+    else:
+        pytest.fail(f"in {ATTEMPTS} tries, another chat's request never arrived during idle work")
+    for attempt in range(ATTEMPTS):
+        if _its_next_turn_during_idle_work(srv, client, attempt):
+            break
+    else:
+        pytest.fail(f"in {ATTEMPTS} tries, the next turn never arrived while its prefix was "
+                    "prefilled")
+
+
+ATTEMPTS = 5  # fresh chats each half above tries (one missed the window about 1 in 8 here)
+OPENINGS = ["class Heap:", "class Trie:", "class Deque:", "class Graph:", "class Matrix:"]
+
+
+def _another_chat_during_idle_work(srv, client, attempt: int) -> bool:
+    """True when the other chat's request found the idle work midway (and the
+    events were in order); False when the work was done before it came."""
     since = len(srv.text().splitlines())
-    long = client.chat.completions.create(model="m", messages=LONG_MESSAGES, max_tokens=400,
+    messages = [{"role": "system", "content": f"Chat {attempt}."}] * bool(attempt) + LONG_MESSAGES
+    long = client.chat.completions.create(model="m", messages=messages, max_tokens=400,
                                           temperature=0)
-    assert long.usage.completion_tokens == 400
+    assert long.usage.completion_tokens >= 100
     assert srv.wait_for_log("next turn: prefilling", 1 + _count(srv, "next turn: prefilling",
                                                                 since))
     other = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "def other(x):"}], max_tokens=8,
-        temperature=0)
+        model="m", messages=[{"role": "user", "content": f"def other{attempt}(x):"}],
+        max_tokens=8, temperature=0)
     assert other.choices[0].message.content
     assert srv.wait_for_log("is prefilled and stored", 1 + _count(srv, "is prefilled and stored",
                                                                   since))
     lines = _lines(srv, since)
     began = next(i for i, line in enumerate(lines) if "next turn: prefilling" in line)
-    paused = next(i for i, line in enumerate(lines) if "waits at" in line and i > began)
-    done, total = map(int, re.search(r"waits at (\d+) of (\d+)", lines[paused]).groups())
-    assert 0 < done < total  # (paused midway: the request did not wait for the rest)
     served = next(i for i, line in enumerate(lines)
-                  if "POST /v1/chat/completions" in line and i > paused)
+                  if "POST /v1/chat/completions" in line and i > began)
     stored = next(i for i, line in enumerate(lines)
-                  if "is prefilled and stored" in line and i > paused)
-    assert paused < served < stored, (paused, served, stored)
+                  if "is prefilled and stored" in line and i > began)
+    paused = [i for i, line in enumerate(lines) if "waits at" in line and i > began]
+    if not paused:
+        assert stored < served  # (the work was done before the request came)
+        return False
+    done, total = map(int, re.search(r"waits at (\d+) of (\d+)", lines[paused[0]]).groups())
+    assert 0 < done < total  # (paused midway: the request did not wait for the rest)
+    assert paused[0] < served < stored, (paused[0], served, stored)
     assert any("tokens prefilled in" in line for line in lines[served:stored])  # (went on)
+    return True
 
-    # the chat's own next turn, sent while its prefix is prefilled: the work
-    # stops there (the request prefills the rest with its message) and the
-    # request starts from what idle time prefilled
+
+def _its_next_turn_during_idle_work(srv, client, attempt: int) -> bool:
+    """True when the chat's own next turn, sent while that turn's prefix is
+    prefilled, stopped the work there (the request prefills the rest with
+    its message) and started from what idle time prefilled; False when the
+    prefix was done before it came."""
     since = len(srv.text().splitlines())
-    first = [{"role": "user", "content": "class Heap:"}]
+    first = [{"role": "user", "content": OPENINGS[attempt]}]
     r1 = client.chat.completions.create(model="m", messages=first, max_tokens=200,
                                         temperature=0)
     assert srv.wait_for_log("next turn: prefilling", 1 + _count(srv, "next turn: prefilling",
@@ -234,7 +264,11 @@ def test_a_request_arriving_during_idle_work_starts_before_it_ends(srv):
     r2 = client.chat.completions.create(model="m", temperature=0, max_tokens=4, messages=first + [
         {"role": "assistant", "content": r1.choices[0].message.content},
         {"role": "user", "content": "class Deque:"}])
-    paused = [line for line in _lines(srv, since) if "paused at" in line]
-    assert paused, "the next turn arrived after its prefix was done: nothing to show"
+    lines = _lines(srv, since)
+    paused = [line for line in lines if "paused at" in line]
+    if not paused:
+        assert any("is prefilled and stored" in line for line in lines)
+        return False
     done = int(re.search(r"paused at (\d+) of", paused[-1]).group(1))
     assert r2.usage.prompt_tokens_details.cached_tokens >= done > r1.usage.prompt_tokens
+    return True
