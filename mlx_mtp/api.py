@@ -133,6 +133,7 @@ def generate_step(
     lookahead: bool = True,
     compiled: bool = True,
     draft_vocab: Optional[mx.array] = None,
+    context_drafts: bool = DecodeOptions.context_drafts,
     stats: Optional[MTPStats] = None,
     max_kv_size: Optional[int] = None,
     kv_bits: Optional[int] = None,
@@ -164,6 +165,10 @@ def generate_step(
         processors turn it off; `pipeline=` is its old, deprecated name).
     compiled: one compiled graph per depth, kept across calls.
     draft_vocab: draft over these token ids only (see mlx_mtp.draft_vocab).
+    context_drafts: where the last tokens occurred before in the prompt or
+        the answer, draft what followed them there (up to 16 tokens a cycle)
+        in place of the head's drafts: a copied span at copy speed, still
+        exactly plain decoding's output (docs/design.md, "Context drafts").
     stats: an MTPStats to fill (drafted, accepted, acceptance per position).
     constraint: `mlx_mtp.constrain(...)`: every token is one the grammar
         allows (needs `tokenizer`); the generation then ends after the
@@ -182,7 +187,7 @@ def generate_step(
     options = DecodeOptions(draft_tokens=kwargs.pop("draft_tokens"),
                             max_draft_tokens=max_draft_tokens, prefill_step_size=prefill_step_size,
                             lookahead=_lookahead(lookahead, pipeline), compiled=compiled,
-                            draft_vocab=draft_vocab)
+                            draft_vocab=draft_vocab, context_drafts=context_drafts)
     if constraint is not None:  # the row's grammar (Batch.prepare); it ends after EOS
         from .constraint import check
 

@@ -31,7 +31,9 @@ from mlx.utils import tree_flatten
 
 from . import checks
 from .cache import cache_length, check_model_cache, entry_length, head_caches
-from .cycle import RING, DecodeState, Graphs, Guidance, Spec, init_ring, is_host_side, unpack
+from .context_draft import NGRAM_SIZES, context_state
+from .cycle import (CTX_FIELDS, RING, DecodeState, Graphs, Guidance, Spec, init_ring,
+                    is_host_side, unpack)
 from .depth import cost_sample
 from .distributed import first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
@@ -96,7 +98,9 @@ def make_batch(model, options: Optional[DecodeOptions] = None, *,
     spec = Spec(model, opaque, use_head=use_head,
                 draft_vocab=draft_vocab if use_head else None,
                 drafter=drafter if use_head else None, group=model.distributed_group,
-                first_stage=first_stage(model))
+                first_stage=first_stage(model),
+                context=NGRAM_SIZES if options.context_drafts and use_head and drafter is None
+                else None)
     return Batch(spec, Graphs(spec, options.compiled), options, depth, controller,
                  default_sampler=sampler, default_processors=logits_processors or ())
 
@@ -223,7 +227,8 @@ class Batch:
         return Request(ids, prompt_cache, keep_cache, max_tokens, row_key(sampling, seed),
                        stats if stats is not None else MTPStats(), sampling, processors,
                        progress, cached_tokens=tuple(cached_tokens) if (
-                           processors or (sampling is not None and sampling.penalties)) else (),
+                           processors or (sampling is not None and sampling.penalties)
+                           or self.spec.context is not None) else (),
                        stop_tokens=frozenset(int(t) for t in stop_tokens), feed_tail=feed_tail,
                        matcher=matcher, media=media)
 
@@ -313,6 +318,9 @@ class Batch:
                 state = state.replace(window=start_window([*r.cached_tokens, *r.prompt[:-1]]))
             if r.media is not None:
                 state = state.replace(rope_delta=mx.array([r.media.delta], dtype=mx.int32))
+            if spec.context is not None:  # what its context runs copy from
+                state = state.replace(**dict(zip(CTX_FIELDS, context_state(
+                    [*r.cached_tokens, *r.prompt], spec.context))))
             if use_head:
                 # a one-token prompt on an empty cache has no trunk hidden yet: its
                 # first drafts come from zeros (rejected; its first cycle fixes that)
@@ -487,12 +495,14 @@ class Batch:
             self.state = new.with_head_of(self.state)
         elif guidance is not None and k:  # the host reads the drafts for the masks
             mid, proposals, verified = self.graphs.propose(self.state, k, plan.catch_up,
-                                                           history, guidance)
+                                                           history, guidance, plan.head,
+                                                           plan.context)
             words = masks(None if guidance.forced_all else np.array(proposals.drafts))
             self.state, out = self.graphs.settle(mid, proposals, verified, words,
                                                  plan.catch_up, history, guidance)
         else:
-            self.state, out = self.graphs.step(self.state, k, plan.catch_up, history, guidance)
+            self.state, out = self.graphs.step(self.state, k, plan.catch_up, history, guidance,
+                                               plan.head, plan.context)
         built = time.perf_counter()
         if plan.forward_only:
             mx.async_eval(fwd.logits, fwd.h, _arrays(mid))
@@ -503,7 +513,8 @@ class Batch:
             k, plan.cold, spec.use_head, self.state)
         launched = Launched(k, out, before, self.graphs.traces > traces, tuple(self.rows),
                             dict(build0=t0, build1=built, queued=t1), cold=plan.cold,
-                            counts=counts, pending=pending, jump=plan.jump)
+                            counts=counts, pending=pending, jump=plan.jump,
+                            widened=plan.head is not None and plan.head < k)
         if self.current is None:
             self.current = launched
         else:
@@ -596,8 +607,8 @@ class Batch:
         first, self.starting = self.starting, False
         self.reads += 1
         wait0 = time.perf_counter()
-        accepted_all, tokens_all, lps_all, bad_drafts = unpack(np.array(cycle.out.packed),
-                                                               cycle.k)
+        read = unpack(np.array(cycle.out.packed), cycle.k)
+        accepted_all, tokens_all, lps_all, bad_drafts = read[:4]
         toc = time.perf_counter()
         k, out, accepted = cycle.k, [], []
         # the controller of the batch size the cycle was launched with (rows
@@ -616,6 +627,9 @@ class Batch:
             row.landed += len(tokens)
             row.stats.record(0 if cycle.jump else k, a)  # (a jump's drafts are not the head's)
             row.stats.jumps += cycle.jump
+            if read.context[i]:
+                row.stats.context_drafted += k
+                row.stats.context_accepted += a
             if row.matcher is not None:  # drawn under its masks: up to a stop token, the
                 # grammar allows them (advance checks); what follows a stop is never emitted
                 row.matcher.advance(row.matcher.before_stop(tokens))
@@ -628,7 +642,11 @@ class Batch:
         if self.current is not None and self.current.pending is not None:
             self.current = self._complete(self.current)  # (the grammars now have this
             # cycle's tokens)
-        if ctl is not None and accepted and not cycle.jump:  # (not the controller's depth)
+        context = [bool(read.context[i]) for i, row in enumerate(cycle.rows) if not row.done]
+        if k and not cycle.jump:
+            self.schedule.context.observe(k, accepted, context)
+        # (a jump, a widened cycle or context runs: not the controller's depth and drafts)
+        if ctl is not None and accepted and not (cycle.jump or cycle.widened or any(context)):
             ctl.update_acceptance(k, accepted)
             sample = cost_sample(cycle, self.current or cycle,
                                  lookahead=self.current is not None,

@@ -114,6 +114,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="read every cycle before building the next (default: cycle n+1 is "
                         "queued before cycle n is read)")
     p.add_argument("--no-pipeline", action="store_true", help=argparse.SUPPRESS)  # deprecated
+    p.add_argument("--context-drafts", action=argparse.BooleanOptionalAction,
+                   default=params.DecodeOptions.context_drafts,
+                   help="where the last tokens occurred before in the prompt or the answer, "
+                        "draft what followed them there (a copied span at copy speed; the "
+                        "output is unchanged)")
     p.add_argument("--draft-vocab", type=str, default=None,
                    help="draft over a trimmed vocabulary: N (the tokenizer's first N ids) or "
                         "a JSON file from `python -m mlx_mtp.evaluate --write-draft-vocab`")
@@ -319,7 +324,8 @@ def _main(argv=None):
                     logits_processors=processors, prefill_step_size=args.prefill_step_size,
                     draft_vocab=vocab, max_draft_tokens=args.max_draft_tokens,
                     lookahead=not args.no_lookahead, prompt_cache=prompt_cache,
-                    constraint=args.constraint, images=args.image):
+                    constraint=args.constraint, images=args.image,
+                    context_drafts=args.context_drafts):
                 print(last.text, end="", flush=True, file=out)
         except ValueError as e:  # (the images: unreadable, too large, not this model's ...)
             print(f"error: {e}", file=sys.stderr)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
 
+import numpy as np
+
 import mlx.core as mx
 
 NGRAM_SIZES = (4, 3)  # the suffix lengths looked up, longest first
@@ -137,3 +139,108 @@ class ContextDrafter:
             return head_drafts, head_q
         self.runs += 1
         return mx.array([run.tokens], dtype=mx.int32), None
+
+
+# -- on the device: every row of a batch, inside the compiled cycle --------------------------
+# A row's index as device arrays (DecodeState's ctx_* fields), so the batch
+# proposes runs in the graph, per row, with no host read between cycles:
+#   ctx_tokens [B, WINDOW + 1]  the row's last WINDOW tokens, token p at p % WINDOW
+#                               (the last slot takes masked writes)
+#   ctx_len    [B]              tokens written (the prompt, then each one emitted)
+#   ctx_table  [B, BUCKETS + 1] per bucket of an n-gram's hash, the position after
+#                               its latest occurrence (0: none; the last slot
+#                               takes masked writes)
+# A bucket two n-grams share keeps the later one, and a proposal is checked
+# against the tokens before it, so a collision costs a missed run, never a
+# wrong one (and a wrong one would only be rejected: the rule keeps any draft
+# exact). The ring keeps the last WINDOW tokens: an occurrence older than that
+# proposes nothing.
+WINDOW = 1 << 17  # 512 KB a row
+# 2 MB a row: an n-gram survives the ~2 x 100K later entries of a 100K-token
+# context with probability ~0.7 (a shared bucket keeps the later n-gram)
+BUCKETS = 1 << 19
+
+
+def _bucket(grams: mx.array, n: int) -> mx.array:
+    """The bucket [...] of n-grams [..., n] (FNV-1a over the ids, salted by n,
+    then murmur3's finaliser: a product's low bits see only its inputs' low
+    bits, and the bucket is the low bits)."""
+    def u32(v):
+        return mx.array(v, mx.uint32)
+
+    h = mx.full(grams.shape[:-1], (2166136261 ^ n) & 0xFFFFFFFF, mx.uint32)
+    for i in range(n):
+        h = (h ^ grams[..., i].astype(mx.uint32)) * u32(16777619)
+    h = (h ^ (h >> 16)) * u32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * u32(0xC2B2AE35)
+    h = h ^ (h >> 16)
+    return (h & (BUCKETS - 1)).astype(mx.int32)
+
+
+def _at(tokens: mx.array, positions: mx.array) -> mx.array:
+    """tokens[b, positions[b, ...] % WINDOW] (positions clamped at 0: MLX's
+    gathers check no bounds)."""
+    flat = mx.maximum(positions, 0).reshape(positions.shape[0], -1) % WINDOW
+    return mx.take_along_axis(tokens, flat, axis=1).reshape(positions.shape)
+
+
+def _index_rows(tokens: mx.array, table: mx.array, at: mx.array, valid: mx.array,
+                sizes: Sequence[int]) -> mx.array:
+    """The table with, for each position `at` [B, T] marked `valid`, each
+    n-gram ending just before it pointing there (the latest wins: positions
+    only grow, so a scatter-max keeps it)."""
+    B = at.shape[0]
+    flat = table.reshape(-1)
+    base = (mx.arange(B, dtype=mx.int32) * (BUCKETS + 1))[:, None]
+    for n in sizes:
+        grams = _at(tokens, at[..., None] - n + mx.arange(n))  # [B, T, n]
+        ok = valid & (at >= n)
+        slot = base + mx.where(ok, _bucket(grams, n), BUCKETS)
+        flat = flat.at[slot.reshape(-1)].maximum(mx.where(ok, at, 0).reshape(-1))
+    return flat.reshape(table.shape)
+
+
+def context_state(tokens: Sequence[int], sizes: Sequence[int] = NGRAM_SIZES):
+    """One row's (ctx_tokens [1, WINDOW+1], ctx_len [1], ctx_table [1, BUCKETS+1])
+    from its tokens so far (its prompt, with the last one: the cycle's y)."""
+    ids = np.asarray(tokens, dtype=np.int32)[-WINDOW:]
+    start = max(len(tokens) - WINDOW, 0)
+    ring = np.zeros((1, WINDOW + 1), np.int32)
+    ring[0, np.arange(start, len(tokens)) % WINDOW] = ids
+    ring = mx.array(ring)
+    at = mx.arange(start, len(tokens), dtype=mx.int32)[None]
+    # (an n-gram reaching before the window has lost its first tokens)
+    table = _index_rows(ring, mx.zeros((1, BUCKETS + 1), mx.int32), at,
+                        at - max(sizes) >= start, sizes)
+    return ring, mx.array([len(tokens)], dtype=mx.int32), table
+
+
+def propose_runs(tokens: mx.array, length: mx.array, table: mx.array, k: int,
+                 sizes: Sequence[int] = NGRAM_SIZES):
+    """Per row, the k tokens after the latest earlier occurrence of its
+    suffix (the longest size that occurred, as `ContextIndex.propose`):
+    (runs [B, k] int32, found [B] bool)."""
+    B = length.shape[0]
+    start, found = mx.zeros((B,), mx.int32), mx.zeros((B,), mx.bool_)
+    for n in sorted(sizes, reverse=True):
+        suffix = _at(tokens, length[:, None] - n + mx.arange(n))  # [B, n]
+        p = mx.take_along_axis(table, _bucket(suffix, n)[:, None], axis=1)[:, 0]
+        earlier = _at(tokens, p[:, None] - n + mx.arange(n))
+        ok = ((length >= n) & (p >= n) & (p < length) & (p - n >= length - WINDOW)
+              & mx.all(earlier == suffix, axis=1))
+        start = mx.where(ok & ~found, p, start)
+        found = found | ok
+    period = mx.maximum(length - start, 1)[:, None]  # a run reaching the end repeats
+    runs = _at(tokens, start[:, None] + mx.arange(k) % period)
+    return runs, found
+
+
+def append_tokens(tokens: mx.array, length: mx.array, table: mx.array, new: mx.array,
+                  count: mx.array, sizes: Sequence[int] = NGRAM_SIZES):
+    """The rows' index after they emit new[b, :count[b]] (new [B, T]):
+    (ctx_tokens, ctx_len, ctx_table)."""
+    at = length[:, None] + mx.arange(new.shape[1])  # [B, T]
+    valid = mx.arange(new.shape[1])[None] < count[:, None]
+    tokens = mx.put_along_axis(tokens, mx.where(valid, at % WINDOW, WINDOW),
+                               new.astype(mx.int32), axis=1)
+    return tokens, length + count.astype(mx.int32), _index_rows(tokens, table, at, valid, sizes)

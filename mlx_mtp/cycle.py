@@ -65,10 +65,12 @@ from .distributed import share
 from .families.mrope import shifted
 from .constraint import apply_bitmask
 from .acceptance import DraftRun, accept
+from .context_draft import append_tokens, propose_runs
 from .sampling import (Filters, SamplerArrays, advance_window, sample_drafts, is_greedy,
                        penalize_rows, sample_opaque, sample_rows, split_rows)
 
 RING = 16  # plain steps' pairs kept for the head (older ones are skipped)
+CTX_FIELDS = ("ctx_tokens", "ctx_len", "ctx_table")  # DecodeState's context index
 
 
 
@@ -121,6 +123,11 @@ class DecodeState:
     # [B] int32: each row's M-RoPE shift after its images (None: no row has one;
     # docs/design.md, "Images")
     rope_delta: Optional[mx.array] = None
+    # each row's context index (context_draft.py, "on the device"; None: the
+    # batch drafts no context runs): its last tokens, their count, the n-gram table
+    ctx_tokens: Optional[mx.array] = None  # [B, WINDOW + 1] int32
+    ctx_len: Optional[mx.array] = None  # [B] int32
+    ctx_table: Optional[mx.array] = None  # [B, BUCKETS + 1] int32
 
     def tree(self) -> dict:
         """Every field (caches as their `state`): a compiled step's inputs."""
@@ -138,7 +145,16 @@ class DecodeState:
         return dataclasses.replace(self, **kw)
 
     def without_buffers(self) -> "DecodeState":
-        return self.replace(cache=self.cache.without_buffers())
+        """What a finishing point keeps (the caches' lengths and states, not
+        their KV buffers nor the context index: nothing writes them back)."""
+        return self.replace(cache=self.cache.without_buffers(), **{n: None for n in CTX_FIELDS})
+
+    def with_context(self, tokens: mx.array, count: mx.array, sizes) -> "DecodeState":
+        """The rows' context index after they emit tokens[b, :count[b]] (no index: as is)."""
+        if self.ctx_tokens is None or sizes is None:
+            return self
+        return self.replace(**dict(zip(CTX_FIELDS, append_tokens(
+            self.ctx_tokens, self.ctx_len, self.ctx_table, tokens, count, sizes))))
 
     def without_caches(self) -> "DecodeState":
         """The state of a step that neither reads nor writes the caches."""
@@ -206,17 +222,27 @@ class Guidance:
 
 @dataclass
 class StepOutput:
-    # [B, 1 + 2 (k + 1)] int32: accepted count, the k+1 candidate tokens, then
-    # their log-probs as float32 bits (one host transfer reads a cycle)
+    # [B, 1 + 2 (k + 1) + 2] int32: accepted count, the k+1 candidate tokens,
+    # their log-probs as float32 bits, the drafts outside the vocabulary, whether
+    # the row drafted its context run (one host transfer reads a cycle)
     packed: mx.array
     logprobs: mx.array  # [B, k + 1, V]: the (processed) log-probs of every candidate
 
 
-def unpack(values: np.ndarray, k: int):
-    """A read cycle's packed rows: (accepted [B], tokens [B, k+1] as the
-    sampler gave them, their log-probs, drafts outside the vocabulary [B])."""
-    return (values[:, 0], values[:, 1:k + 2],
-            values[:, k + 2:2 * k + 3].copy().view(np.float32), values[:, 2 * k + 3])
+class CycleRead(NamedTuple):
+    """A read cycle's packed rows (`unpack`)."""
+
+    accepted: np.ndarray  # [B]
+    tokens: np.ndarray  # [B, k+1]: as the sampler gave them
+    logprobs: np.ndarray  # [B, k+1]: theirs
+    bad_drafts: np.ndarray  # [B]: drafts outside the vocabulary
+    context: np.ndarray  # [B] bool: the row drafted its context run
+
+
+def unpack(values: np.ndarray, k: int) -> CycleRead:
+    return CycleRead(values[:, 0], values[:, 1:k + 2],
+                     values[:, k + 2:2 * k + 3].copy().view(np.float32), values[:, 2 * k + 3],
+                     values[:, 2 * k + 4].astype(bool))
 
 
 def in_vocab(ids: mx.array, vocab_size: int) -> Tuple[mx.array, mx.array]:
@@ -242,6 +268,9 @@ class Spec:
     processors: bool = False  # some row has logits processors (host history)
     draft_vocab: Optional[mx.array] = None  # greedy/sampled drafts over these ids only
     drafter: Optional[Drafter] = None  # tests and benchmarks (testing/drafters.py)
+    # context drafts: the n-gram sizes each row's index looks up (None: off;
+    # context_draft.py), the rows' runs drafted in place of the head's
+    context: Optional[tuple] = None
     vocab_head_rows: Optional[dict] = field(default=None, repr=False)
     group: Any = None  # sharded model: the ranks that take rank 0's decisions
     first_stage: Optional[int] = None  # pipeline: the rank that embeds the tokens
@@ -296,7 +325,7 @@ class Spec:
     def graph_key(self) -> tuple:
         vocab = None if self.draft_vocab is None else self.draft_vocab.size
         drafter = None if self.drafter is None else self.drafter.graph_key()
-        return (self.filters, self.use_head, vocab, drafter, metal.backend(),
+        return (self.filters, self.use_head, vocab, drafter, self.context, metal.backend(),
                 metal.fused_default())
 
     def static(self) -> "Spec":
@@ -395,28 +424,41 @@ def _draft_logprobs(spec: Spec, aux: dict, state: DecodeState, g: mx.array, hist
                      None if words is None else words[:, None])[:, 0]
 
 
+class Drafts(NamedTuple):
+    """A cycle's drafts before the verify (`draft`)."""
+
+    tokens: mx.array  # [B, k] int32
+    q: Optional[mx.array]  # [B, k, V]: what each was drawn from (None: every one a point draft)
+    point: Optional[mx.array]  # [B, k] bool: point drafts among drawn ones (None: by q alone)
+    context: Optional[mx.array]  # [B] bool: the row's drafts are its context run
+    chained: int  # entries the head's chain added to its cache
+
+
 def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: list, k: int,
-          keys: Optional[mx.array], history,
-          guidance: Optional[Guidance] = None) -> Tuple[mx.array, Optional[mx.array], int]:
-    """Drafts [B, k], their distributions q [B, k, V] (sampling; None when
-    greedy) and how many entries the chain added to the head's cache. Under
-    guidance, d1 is drawn from the head's distribution masked by the grammar
-    (the others unmasked: a draft the grammar refuses is rejected at its own
-    verify position), and a draft the grammar forces replaces the head's
-    (q one-hot there: Leviathan–Chen then keeps it with probability 1)."""
+          keys: Optional[mx.array], history, guidance: Optional[Guidance] = None,
+          head: Optional[int] = None, context: bool = False) -> Drafts:
+    """k drafts per row: the head's chain of `head` (default k) drafts, then
+    (a context run's width) the last one repeated; a row whose suffix occurred
+    before in its context (spec.context) drafts its context run instead (point
+    drafts); a draft the grammar forces replaces either (q one-hot there:
+    Leviathan–Chen then keeps it with probability 1). Sampled drafts come with
+    their q; greedy ones with none. Under guidance, d1 is drawn from the
+    head's distribution masked by the grammar (the others unmasked: a draft
+    the grammar refuses is rejected at its own verify position)."""
     model, drafter = spec.model, spec.drafter
+    head = k if head is None else head
     if drafter is not None and drafter.replaces_head:
         drafts, q = drafter.propose(aux["drafter"], state, k, None, None)
-        return drafts, q, 0
+        return Drafts(drafts, q, None, None, 0)
+    forced = guidance.forced if guidance is not None else None
     if guidance is not None and guidance.forced_all:  # the grammar drafts alone
-        drafts = guidance.forced
-        q = (mx.arange(model.vocab_size) == drafts[..., None]).astype(mx.float32) \
+        q = (mx.arange(model.vocab_size) == forced[..., None]).astype(mx.float32) \
             if spec.speculative else None
-        return drafts, q, 0
+        return Drafts(forced, q, None, None, 0)
     drafts, qs = [], []
     full = (spec.speculative or state.sampling.bias is not None or state.window is not None
             or history is not None or guidance is not None)
-    for j in range(k):
+    for j in range(head):
         if j > 0:
             g = head_forward(model, g, drafts[-1][:, None], shifted(head_cache, state.rope_delta))
         words = guidance.first if guidance is not None and j == 0 else None
@@ -429,20 +471,40 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
         else:
             d, q = model.draft_tokens_from_hidden(g[:, -1], aux["vocab"]), None
         d = d.astype(mx.int32)
-        if guidance is not None and guidance.forced is not None:
-            f = guidance.forced[:, j]
-            if q is not None:
-                one_hot = (mx.arange(q.shape[-1]) == f[:, None]).astype(q.dtype)
-                q = mx.where((f >= 0)[:, None], one_hot, q)
-            d = mx.where(f >= 0, f, d)
+        if forced is not None:  # (the chain goes on from the forced token)
+            d = mx.where(forced[:, j] >= 0, forced[:, j], d)
         if q is not None:
             qs.append(q)
         drafts.append(d)
-    drafts = mx.stack(drafts, axis=1)
+    B = state.y.shape[0]
+    tokens = mx.stack(drafts, axis=1) if drafts else mx.zeros((B, 0), mx.int32)
     q = mx.stack(qs, axis=1) if qs else None
+    point = None
+    if head < k:  # a context run's width: the head's last draft repeated (point drafts)
+        filler = tokens[:, -1:] if head else state.y[:, None]
+        tokens = mx.concatenate([tokens, mx.repeat(filler, k - head, axis=1)], axis=1)
+        if q is not None:
+            q = mx.concatenate([q, mx.zeros((B, k - head, q.shape[-1]), q.dtype)], axis=1)
+        point = mx.broadcast_to(mx.arange(k) >= head, (B, k))
+    found = None
+    if context and spec.context is not None:
+        runs, found = propose_runs(state.ctx_tokens, state.ctx_len, state.ctx_table, k,
+                                     spec.context)
+        tokens = mx.where(found[:, None], runs, tokens)
+        point = found[:, None] if point is None else point | found[:, None]
+    if forced is not None:
+        f = forced >= 0
+        tokens = mx.where(f, forced, tokens)
+        if q is not None:
+            q = mx.where(f[..., None], (mx.arange(q.shape[-1]) == forced[..., None]).astype(q.dtype),
+                         q)
+        point = None if point is None else point & ~f
+    if q is not None and point is not None:
+        point = mx.broadcast_to(point, tokens.shape)
     if drafter is not None:  # replaces the proposals; the head's chain still ran
-        drafts, q = drafter.propose(aux["drafter"], state, k, drafts, q)
-    return drafts, q, k - 1
+        tokens, q = drafter.propose(aux["drafter"], state, k, tokens, q)
+        point = None
+    return Drafts(tokens, q, point if q is not None else None, found, max(head - 1, 0))
 
 
 def commit_gdn(trunk: list, captures: List[Capture], consumed: mx.array, conv_kernel: int):
@@ -464,12 +526,14 @@ def commit_gdn(trunk: list, captures: List[Capture], consumed: mx.array, conv_ke
 
 
 def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
-          bad_drafts: mx.array) -> mx.array:
+          bad_drafts: mx.array, context: Optional[mx.array] = None) -> mx.array:
     """One int32 row per batch row, read with one host transfer (`unpack`)."""
     chosen = mx.take_along_axis(logprobs, safe[..., None], axis=-1)[..., 0]
+    context = mx.zeros_like(bad_drafts) if context is None else context
     return mx.concatenate([accepted[:, None].astype(mx.int32), raw.astype(mx.int32),
                            chosen.astype(mx.float32).view(mx.int32),
-                           bad_drafts[:, None].astype(mx.int32)], axis=1)
+                           bad_drafts[:, None].astype(mx.int32),
+                           context[:, None].astype(mx.int32)], axis=1)
 
 
 # -- the steps ----------------------------------------------------------------------------
@@ -485,10 +549,12 @@ class Proposals:
     bad_drafts: mx.array  # [B]
     keys: Optional[mx.array]  # [B, k+1, 2]: the drafts' keys, then the acceptance's
     chained: int  # a static count: part of a graph's key
+    point: Optional[mx.array] = None  # [B, k] bool: point drafts among drawn ones
+    context: Optional[mx.array] = None  # [B] bool: the row drafted its context run
 
     def tree(self) -> dict:
         return {"drafts": self.drafts, "q": self.q, "bad_drafts": self.bad_drafts,
-                "keys": self.keys}
+                "keys": self.keys, "point": self.point, "context": self.context}
 
     @classmethod
     def from_tree(cls, tree: dict, chained: int) -> "Proposals":
@@ -516,10 +582,11 @@ class Verified:
 
 
 def propose(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
-            history: Optional[list] = None,
-            guidance: Optional[Guidance] = None) -> Tuple[DecodeState, Proposals]:
-    """(Catch the head up,) draft k tokens. The state returned holds the
-    head's cache after its chain and the next cycle's key."""
+            history: Optional[list] = None, guidance: Optional[Guidance] = None,
+            head: Optional[int] = None, context: bool = False) -> Tuple[DecodeState, Proposals]:
+    """(Catch the head up,) draft k tokens, the head's chain `head` of them
+    (`draft`). The state returned holds the head's cache after its chain and
+    the next cycle's key."""
     model = spec.model
     cache = state.cache.copy()
     key, keys = state.key, None
@@ -528,12 +595,12 @@ def propose(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = 
         key, keys = split[:, 0], split[:, 1:]
     # the head takes the pairs it missed while the batch decoded plainly
     g = catch_up_ring(model, state, cache.head) if catch_up else state.g
-    drafts, q, chained = draft(spec, aux, state, g, cache.head, k, keys, history, guidance)
-    drafts, bad_drafts = in_vocab(spec.verified_drafts(drafts), model.vocab_size)
+    d = draft(spec, aux, state, g, cache.head, k, keys, history, guidance, head, context)
+    drafts, bad_drafts = in_vocab(spec.verified_drafts(d.tokens), model.vocab_size)
     new = state.replace(cache=cache, key=key)
     if catch_up:
         new = new.replace(ring_n=mx.zeros_like(state.ring_n))
-    return new, Proposals(drafts, q, bad_drafts, keys, chained)
+    return new, Proposals(drafts, d.q, bad_drafts, keys, d.chained, d.point, d.context)
 
 
 def verify(spec: Spec, state: DecodeState, proposals: Proposals) -> Tuple[DecodeState, Verified]:
@@ -563,8 +630,9 @@ def settle(spec: Spec, state: DecodeState, proposals: Proposals, verified: Verif
     logprobs = _logprobs(spec, verified.logits, state, history, tokens, words=words)
 
     # accept: `accepted` drafts, then out[accepted] after them (acceptance.py)
-    accepted, out = accept(logprobs, DraftRun(drafts, proposals.q), state.sampling, spec.filters,
-                           None if keys is None else keys[:, k], spec.sampler)
+    accepted, out = accept(logprobs, DraftRun(drafts, proposals.q, proposals.point),
+                           state.sampling, spec.filters, None if keys is None else keys[:, k],
+                           spec.sampler)
     packed = spec.shared(mx.concatenate([accepted[:, None], out], axis=1))
     accepted, raw = packed[:, 0].astype(mx.int32), packed[:, 1:].astype(mx.int32)
     out, _ = in_vocab(raw, model.vocab_size)  # the host reads the raw ones
@@ -585,14 +653,17 @@ def settle(spec: Spec, state: DecodeState, proposals: Proposals, verified: Verif
                         g=mx.take_along_axis(G, accepted[:, None, None], axis=1))
     if state.window is not None:
         new = new.replace(window=advance_window(state.window, tokens, accepted + 1))
-    return new, StepOutput(_pack(accepted, raw, out, logprobs, proposals.bad_drafts), logprobs)
+    new = new.with_context(out, accepted + 1, spec.context)
+    return new, StepOutput(_pack(accepted, raw, out, logprobs, proposals.bad_drafts,
+                                 proposals.context), logprobs)
 
 
 def drafted_cycle(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = False,
-                  history: Optional[list] = None) -> Tuple[DecodeState, StepOutput]:
-    """(Catch up,) draft k tokens, verify them in one trunk forward, accept,
-    commit: the three stages in one graph."""
-    state, proposals = propose(spec, aux, state, k, catch_up, history)
+                  history: Optional[list] = None, head: Optional[int] = None,
+                  context: bool = False) -> Tuple[DecodeState, StepOutput]:
+    """(Catch up,) draft k tokens (the head's chain `head` of them), verify
+    them in one trunk forward, accept, commit: the three stages in one graph."""
+    state, proposals = propose(spec, aux, state, k, catch_up, history, None, head, context)
     state, verified = verify(spec, state, proposals)
     return settle(spec, state, proposals, verified, history)
 
@@ -645,6 +716,7 @@ def plain_sample(spec: Spec, state: DecodeState, fwd: Forwarded, history: Option
     if state.window is not None:
         new = new.replace(window=advance_window(state.window, state.y[:, None],
                                                 mx.ones_like(state.y)))
+    new = new.with_context(y[:, None], mx.ones_like(y), spec.context)
     if spec.use_head:  # the pair waits in the ring (the oldest is overwritten)
         at = (state.ring_n % RING).reshape(1)
         new = new.replace(
@@ -709,11 +781,13 @@ class Static(NamedTuple):
     catch_up: bool
     chained: int  # entries the head's chain adds (Proposals.chained)
     forced_all: bool  # the grammars force every draft (no read between the halves)
+    head: int  # the head's chain: its first drafts (a context run's width past it)
+    context: bool  # rows draft their context runs (spec.context on)
 
 
-def _chained(spec: Spec, k: int, forced_all: bool) -> int:
+def _chained(spec: Spec, head: int, forced_all: bool) -> int:
     replaced = spec.drafter is not None and spec.drafter.replaces_head
-    return 0 if forced_all or replaced else k - 1
+    return 0 if forced_all or replaced else max(head - 1, 0)
 
 
 def _emitted(state: DecodeState, out: StepOutput) -> tuple:
@@ -727,7 +801,7 @@ def _stage_forward(g: Static, state: DecodeState, aux: dict):
 
 def _stage_propose(g: Static, state: DecodeState, aux: dict, guidance):
     state, proposals = propose(g.spec, aux, state, g.k, g.catch_up, None,
-                               Guidance.from_tree(guidance, g.forced_all))
+                               Guidance.from_tree(guidance, g.forced_all), g.head, g.context)
     state, verified = verify(g.spec, state, proposals)
     return state.tree(), proposals.tree(), verified.tree()
 
@@ -736,7 +810,8 @@ def _stage_propose(g: Static, state: DecodeState, aux: dict, guidance):
 # the state, the spec's arrays, the call's other inputs as trees).
 STAGES: Dict[str, Callable] = {
     # a drafted cycle, and a plain step (depth 0)
-    "cycle": lambda g, state, aux: _emitted(*drafted_cycle(g.spec, aux, state, g.k, g.catch_up)),
+    "cycle": lambda g, state, aux: _emitted(*drafted_cycle(g.spec, aux, state, g.k, g.catch_up,
+                                                           None, g.head, g.context)),
     "plain": lambda g, state, aux: _emitted(*plain_step(g.spec, aux, state)),
     # the head catches up without drafting (before rows join)
     "flush": lambda g, state, aux: flush_ring(g.spec, aux, state).tree(),
@@ -777,22 +852,25 @@ class Graphs:
         """Slow launches so far: traces, and eager runs of a graph not compiled yet."""
         return sum(self.runtime.traces.values()) + self.runtime.eager_runs
 
-    def _fn(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool = False):
-        key = (name, k, catch_up, layout, forced_all)
+    def _fn(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool = False,
+            head: Optional[int] = None, context: bool = False):
+        key = (name, k, catch_up, layout, forced_all, k if head is None else head, context)
         fn = self._fns.get(key)
         if fn is None:
-            fn, compiled = self._build(name, k, catch_up, layout, forced_all)
+            fn, compiled = self._build(*key)
             if compiled:
                 self._fns[key] = fn
         return fn
 
-    def _build(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool):
-        """One of the graphs: a stage of `STAGES` compiled for this depth,
-        catch-up, cache layout and spec."""
-        key = (name, k, catch_up, layout, forced_all) + self.spec.graph_key()
+    def _build(self, name: str, k: int, catch_up: bool, layout: tuple, forced_all: bool,
+               head: int, context: bool):
+        """One of the graphs: a stage of `STAGES` compiled for this depth (the
+        head's chain `head` of it), catch-up, cache layout, context runs and spec."""
+        key = (name, k, catch_up, layout, forced_all) + self.spec.graph_key() + (
+            (head, context) if head != k or context else ())
         # the graph keeps only what its key describes (no arrays of this call)
-        static = Static(self.spec.static(), k, catch_up, _chained(self.spec, k, forced_all),
-                        forced_all)
+        static = Static(self.spec.static(), k, catch_up, _chained(self.spec, head, forced_all),
+                        forced_all, head, context)
         stage, runtime = STAGES[name], self.runtime
 
         def apply(tree, aux, *rest):
@@ -809,41 +887,46 @@ class Graphs:
         return runtime.graph(key, lambda: mx.compile(run, inputs=static.spec.model.state)), True
 
     def step(self, state: DecodeState, k: int, catch_up: bool = False, history=None,
-             guidance: Optional[Guidance] = None) -> Tuple[DecodeState, StepOutput]:
-        """A drafted cycle of depth k (catching the head up first), or a plain
-        step (k == 0; under the grammars' masks with `guidance`). A guided
-        drafted cycle is two calls with a read of the drafts between them:
-        `propose`, then `settle`."""
+             guidance: Optional[Guidance] = None, head: Optional[int] = None,
+             context: bool = False) -> Tuple[DecodeState, StepOutput]:
+        """A drafted cycle of depth k (catching the head up first; the head's
+        chain `head` of it, default k), or a plain step (k == 0; under the
+        grammars' masks with `guidance`). A guided drafted cycle is two calls
+        with a read of the drafts between them: `propose`, then `settle`."""
         if guidance is not None and k:
             raise ValueError("a guided drafted cycle runs as propose and settle")
         if not (self.compiled and self.spec.compilable):
             if k == 0:
                 return plain_step(self.spec, self.aux, state, history, guidance)
-            return drafted_cycle(self.spec, self.aux, state, k, catch_up, history)
+            return drafted_cycle(self.spec, self.aux, state, k, catch_up, history, head, context)
         layout = state.cache.layout
         if guidance is not None:  # (k == 0)
             tree, packed, logprobs = self._fn("guided-plain", 0, False, layout)(
                 state.tree(), self.aux, guidance.tree())
         else:
-            tree, packed, logprobs = self._fn("cycle" if k else "plain", k, catch_up, layout)(
+            tree, packed, logprobs = self._fn("cycle" if k else "plain", k, catch_up, layout,
+                                              head=head, context=context and k > 0)(
                 state.tree(), self.aux)
         return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
 
     def propose(self, state: DecodeState, k: int, catch_up: bool, history,
-                guidance: Guidance) -> Tuple[DecodeState, Proposals, Verified]:
+                guidance: Guidance, head: Optional[int] = None, context: bool = False
+                ) -> Tuple[DecodeState, Proposals, Verified]:
         """A guided drafted cycle's first half: (catch the head up,) draft k
         tokens and verify them. The batch then reads the drafts for the
         grammars' masks after each draft prefix (none to read when the
         grammars forced every draft) and calls `settle`."""
+        head = k if head is None else head
         if not (self.compiled and self.spec.compilable):
-            state, proposals = propose(self.spec, self.aux, state, k, catch_up, history, guidance)
+            state, proposals = propose(self.spec, self.aux, state, k, catch_up, history, guidance,
+                                       head, context)
             state, verified = verify(self.spec, state, proposals)
             return state, proposals, verified
         layout, forced_all = state.cache.layout, guidance.forced_all
-        tree, ptree, vtree = self._fn("propose", k, catch_up, layout, forced_all)(
+        tree, ptree, vtree = self._fn("propose", k, catch_up, layout, forced_all, head, context)(
             state.tree(), self.aux, guidance.tree())
         return (DecodeState.from_tree(tree, layout),
-                Proposals.from_tree(ptree, _chained(self.spec, k, forced_all)),
+                Proposals.from_tree(ptree, _chained(self.spec, head, forced_all)),
                 Verified.from_tree(vtree))
 
     def settle(self, state: DecodeState, proposals: Proposals, verified: Verified, words,
@@ -854,7 +937,8 @@ class Graphs:
         if not (self.compiled and self.spec.compilable):
             return settle(self.spec, state, proposals, verified, history, words)
         layout, k = state.cache.layout, proposals.drafts.shape[1]
-        tree, packed, logprobs = self._fn("settle", k, catch_up, layout, guidance.forced_all)(
+        tree, packed, logprobs = self._fn("settle", k, catch_up, layout, guidance.forced_all,
+                                          proposals.chained + 1)(
             state.tree(), self.aux, proposals.tree(), verified.tree(), words)
         return DecodeState.from_tree(tree, layout), StepOutput(packed, logprobs)
 

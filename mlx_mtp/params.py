@@ -401,6 +401,9 @@ class DecodeOptions:
     lookahead: bool = True  # queue cycle n+1 before reading cycle n
     compiled: bool = True  # one compiled graph per depth, kept on the model
     draft_vocab: Any = None  # [N] int32: draft among these token ids only
+    # rows draft the run that followed their suffix's latest earlier occurrence
+    # in their own tokens where it occurred (context_draft.py)
+    context_drafts: bool = False
     # tests and benchmarks: a drafter in place of the head's proposals (or
     # context_draft.ContextDrafter: copied runs, opt-in), an `auto`
     # controller, a list that gets each read cycle's host timestamps

@@ -157,6 +157,7 @@ class Launched:
     counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
     pending: Optional[Pending] = None  # its masked sample not queued yet
     jump: bool = False  # it verified the grammars' forced run alone (schedule.py)
+    widened: bool = False  # wider than the head's chain: a context run's width
 
 
 class Ledger:

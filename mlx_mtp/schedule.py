@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from .context_draft import MAX_RUN
 from .cycle import RING, Spec
 from .depth import DepthController
 from .distributed import agree
@@ -34,6 +35,48 @@ class Plan:
     forward_only: bool  # a guided plain step queued ahead: its forward, sampled at its read
     guided: bool  # the rows' grammars mask it now
     runs: Optional[tuple] = None  # each row's forced run, when known
+    head: Optional[int] = None  # the head's chain (None: k); past it, a context run's width
+    context: bool = False  # rows whose suffix occurred before draft their context run
+
+
+@dataclass
+class ContextPolicy:
+    """When rows draft their context runs, and how wide (docs/design.md,
+    "Context drafts"): a cycle lets them while their runs are kept about as
+    often as the head's drafts (first positions, moving averages), else one
+    cycle in PROBE_EVERY tries them again; a run kept whole doubles the next
+    cycle's width (up to MAX_RUN), one cut short sets it to what was kept + 1."""
+
+    PROBE_EVERY = 16
+    DECAY = 0.8  # the moving averages' weight on the past
+
+    width: int = 0  # the next cycle's width (0: the head's depth)
+    context_first: float = 1.0  # how often a context run's first draft was kept
+    head_first: float = 0.0  # how often the head's first draft was kept
+    since_probe: int = 0
+
+    def use(self) -> bool:
+        """Whether the next cycle lets rows draft their runs."""
+        self.since_probe += 1
+        if self.context_first >= self.head_first or self.since_probe >= self.PROBE_EVERY:
+            self.since_probe = 0
+            return True
+        return False
+
+    def observe(self, k: int, accepted: Sequence[int], context: Sequence[bool]):
+        """A read drafted cycle of width k: each row's drafts kept, and
+        whether they were its context run."""
+        runs = [a for a, c in zip(accepted, context) if c]
+        heads = [a for a, c in zip(accepted, context) if not c]
+        d = self.DECAY
+        if runs:
+            self.context_first = d * self.context_first + (1 - d) * (
+                sum(a > 0 for a in runs) / len(runs))
+        if heads:
+            self.head_first = d * self.head_first + (1 - d) * (
+                sum(a > 0 for a in heads) / len(heads))
+        best = max(runs, default=0)
+        self.width = 0 if not runs else min(MAX_RUN, 2 * k) if best == k else best + 1
 
 
 def cycles_of(row, in_flight: Sequence) -> list:
@@ -52,6 +95,7 @@ class Schedule:
         self.guided = False  # some row has a grammar
         self.lookahead = 0  # cycles queued before one is read (ungrammared batches)
         self.guided_ahead = False  # a guided batch may queue a plain step's forward ahead
+        self.context = ContextPolicy()
 
     def settle(self, spec: Spec, rows: list):
         """The flags the present rows imply. A grammar's masks for a cycle need
@@ -111,10 +155,14 @@ class Schedule:
         forward_only = self.guided and bool(in_flight)
         if forward_only and k:
             return None
+        head, context = k, spec.context is not None and k > 0 and not jump and self.context.use()
+        if context and self.context.width > k:  # a context run's width past the head's chain
+            k = self.context.width if budget is None else min(self.context.width, budget)
         return Plan(k=k, jump=bool(jump), catch_up=k > 0 and ring > 0,
                     cold=self._cold(spec, ctl, k), forward_only=forward_only,
                     guided=self.guided and not forward_only,
-                    runs=None if runs is None else tuple(tuple(r) for r in runs))
+                    runs=None if runs is None else tuple(tuple(r) for r in runs),
+                    head=head, context=context)
 
     def _cold(self, spec: Spec, ctl: Optional[DepthController], k: int) -> bool:
         """Whether this plain step of a parked batch may skip the head's part of

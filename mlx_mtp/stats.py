@@ -19,6 +19,9 @@ class MTPStats:
     accepted_at: List[int] = field(default_factory=list)
     forced: int = 0  # drafts a grammar forced (they take the head's place)
     jumps: int = 0  # cycles that verified a forced run alone (no head draft)
+    # drafts that were the row's context run (context_draft.py), and those kept
+    context_drafted: int = 0
+    context_accepted: int = 0
 
     def record(self, depth: int, accepted: int):
         self.cycles += 1
@@ -36,6 +39,8 @@ class MTPStats:
         self.emitted += other.emitted
         self.forced += other.forced
         self.jumps += other.jumps
+        self.context_drafted += other.context_drafted
+        self.context_accepted += other.context_accepted
         for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
             while len(self.drafted_at) <= i:
                 self.drafted_at.append(0)
@@ -67,4 +72,7 @@ class MTPStats:
                "tokens_per_cycle": round(self.tokens_per_cycle, 4), "cycles": self.cycles}
         if self.forced:
             out.update(forced=self.forced, jumps=self.jumps)
+        if self.context_drafted:
+            out.update(context_drafted=self.context_drafted,
+                       context_accepted=self.context_accepted)
         return out

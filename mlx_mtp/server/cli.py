@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers over the ranks (pipeline "
                         "parallel) instead of sharding each layer (tensor parallel)")
+    p.add_argument("--context-drafts", action=argparse.BooleanOptionalAction,
+                   default=params.DecodeOptions.context_drafts,
+                   help="where a row's last tokens occurred before in its conversation or "
+                        "answer, draft what followed them there (a copied span at copy "
+                        "speed; answers are unchanged)")
     return p
 
 

@@ -183,11 +183,14 @@ class _Lane:
     def __init__(self, gen, settings: _Settings, next_turns=()):
         """next_turns: an earlier lane's (`next_turns`), taken over."""
         from ..batch import make_batch
+        from ..params import DecodeOptions
 
         self.gen, self.depth = gen, settings.depth
         self.batch = make_batch(gen.model_provider.model, draft_tokens=settings.depth,
                                 max_draft_tokens=gen.cli_args.max_draft_tokens,
-                                prefill_step_size=gen.cli_args.prefill_step_size)
+                                prefill_step_size=gen.cli_args.prefill_step_size,
+                                context_drafts=getattr(gen.cli_args, "context_drafts",
+                                                       DecodeOptions.context_drafts))
         self.batch.limit_prefill(gen.cli_args.prompt_concurrency)
         self.rows: dict = {}  # Row -> _RowState
         self.cycles = 0
