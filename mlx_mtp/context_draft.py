@@ -185,16 +185,16 @@ def _at(tokens: mx.array, positions: mx.array) -> mx.array:
 
 
 def _index_rows(tokens: mx.array, table: mx.array, at: mx.array, valid: mx.array,
-                sizes: Sequence[int]) -> mx.array:
+                sizes: Sequence[int], first: int = 0) -> mx.array:
     """The table with, for each position `at` [B, T] marked `valid`, each
-    n-gram ending just before it pointing there (the latest wins: positions
-    only grow, so a scatter-max keeps it)."""
+    n-gram ending just before it (and starting at `first` or later) pointing
+    there (the latest wins: positions only grow, so a scatter-max keeps it)."""
     B = at.shape[0]
     flat = table.reshape(-1)
     base = (mx.arange(B, dtype=mx.int32) * (BUCKETS + 1))[:, None]
     for n in sizes:
         grams = _at(tokens, at[..., None] - n + mx.arange(n))  # [B, T, n]
-        ok = valid & (at >= n)
+        ok = valid & (at - n >= first)
         slot = base + mx.where(ok, _bucket(grams, n), BUCKETS)
         flat = flat.at[slot.reshape(-1)].maximum(mx.where(ok, at, 0).reshape(-1))
     return flat.reshape(table.shape)
@@ -211,7 +211,7 @@ def context_state(tokens: Sequence[int], sizes: Sequence[int] = NGRAM_SIZES):
     at = mx.arange(start, len(tokens), dtype=mx.int32)[None]
     # (an n-gram reaching before the window has lost its first tokens)
     table = _index_rows(ring, mx.zeros((1, BUCKETS + 1), mx.int32), at,
-                        at - max(sizes) >= start, sizes)
+                        mx.ones(at.shape, mx.bool_), sizes, start)
     return ring, mx.array([len(tokens)], dtype=mx.int32), table
 
 

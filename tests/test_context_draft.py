@@ -155,3 +155,96 @@ def test_greedy_with_context_drafts_is_mlx_lms(loaded, name, source, k):
         assert k == "auto" or stats.accepted < stats.drafted
     if source == "copy" and k != "auto":  # whole runs of k
         assert stats.accepted_at[k - 1] > 0
+
+
+# -- in the batch, on the device (context_drafts=True) ----------------------------------------
+def test_the_device_index_proposes_what_the_host_index_does(monkeypatch):
+    """Two rows of one batch, growing by 1-4 tokens a cycle from prompts of
+    different lengths over a small vocabulary (copies everywhere): at every
+    cycle each row's device proposal is the host index's (buckets many
+    enough that no two n-grams share one; with fewer, a shared bucket only
+    loses a run: the n-gram before it is checked)."""
+    import mlx.core as mx
+
+    from mlx_mtp import context_draft as cd
+
+    monkeypatch.setattr(cd, "BUCKETS", 1 << 22)
+    rng = random.Random(3)
+    rows = [[rng.randrange(12) for _ in range(n)] for n in (1500, 1500)]
+    starts = [40, 300]
+    hosts = [ContextIndex(r[:s]) for r, s in zip(rows, starts)]
+    states = [cd.context_state(r[:s]) for r, s in zip(rows, starts)]
+    ctx = [mx.concatenate([s[i] for s in states]) for i in range(3)]
+    at, checked = list(starts), 0
+    while all(a < 1200 for a in at):
+        runs, found = cd.propose_runs(*ctx, MAX_RUN)
+        for b, host in enumerate(hosts):
+            want = host.propose(MAX_RUN)
+            assert bool(found[b]) == bool(want), (b, at[b])
+            if want:
+                assert tuple(runs[b].tolist()) == want.tokens, (b, at[b])
+                checked += 1
+        counts = [rng.randrange(1, 5) for _ in hosts]
+        new = [rows[b][at[b]:at[b] + c] + [0] * (4 - c) for b, c in enumerate(counts)]
+        ctx = cd.append_tokens(*ctx, mx.array(new, dtype=mx.int32), mx.array(counts))
+        for b, c in enumerate(counts):
+            hosts[b].extend(rows[b][at[b]:at[b] + c])
+            at[b] += c
+    assert checked > 150
+
+
+def _next_model(tmp_path_factory):
+    import mlx_lm
+
+    import mlx_mtp
+    from mlx_mtp.testing.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path_factory.mktemp("next") / "next", family="qwen3_next")
+    model, tok = mlx_mtp.load(path, quiet=True)
+    return model, mlx_lm.load(str(path))[0], tok
+
+
+@pytest.mark.parametrize("name,k", [("dense", 2), ("dense", "auto"), slow("moe", 2),
+                                    slow("moe", "auto"), slow("next", 2), slow("next", "auto")])
+def test_batched_rows_with_context_runs_are_mlx_lms(loaded, tmp_path_factory, name, k):
+    """Three greedy rows in one batch with context drafts on: two re-type
+    what their context holds (its index starts from the prompt, the answer,
+    the prompt again: `cached_tokens`, what a server's prefix cache passes),
+    one copies nothing. Each row's tokens and log-prob rows equal mlx_lm's
+    greedy decoding alone; the copying rows draft runs wider than the head's
+    chain (up to 16), kept whole and cut short (past the copy's end)."""
+    from util import SAME, LONG, reference
+
+    from mlx_mtp.batch import make_batch
+    from mlx_mtp.stats import MTPStats
+
+    model, ref_model, tok = _next_model(tmp_path_factory) if name == "next" else loaded(name)
+    prompts = [tok.encode(LONG * 2), tok.encode("def eggs(n):\n    return"),
+               tok.encode("import sys\nclass Ham:")]
+    ns = [48, 40, 36]
+    wants = [reference(ref_model, p, n, rows=True) for p, n in zip(prompts, ns)]
+    batch = make_batch(model, draft_tokens=k, context_drafts=True)
+    stats = [MTPStats() for _ in prompts]
+    cached = [p + w + p if copy else () for p, (w, _), copy in
+              zip(prompts, wants, (True, False, True))]
+    rows = batch.add([batch.prepare(p, None, n, cached_tokens=c, stats=s)
+                      for p, n, c, s in zip(prompts, ns, cached, stats)])
+    got = {id(r): ([], []) for r in rows}
+    while batch.rows:
+        for ev in batch.step():
+            got[id(ev.row)][0].append(ev.token)
+            got[id(ev.row)][1].append(ev.logprobs)
+    for i, (row, (want, want_rows)) in enumerate(zip(rows, wants)):
+        tokens, lps = got[id(row)]
+        assert tokens == want, (name, k, i)
+        assert SAME(mx_stack(lps), want_rows), (name, k, i)
+    for s in (stats[0], stats[2]):
+        print(name, k, s.usage())
+        assert 0 < s.context_accepted < s.context_drafted
+        assert len(s.drafted_at) >= 8  # (wider than any head's chain here)
+
+
+def mx_stack(arrays):
+    import mlx.core as mx
+
+    return mx.stack(arrays)

@@ -576,7 +576,7 @@ def _first_tokens(model, cfg, k, n_tokens, seed, oracle=None, draft_temp=None):
 
 
 def decoder_samples(model, cfg, k, n, oracle=None, seed0=1 << 20, stats=None, n_tokens=L,
-                    draft_vocab=None):
+                    draft_vocab=None, context_drafts=False):
     """First n_tokens of n generations (prefill, then cycles at depth k;
     every token after the first comes from a draft/verify cycle)."""
     out = []
@@ -584,7 +584,7 @@ def decoder_samples(model, cfg, k, n, oracle=None, seed0=1 << 20, stats=None, n_
         out.append(tuple(t for t, _, _ in generate_tokens(
             mx.array(PROMPT), model, max_tokens=n_tokens, draft_tokens=k, sampler=sampler(cfg),
             logits_processors=processors(cfg), drafter=oracle, seed=seed0 + i, stats=stats,
-            draft_vocab=draft_vocab)))
+            draft_vocab=draft_vocab, context_drafts=context_drafts)))
     return out
 
 
@@ -610,17 +610,19 @@ def _q_drafter(trunk_logits, cfg, mix, seed):
 # the kernel at 2·10⁴ samples above, the rest here in the slow tier
 E2E_CASES = [slow("rep", 2, "head"), ("top_k", 3, "q"), slow("temp", 1, "q"),
              slow("min_p", 2, "head_vocab"), slow("xtc", 2, "head"),
-             *[slow(c, 3, "context") for c in ("temp", "top_p", "top_k", "min_p", "rep")]]
+             *[slow(c, 3, "context") for c in ("temp", "top_p", "top_k", "min_p", "rep")],
+             *[slow(c, 2, "device_context") for c in ("temp", "top_k", "rep")]]
 DRAFT_VOCAB = sorted(set(range(50)) | set(S[:3]))  # q = 0 on S[3:]: only the residual emits them
 if SLOW:  # every setting at every depth
     E2E_CASES = [(c, k, "head" if k < 3 or c == "xtc" else "q") for c in CONFIGS
                  for k in (1, 2, 3)]
     E2E_CASES += [("min_p", 2, "head_vocab")]
     E2E_CASES += [(c, 3, "context") for c in ("temp", "top_p", "top_k", "min_p", "rep")]
+    E2E_CASES += [(c, 2, "device_context") for c in CONFIGS]
 
 
 @pytest.mark.parametrize("cfg,k,mode", E2E_CASES)
-def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
+def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode, monkeypatch):
     """The real decoder, with the real head's sampled drafts or with a
     DistributionDrafter whose q overlaps p (accepts and rejections): joint of
     the first 3 tokens. 10^4 samples with MLX_MTP_SLOW_TESTS=1, else 800, at
@@ -632,20 +634,26 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode):
     oracle = (_q_drafter(trunk_logits, cfg, 0.4, 5) if mode == "q" else
               _context_drafter() if mode == "context" else None)
     vocab = mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None
+    if mode == "device_context":  # the batch's own index, of 1-grams (3 tokens repeat little)
+        monkeypatch.setattr("mlx_mtp.batch.NGRAM_SIZES", (1,))
     stats = MTPStats()
-    samples = decoder_samples(model, cfg, k, n, oracle=oracle, stats=stats, draft_vocab=vocab)
+    samples = decoder_samples(model, cfg, k, n, oracle=oracle, stats=stats, draft_vocab=vocab,
+                              context_drafts=mode == "device_context")
     pvalue = chi2_pvalue(samples, joint)
     print(f"end-to-end {cfg} depth {k} {mode}: n={n} chi2 p={pvalue:.4f} "
           f"acceptance={stats.acceptance}")
     assert pvalue > ALPHA
     if mode in ("q", "context"):
         assert 0 < stats.accepted < stats.drafted  # both paths exercised
+    if mode == "device_context":  # runs drafted, kept and rejected
+        assert 0 < stats.context_accepted < stats.context_drafted
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("k,mode", [(1, "head"), (3, "head"), (2, "head_greedy"), (2, "oracle"),
-                                    (3, "q"), ("auto", "q"), (3, "head_vocab"), (4, "context")])
-def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
+                                    (3, "q"), ("auto", "q"), (3, "head_vocab"), (4, "context"),
+                                    (4, "device_context")])
+def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode, monkeypatch):
     """Every emitted token's log-prob row (what plain decoding would sample
     from, processors applied with that position's history) equals mlx_lm's
     teacher-forced one on the generated sequence, across accepts and
@@ -661,12 +669,15 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
         oracle = _q_drafter(trunk_logits, cfg, 0.2, 4)
     elif mode == "context":  # copied runs (point drafts), the head's drafts elsewhere
         oracle = _context_drafter()
+    elif mode == "device_context":  # the batch's own index (1-grams: the row repeats little)
+        monkeypatch.setattr("mlx_mtp.batch.NGRAM_SIZES", (1,))
     stats = MTPStats()
     got = list(generate_tokens(
         mx.array(PROMPT), model, max_tokens=20, draft_tokens=k,
         sampler=sampler(cfg, draft_temp=0.0 if mode == "head_greedy" else None),
         logits_processors=processors(cfg), seed=9, drafter=oracle, stats=stats,
-        draft_vocab=mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None))
+        draft_vocab=mx.array(DRAFT_VOCAB) if mode == "head_vocab" else None,
+        context_drafts=mode == "device_context"))
     toks = [t for t, _, _ in got]
     seq = mx.array(PROMPT + toks)
     logits = ref_model(seq[None])[0, len(PROMPT) - 1 : -1].astype(mx.float32)
@@ -685,6 +696,8 @@ def test_verify_rows_match_teacher_forcing(models, trunk_logits, cfg, k, mode):
         assert 0 < stats.accepted < stats.drafted
     if mode == "context":
         assert oracle.runs > 0
+    if mode == "device_context":
+        assert stats.context_drafted > 0
 
 
 def test_seed_reproducible(models):

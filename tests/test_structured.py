@@ -47,6 +47,44 @@ def test_greedy_is_constrained_plain_decoding(loaded, name, k):
         assert len(got) == len(want.tokens) + (want.finish_reason == "stop")
 
 
+@pytest.mark.parametrize("k", [2, "auto"])
+def test_constrained_rows_with_context_runs_are_constrained_plain_decoding(loaded, k):
+    """Context drafts under grammars, in one batch: a regex row re-typing
+    what its context holds (its index starts from the prompt, the answer,
+    the prompt: `cached_tokens`) drafts context runs; a schema row (whose
+    forced tokens win over any run) and a free row decode beside it; each
+    row's tokens are plain constrained (or plain) decoding's."""
+    from mlx_mtp.batch import make_batch
+
+    model, ref_model, tok = loaded("dense")
+    prompts = [tok.encode(p) for p in ("hello world", "def f(x):", "a b c")]
+    constraints = [mlx_mtp.constrain(regex=r"[a-z ]{10,40}"), None, mlx_mtp.constrain(SCHEMA)]
+    wants = []
+    for prompt, constraint in zip(prompts, constraints):
+        if constraint is None:
+            want = reference(ref_model, prompt, 24)
+            stop = next((i for i, t in enumerate(want) if t in tok.eos_token_ids), None)
+            wants.append(want[:stop])
+        else:
+            wants.append(constrained_plain_generate(ref_model, tok, prompt, constraint,
+                                                    max_tokens=24).tokens)
+    batch = make_batch(model, draft_tokens=k, context_drafts=True)
+    stats = MTPStats()
+    cached = [prompts[0] + wants[0] + prompts[0], (), ()]
+    rows = batch.add([batch.prepare(p, None, 24, cached_tokens=c, constraint=con, tokenizer=tok,
+                                    stop_tokens=tok.eos_token_ids,
+                                    stats=stats if i == 0 else None)
+                      for i, (p, c, con) in enumerate(zip(prompts, cached, constraints))])
+    got = {id(r): [] for r in rows}
+    while batch.rows:
+        for ev in batch.step():
+            if ev.token not in tok.eos_token_ids:
+                got[id(ev.row)].append(ev.token)
+    for row, want, constraint in zip(rows, wants, constraints):
+        assert got[id(row)] == want, (k, constraint)
+    assert 0 < stats.context_accepted, stats.usage()
+
+
 def test_rows_of_a_batch_each_get_their_own_constraint(loaded):
     """Rows with different constraints and rows without decode in one batch;
     each gets what it gets alone (mlx_lm's plain output for the free row)."""
