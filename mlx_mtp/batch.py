@@ -513,8 +513,7 @@ class Batch:
             k, plan.cold, spec.use_head, self.state)
         launched = Launched(k, out, before, self.graphs.traces > traces, tuple(self.rows),
                             dict(build0=t0, build1=built, queued=t1), cold=plan.cold,
-                            counts=counts, pending=pending, jump=plan.jump,
-                            widened=plan.head is not None and plan.head < k)
+                            counts=counts, pending=pending, jump=plan.jump, head=plan.head)
         if self.current is None:
             self.current = launched
         else:
@@ -643,17 +642,26 @@ class Batch:
             self.current = self._complete(self.current)  # (the grammars now have this
             # cycle's tokens)
         context = [bool(read.context[i]) for i, row in enumerate(cycle.rows) if not row.done]
-        if k and not cycle.jump:
-            self.schedule.context.observe(k, accepted, context)
-        # (a jump, a widened cycle or context runs: not the controller's depth and drafts)
-        if ctl is not None and accepted and not (cycle.jump or cycle.widened or any(context)):
-            ctl.update_acceptance(k, accepted)
+        sample = None
+        if accepted and not cycle.jump and (ctl is not None or self.spec.context is not None):
             sample = cost_sample(cycle, self.current or cycle,
                                  lookahead=self.current is not None,
                                  distributed=self.spec.group is not None, first=first,
                                  launches=self._launched, since=self._tic, now=toc)
+        if self.spec.context is not None:
+            if k and not cycle.jump:
+                self.schedule.context.observe(k, accepted, context)
+            elif not k:
+                self.schedule.context.observe_plain(context)
             if sample is not None:
-                ctl.update_cost(*sample)
+                waited, seconds = sample
+                self.schedule.context.observe_cost(waited.k, waited.head or waited.k,
+                                                   len(waited.rows), seconds)
+        # (a jump, a widened cycle or context runs: not the controller's depth and drafts)
+        if ctl is not None and accepted and not (cycle.jump or cycle.widened or any(context)):
+            ctl.update_acceptance(k, accepted)
+            if sample is not None and not sample[0].widened:
+                ctl.update_cost(sample[0].k, sample[1])
         self._tic, self._launched = toc, 0
         if self.timeline is not None:
             stamps = (self.current or cycle).stamps

@@ -236,7 +236,9 @@ class CycleRead(NamedTuple):
     tokens: np.ndarray  # [B, k+1]: as the sampler gave them
     logprobs: np.ndarray  # [B, k+1]: theirs
     bad_drafts: np.ndarray  # [B]: drafts outside the vocabulary
-    context: np.ndarray  # [B] bool: the row drafted its context run
+    # [B] bool: a drafted cycle's row drafted its context run; a plain step's
+    # row has one to draft now
+    context: np.ndarray
 
 
 def unpack(values: np.ndarray, k: int) -> CycleRead:
@@ -717,6 +719,10 @@ def plain_sample(spec: Spec, state: DecodeState, fwd: Forwarded, history: Option
         new = new.replace(window=advance_window(state.window, state.y[:, None],
                                                 mx.ones_like(state.y)))
     new = new.with_context(y[:, None], mx.ones_like(y), spec.context)
+    if new.ctx_tokens is not None and spec.context is not None:  # a run is there now: the
+        # schedule may draft it though the head is parked (ContextPolicy.observe_plain)
+        _, found = propose_runs(new.ctx_tokens, new.ctx_len, new.ctx_table, 1, spec.context)
+        packed = packed.at[:, -1].add(found.astype(mx.int32))
     if spec.use_head:  # the pair waits in the ring (the oldest is overwritten)
         at = (state.ring_n % RING).reshape(1)
         new = new.replace(

@@ -218,8 +218,9 @@ class DepthController:
 
 
 def cost_sample(read: "Launched", newest: "Launched", *, lookahead: bool, distributed: bool,
-                first: bool, launches: int, since: float, now: float) -> Optional[Tuple[int, float]]:
-    """The (depth, seconds) that the time between two reads measured, or None
+                first: bool, launches: int, since: float, now: float
+                ) -> Optional[Tuple["Launched", float]]:
+    """The (cycle, seconds) that the time between two reads measured, or None
     when it measured no one cycle. `read`: the cycle just read; `newest`: the
     last one queued (`read` itself without lookahead); `since`: the previous
     read's end; `launches`: cycles queued since then."""
@@ -237,4 +238,4 @@ def cost_sample(read: "Launched", newest: "Launched", *, lookahead: bool, distri
     if first or read.traced or newest.traced or len(newest.rows) != len(read.rows) \
             or launches != 1:
         return None
-    return waited_on.k, now - since
+    return waited_on, now - since

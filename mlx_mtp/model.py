@@ -137,12 +137,15 @@ class Runtime:
     controllers' measurements (schedule.controller_for), so a later request neither retraces
     nor learns its depth again."""
 
-    max_graphs = 64
+    max_graphs = 128  # (context runs' widths add graphs: schedule.CONTEXT_WIDTHS)
 
     def __init__(self):
         self.graphs: "OrderedDict[tuple, object]" = OrderedDict()
         self.traces: Dict[tuple, int] = {}
         self.controllers: Dict[tuple, object] = {}
+        # seconds of a cycle wider than the head's chain, and their counts, by
+        # (width, head's chain, batch-size bucket) (schedule.ContextPolicy)
+        self.width_costs: Dict[tuple, list] = {}
         # the process's first graph runs, eager (params.CPU_EAGER_RUNS); they
         # are not cost samples (cycle.Graphs.traces)
         self.eager_limit = params.CPU_EAGER_RUNS if mx.default_device() == mx.cpu else 0
@@ -170,6 +173,7 @@ class Runtime:
         self.graphs.clear()
         self.traces.clear()
         self.controllers.clear()
+        self.width_costs.clear()
 
 
 class LanguageModelTrunk:

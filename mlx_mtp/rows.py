@@ -157,7 +157,11 @@ class Launched:
     counts: Optional[dict] = None  # the device's counters after it (Ledger.checking)
     pending: Optional[Pending] = None  # its masked sample not queued yet
     jump: bool = False  # it verified the grammars' forced run alone (schedule.py)
-    widened: bool = False  # wider than the head's chain: a context run's width
+    head: Optional[int] = None  # the head's chain, when shorter than k (a context run's width)
+
+    @property
+    def widened(self) -> bool:
+        return self.head is not None and self.head < self.k
 
 
 class Ledger:

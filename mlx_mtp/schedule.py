@@ -10,14 +10,15 @@ the grammars' forced runs verified alone (jumps) and parked cold steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from .context_draft import MAX_RUN
 from .cycle import RING, Spec
 from .depth import DepthController
 from .distributed import agree
 
+# the widths a cycle takes past the head's chain for context runs (a graph each)
+CONTEXT_WIDTHS = (4, 8, 16)
 # a run the grammars force past the depth is verified alone in one forward
 # of one of these lengths (a graph each; what is left of a run goes next cycle)
 JUMPS = (2, 3, 4, 6, 8, 12, 16)
@@ -41,18 +42,28 @@ class Plan:
 
 @dataclass
 class ContextPolicy:
-    """When rows draft their context runs, and how wide (docs/design.md,
-    "Context drafts"): a cycle lets them while their runs are kept about as
-    often as the head's drafts (first positions, moving averages), else one
-    cycle in PROBE_EVERY tries them again; a run kept whole doubles the next
-    cycle's width (up to MAX_RUN), one cut short sets it to what was kept + 1."""
+    """When rows draft their context runs, and how wide a cycle is for them
+    (docs/design.md, "Context drafts"). Runs are let in while their first
+    drafts are kept about as often as the head's (moving averages), else one
+    cycle in PROBE_EVERY tries them again. The width: a run kept whole
+    proposes the next of CONTEXT_WIDTHS, one cut short the widest of them
+    that what was kept + 1 fills (none: the head's depth); a proposal is taken when its expected tokens per second beat the
+    head's depth's (each run position kept with the measured rate, each
+    width's cycle cost measured by batch size), and tried once when its
+    cost is not measured yet."""
 
     PROBE_EVERY = 16
-    DECAY = 0.8  # the moving averages' weight on the past
+    DECAY = 0.8  # the first-draft averages' weight on the past
+    ALPHA = 0.2  # the run keep rate's and the costs' weight on a new sample
+    MIN_SAMPLES = 2  # cost samples before a width's cost is trusted
 
-    width: int = 0  # the next cycle's width (0: the head's depth)
+    width: int = 0  # the width proposed for the next cycle (0: the head's depth)
+    # [seconds, samples] of a cycle by (width, the head's chain, batch-size
+    # bucket): the model's (Runtime.width_costs, kept across generations)
+    costs: dict = field(default_factory=dict)
     context_first: float = 1.0  # how often a context run's first draft was kept
     head_first: float = 0.0  # how often the head's first draft was kept
+    keep: float = 0.9  # how often a run's draft is kept, given those before it were
     since_probe: int = 0
 
     def use(self) -> bool:
@@ -63,6 +74,24 @@ class ContextPolicy:
             return True
         return False
 
+    def expected_tokens(self, width: int) -> float:
+        """A copying row's tokens from a cycle of this width."""
+        return sum(self.keep ** i for i in range(width + 1))
+
+    def choose(self, head: int, rows: int) -> int:
+        """The next cycle's width, the head's chain being `head` drafts."""
+        if self.width <= head:
+            return head
+        widths = [head] + [w for w in CONTEXT_WIDTHS if head < w <= self.width][-2:]
+        rates = [self._rate(w, head, rows) for w in widths]
+        if None in rates:
+            return widths[rates.index(None)]  # (measure it)
+        return widths[rates.index(max(rates))]
+
+    def _rate(self, width: int, head: int, rows: int) -> Optional[float]:
+        seconds, n = self.costs.get((width, head, _bucket(rows)), (0.0, 0))
+        return None if n < self.MIN_SAMPLES else self.expected_tokens(width) / seconds
+
     def observe(self, k: int, accepted: Sequence[int], context: Sequence[bool]):
         """A read drafted cycle of width k: each row's drafts kept, and
         whether they were its context run."""
@@ -72,11 +101,34 @@ class ContextPolicy:
         if runs:
             self.context_first = d * self.context_first + (1 - d) * (
                 sum(a > 0 for a in runs) / len(runs))
+            for a in runs:  # the positions reached
+                for j in range(min(k, a + 1)):
+                    self.keep += self.ALPHA * (float(j < a) - self.keep)
         if heads:
             self.head_first = d * self.head_first + (1 - d) * (
                 sum(a > 0 for a in heads) / len(heads))
         best = max(runs, default=0)
-        self.width = 0 if not runs else min(MAX_RUN, 2 * k) if best == k else best + 1
+        wider = [w for w in CONTEXT_WIDTHS if w > k]
+        fits = [w for w in CONTEXT_WIDTHS if w <= best + 1]
+        self.width = 0 if not runs else (wider[0] if wider else k) if best == k else \
+            (fits[-1] if fits else 0)
+
+    def observe_plain(self, available: Sequence[bool]):
+        """A read plain step: whether each row has a run to draft now (the
+        head parked, a cycle of runs alone may pay)."""
+        if any(available) and self.width == 0:
+            self.width = CONTEXT_WIDTHS[0]
+
+    def observe_cost(self, width: int, head: int, rows: int, seconds: float):
+        """A cycle's measured seconds (`depth.cost_sample`)."""
+        key = (width, head, _bucket(rows))
+        old, n = self.costs.get(key, (seconds, 0))
+        self.costs[key] = [old + max(self.ALPHA, 1 / (n + 1)) * (seconds - old), n + 1]
+
+
+def _bucket(rows: int) -> int:
+    """Batch sizes that share a cost (powers of two, as the `auto` controllers)."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 def cycles_of(row, in_flight: Sequence) -> list:
@@ -101,6 +153,7 @@ class Schedule:
         """The flags the present rows imply. A grammar's masks for a cycle need
         the cycle before it read: a guided batch queues ahead only a plain
         step's forward (`ahead`)."""
+        self.context.costs = spec.model.runtime.width_costs
         self.guided = any(r.matcher is not None for r in rows)
         may = self.may_look_ahead and not spec.host_history and spec.trusted_sampler
         self.lookahead = 1 if may and not self.guided else 0
@@ -155,9 +208,18 @@ class Schedule:
         forward_only = self.guided and bool(in_flight)
         if forward_only and k:
             return None
-        head, context = k, spec.context is not None and k > 0 and not jump and self.context.use()
-        if context and self.context.width > k:  # a context run's width past the head's chain
-            k = self.context.width if budget is None else min(self.context.width, budget)
+        # parked (depth 0), rows with a run to draft may still draft it: the head
+        # drafts none (its chain of 0)
+        parked_run = (k == 0 and ctl is not None and spec.context is not None and not forward_only
+                      and self.context.width > 0 and (budget is None or budget >= 1))
+        head = k
+        context = (spec.context is not None and (k > 0 or parked_run) and not jump
+                   and self.context.use())
+        if context:  # (a context run's width may pass the head's chain: one of
+            # CONTEXT_WIDTHS, within the budget)
+            wide = self.context.choose(k, len(rows))
+            k = max([k] + [w for w in CONTEXT_WIDTHS if w <= wide and (budget is None
+                                                                       or w <= budget)])
         return Plan(k=k, jump=bool(jump), catch_up=k > 0 and ring > 0,
                     cold=self._cold(spec, ctl, k), forward_only=forward_only,
                     guided=self.guided and not forward_only,

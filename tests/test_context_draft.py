@@ -206,17 +206,24 @@ def _next_model(tmp_path_factory):
 
 @pytest.mark.parametrize("name,k", [("dense", 2), ("dense", "auto"), slow("moe", 2),
                                     slow("moe", "auto"), slow("next", 2), slow("next", "auto")])
-def test_batched_rows_with_context_runs_are_mlx_lms(loaded, tmp_path_factory, name, k):
+def test_batched_rows_with_context_runs_are_mlx_lms(loaded, tmp_path_factory, name, k,
+                                                    monkeypatch):
     """Three greedy rows in one batch with context drafts on: two re-type
     what their context holds (its index starts from the prompt, the answer,
     the prompt again: `cached_tokens`, what a server's prefix cache passes),
     one copies nothing. Each row's tokens and log-prob rows equal mlx_lm's
     greedy decoding alone; the copying rows draft runs wider than the head's
-    chain (up to 16), kept whole and cut short (past the copy's end)."""
+    chain (up to 16: the policy here sees every width cost the same, as a
+    GPU's verify that reads the weights once would), kept whole and cut
+    short (past the copy's end)."""
     from util import SAME, LONG, reference
 
     from mlx_mtp.batch import make_batch
+    from mlx_mtp.schedule import ContextPolicy
     from mlx_mtp.stats import MTPStats
+
+    monkeypatch.setattr(ContextPolicy, "_rate", lambda self, w, head, rows:
+                        self.expected_tokens(w))
 
     model, ref_model, tok = _next_model(tmp_path_factory) if name == "next" else loaded(name)
     prompts = [tok.encode(LONG * 2), tok.encode("def eggs(n):\n    return"),
@@ -248,3 +255,48 @@ def mx_stack(arrays):
     import mlx.core as mx
 
     return mx.stack(arrays)
+
+
+def test_the_context_policy_on_recorded_reads():
+    """The width rule, without a model (schedule.ContextPolicy): runs kept
+    whole widen the next cycle through CONTEXT_WIDTHS while the measured
+    tokens per second say so; a run cut short narrows it to the widest width
+    its kept drafts + 1 fill; where wide cycles cost their width (this CPU)
+    and runs are kept half the time, the head's depth wins; a plain step
+    whose row has a run proposes one even while the head is parked."""
+    from mlx_mtp.schedule import CONTEXT_WIDTHS, ContextPolicy
+
+    flat = ContextPolicy(costs={})
+    for w in (2, *CONTEXT_WIDTHS):  # a GPU-like verify: every width costs the same
+        for _ in range(ContextPolicy.MIN_SAMPLES):
+            flat.observe_cost(w, 2, 1, 0.01)
+    widths, k = [], 2
+    for _ in range(4):
+        flat.observe(k, [k], [True])  # (the run kept whole)
+        k = flat.choose(2, 1)
+        widths.append(k)
+    assert widths == [4, 8, 16, 16]
+    flat.observe(16, [5], [True])  # cut short after 5: 6 tokens would have done
+    assert flat.width == 4 and flat.choose(2, 1) == 4
+    flat.observe(4, [1], [True])
+    assert flat.width == 0 and flat.choose(2, 1) == 2
+    flat.observe(2, [2, 0], [False, False])  # no run: the head's depth
+    assert flat.choose(2, 1) == 2
+
+    linear = ContextPolicy(costs={}, keep=0.5)
+    for w in (2, *CONTEXT_WIDTHS):
+        for _ in range(ContextPolicy.MIN_SAMPLES):
+            linear.observe_cost(w, 2, 1, 0.004 * (w + 1))
+    linear.width = 16
+    assert linear.choose(2, 1) == 2
+    unmeasured = ContextPolicy(costs={}, width=8)
+    assert unmeasured.choose(2, 1) == 2  # the head's depth measured first, then the widths
+    unmeasured.observe_cost(2, 2, 1, 0.01)
+    unmeasured.observe_cost(2, 2, 1, 0.01)
+    assert unmeasured.choose(2, 1) == 4
+
+    parked = ContextPolicy(costs={})
+    parked.observe_plain([False, False])
+    assert parked.width == 0
+    parked.observe_plain([False, True])
+    assert parked.width == CONTEXT_WIDTHS[0]
