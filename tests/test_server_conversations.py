@@ -272,3 +272,28 @@ def _its_next_turn_during_idle_work(srv, client, attempt: int) -> bool:
     done = int(re.search(r"paused at (\d+) of", paused[-1]).group(1))
     assert r2.usage.prompt_tokens_details.cached_tokens >= done > r1.usage.prompt_tokens
     return True
+
+
+def test_context_drafts_keep_each_turn_a_cold_prefill(cold, tmp_path):
+    """--context-drafts: every row's index holds its whole conversation (the
+    prefix cache's tokens and the new ones), and its runs are drafted beside
+    the head's; each turn of a three-turn conversation whose last turn asks
+    for an earlier answer again is still the cold prefill's answer (up to
+    ties), and the server reports the runs it drafted (usage.mtp)."""
+    run, tok = cold
+    s = Server(["mlx_mtp.server", "--context-drafts"], tmp_path / "server.log")
+    try:
+        client = s.openai(timeout=300)
+        messages, drafted = [{"role": "system", "content": SYSTEM}], 0
+        for ask in ("def fibonacci(n):", "def factorial(n):",
+                    "Write def fibonacci(n): again, exactly as before."):
+            messages.append({"role": "user", "content": ask})
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=80,
+                                               temperature=0)
+            text = r.choices[0].message.content or ""
+            equal_up_to_ties(text, *run(messages, 80), tok)
+            drafted += (r.usage.model_extra or {}).get("mtp", {}).get("context_drafted", 0)
+            messages.append({"role": "assistant", "content": text})
+    finally:
+        s.close()
+    assert drafted > 0
