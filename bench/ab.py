@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default=",".join(serve_bench.DEFAULT
                                                    + list(serve_bench.FOLLOWING)))
     p.add_argument("--mtp-args", default="", help="extra flags for both mlx_mtp servers")
+    p.add_argument("--head-args", default="",
+                   help="extra flags for the head's server only (e.g. BASE = HEAD's revision "
+                        "and --head-args=--context-drafts: a switch against itself)")
     p.add_argument("--json", default="bench/results/ab.json")
     args = p.parse_args(argv)
     from bench import blas_in_use, machine_info
@@ -119,9 +122,11 @@ def main(argv=None) -> int:
                 sites[name] = install(rev, Path(tmp) / name, Path(tmp))
             mtp = ["mlx_mtp.server", "--model", model, *args.mtp_args.split()]
             servers = {"base": (mtp, {"PYTHONPATH": pythonpath(sites["base"])}),
-                       "head": (mtp, {"PYTHONPATH": pythonpath(sites["head"])}),
+                       "head": (mtp + args.head_args.split(),
+                                {"PYTHONPATH": pythonpath(sites["head"])}),
                        "mlx_lm": (["mlx_lm", "server", "--model", model], None)}
-            print(f"model {model}; BLAS {blas_in_use()}; base {args.base}, head {head_name}; "
+            print(f"model {model}; BLAS {blas_in_use()}; base {args.base}, head {head_name}"
+                  + (f" with {args.head_args}" if args.head_args else "") + "; "
                   f"{args.rounds} rounds; workloads {', '.join(workloads)}", flush=True)
 
             def said(rnd, w, runs):

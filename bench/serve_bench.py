@@ -218,6 +218,38 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
             "ttft": (first or end) - t0 if stream else end - t0}
 
 
+def complete(url, prompt: str, max_tokens: int, fields=None) -> dict:
+    """One streamed text completion (/v1/completions), as `chat` reports it."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **(fields or {})}
+    t0 = time.perf_counter()
+    first, text, usage, finish = None, "", {}, None
+    try:
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            for line in r.iter_lines(decode_unicode=True):
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices"):
+                    finish = chunk["choices"][0].get("finish_reason") or finish
+                    delta = chunk["choices"][0].get("text")
+                    if delta:
+                        first = first or time.perf_counter()
+                        text += delta
+    except requests.RequestException as e:
+        return {"error": type(e).__name__}
+    end = time.perf_counter()
+    if finish is None:
+        return {"error": "the answer ended without a finish_reason"}
+    return {"text": text, "tokens": usage.get("completion_tokens", 0), "finish": finish,
+            "start": t0, "end": end, "cached": 0, "prompt_tokens": usage.get("prompt_tokens", 0),
+            "ttft": (first or end) - t0, "mtp": usage.get("mtp")}
+
+
 # -- workloads: each returns the list of request results -------------------------------------------
 def _task(rnd: int, i: int) -> str:
     # a new first line per round and request: no round reuses another's prefix
@@ -264,6 +296,47 @@ def agent(url, max_tokens: int, rnd: int, turns: int = 4, after_turn=None):
         messages.append({"role": "assistant", "content": r.get("text", "")})
         if after_turn is not None:
             after_turn(i)
+    return out
+
+
+SEARCH = "<<<<<<< SEARCH"
+
+
+def edit_prompts(rnd: int, n: int, window_lines: int = 40) -> list:
+    """n edit prompts, different every round: a window of a stdlib file, then
+    the start of an aider SEARCH block that re-types one of its lines (what
+    an agent copies: the model goes on re-typing the window, or should;
+    train/copy_model.py's `search_prompt` layout)."""
+    files = sorted(Path(inspect.getfile(json)).parent.parent.glob("*.py"))
+    out, k = [], rnd * n + 7
+    while len(out) < n:
+        f = files[(k * 31) % len(files)]
+        k += 1
+        lines = f.read_text(errors="replace").split("\n")
+        if len(lines) < window_lines + 20:
+            continue
+        start = (k * 131) % (len(lines) - window_lines)
+        window = lines[start:start + window_lines]
+        cands = [i for i in range(5, window_lines - 12) if window[i].strip()]
+        if not cands:
+            continue
+        i = cands[(k * 17) % len(cands)]
+        rel = f.name
+        out.append(f"{rel}\n```python\n" + "\n".join(window) + "\n```\n\n"
+                   + f"{rel}\n```python\n{SEARCH}\n" + window[i])
+    return out
+
+
+def edits(url, rnd: int, fields=None, per_client: int = 4, max_tokens: int = 128):
+    """One client's edit requests in turn (text completions)."""
+    out = []
+    for j, prompt in enumerate(edit_prompts(rnd, per_client)):
+        f = dict(fields or {})
+        if f.get("temperature"):
+            f["seed"] = rnd * 100 + j
+        r = complete(url, prompt, max_tokens, f)
+        r["greedy"] = not f.get("temperature")
+        out.append(r)
     return out
 
 
@@ -387,6 +460,9 @@ WORKLOADS.update({
     # one client's structured answers in turn (the batch of one row jumps its forced runs)
     "json1": lambda url, rnd: json_clients(url, rnd, per_client=4, names=["weather"]),
     "json1free3": json1free3,
+    # an agent re-typing its context (issue 63): greedy, and sampled
+    "edit": lambda url, rnd: edits(url, rnd),
+    "edit_sampled": lambda url, rnd: edits(url, rnd, {"temperature": 0.7, "top_p": 0.95}),
 })
 # jsonlen: json's requests, mlx_mtp.server first, then mlx_lm.server with each
 # request's max_tokens set to the length of mlx_mtp's answer to it (the same
