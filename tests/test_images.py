@@ -145,6 +145,37 @@ def test_image_rows_and_text_rows_decode_in_one_batch(vl):
         assert np.abs(np.stack([r for _, r in row]) - lp).max() < 1e-4, i
 
 
+def test_image_rows_with_context_runs_decode_as_alone(vl_once, monkeypatch):
+    """Context drafts beside images: rows with one and two images and a text
+    row, each re-typing what its context holds (its index starts from the
+    prompt, its answer, the prompt: `cached_tokens`), in one batch with runs
+    up to 16 wide (every width costing the same to the policy here): each
+    row's tokens and log-probs (1e-4) are plain decoding's alone, and the
+    image rows drafted runs."""
+    from mlx_mtp.schedule import ContextPolicy
+    from mlx_mtp.stats import MTPStats
+
+    monkeypatch.setattr(ContextPolicy, "_rate", lambda self, w, head, rows:
+                        self.expected_tokens(w))
+    _, model, tok = vl_once
+    prompts = [vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1]),
+               (tok.encode("def f(x): return"), None),
+               vision.prompt_media(model, _prompt(model, tok, 2, " again\n"), IMAGES)]
+    alone = [_run(model, ids, media, 0) for ids, media in prompts]
+    batch = make_batch(model, draft_tokens=2, context_drafts=True)
+    stats = [MTPStats() for _ in prompts]
+    requests = [batch.prepare(ids, None, MAX_TOKENS, media=media, stats=s,
+                              cached_tokens=ids + want + ids)
+                for (ids, media), (want, _), s in zip(prompts, alone, stats)]
+    got = [[] for _ in prompts]
+    for i, event in decode_rows(batch, requests, 3):
+        got[i].append((event.token, np.array(event.logprobs)))
+    for i, ((tokens, lp), row) in enumerate(zip(alone, got)):
+        assert [t for t, _ in row] == tokens, i
+        assert np.abs(np.stack([r for _, r in row]) - lp).max() < 1e-4, i
+    assert stats[0].context_accepted > 0 and stats[2].context_accepted > 0
+
+
 def test_bad_image_requests_are_one_clear_error(vl_once, tmp_path):
     """A model without M-RoPE, a prompt cache, a prompt without a placeholder
     or ending inside an image: one ValueError each, nothing decoded."""
