@@ -13,6 +13,9 @@ the workloads whose requests follow each other without that wait
 (serve_bench.FOLLOWING: lone requests right after an agent's turns, a
 request arriving as a turn ends, mixed traffic back to back) are run too.
 
+With json1free3 and same4 (both in the defaults) it also prints what one
+JSON-schema client costs its three free neighbours: a free client's tok/s
+there over one of four free clients' (paired by round; NEIGHBOURS_TARGET).
 Per workload it prints each server's median tok/s, the paired ratios
 head/base and head/mlx_lm (median of the rounds' ratios, [min-max]), and for
 turn_ttft the time to first token as a turn ends and after a pause. A
@@ -45,6 +48,8 @@ import serve_bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REGRESSION = 0.97  # a median head/base below this, its spread short of 1.0: a regression
+# issue 63: a grammar-constrained client costs its free neighbours at most 8%
+NEIGHBOURS_TARGET = 0.92
 
 
 def install(revision: str, into: Path, cwd: Path) -> Path:
@@ -94,7 +99,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="default: the embedded demo model")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workloads", default=",".join(serve_bench.DEFAULT
-                                                   + list(serve_bench.FOLLOWING)))
+                                                   + list(serve_bench.FOLLOWING)
+                                                   + ["json1free3"]))
     p.add_argument("--mtp-args", default="", help="extra flags for both mlx_mtp servers")
     p.add_argument("--head-args", default="",
                    help="extra flags for the head's server only (e.g. BASE = HEAD's revision "
@@ -186,6 +192,17 @@ def main(argv=None) -> int:
             print(f"turn_ttft {n}: TTFT as a turn ends p50 {serve_bench.pct(after, 0.5) * 1000:.0f}"
                   f" ms, after a {serve_bench.PAUSE_S:g} s pause p50 "
                   f"{serve_bench.pct(idle, 0.5) * 1000:.0f} ms")
+    if "json1free3" in rounds and "same4" in rounds:
+        # what a grammar-constrained client costs its free neighbours: a free
+        # client's tok/s beside it over one of four free clients', paired by round
+        kept = {n: [j[n]["free_client_tps"] / f[n]["free_client_tps"]
+                    for j, f in zip(rounds["json1free3"], rounds["same4"])]
+                for n in ("base", "head", "mlx_lm")}
+        summary["neighbours"] = kept
+        print("a JSON-schema client's free neighbours keep (json1free3 / same4, a free "
+              f"client's tok/s; target >= {NEIGHBOURS_TARGET}): " + ", ".join(
+                  f"{n} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+                  for n, v in kept.items()))
     print("peak RSS: " + ", ".join(f"{n} {v:.0f} MB" for n, v in rss.items()))
     print("regressions: " + (", ".join(regressions) if regressions else "none"))
     out.write_text(json.dumps({"machine": machine_info(), "args": vars(args),
