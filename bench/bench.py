@@ -441,6 +441,8 @@ def main(argv=None):
                    help="random-token prompts, or a head with random weights")
     p.add_argument("--draft-vocab", type=str, default=None,
                    help="trimmed draft vocabulary for every mlx_mtp row (N most frequent ids, or a file)")
+    p.add_argument("--context-drafts", action="store_true",
+                   help="also each depth with context drafts (generate_step(context_drafts=))")
     p.add_argument("--uncompiled", action="store_true",
                    help="also run the pipelined loop without per-depth compilation")
     p.add_argument("--trace", action="store_true",
@@ -499,6 +501,8 @@ def main(argv=None):
             variants.append((f"{k} sync", k, "sync"))
         if args.uncompiled:
             variants.append((f"{k} nocomp", k, "uncompiled"))
+        if args.context_drafts and k != 0:
+            variants.append((f"{k} ctx", k, "context"))
     prompts = DEFAULT_PROMPTS
     if args.prompts:
         prompts = [s for s in Path(args.prompts).read_text().split("\n\n") if s.strip()]
@@ -536,7 +540,8 @@ def main(argv=None):
 
     vocab = dv.load(args.draft_vocab, tok, V) if args.draft_vocab else None
     modes = {"default": {}, "sync": dict(lookahead=False),
-             "uncompiled": dict(lookahead=True, compiled=False)}
+             "uncompiled": dict(lookahead=True, compiled=False),
+             "context": dict(context_drafts=True)}
 
     def run_mtp(ids, k, ref, mode="default", rate=None):
         stats = MTPStats()
@@ -629,6 +634,8 @@ def main(argv=None):
                                 if k != "auto" else float("nan")),
                 "ideal": ideal, "efficiency": eff,
                 "cycles": agg[lab].cycles,
+                "context_drafted": agg[lab].context_drafted,
+                "context_accepted": agg[lab].context_accepted,
                 "cycle_s": t / agg[lab].cycles if agg[lab].cycles else 0.0,
                 "mismatches": mismatches[lab],
             })
@@ -652,6 +659,15 @@ def main(argv=None):
             print(f"{r['label']:>9} {r['tok_s']:>8.1f} {r['ratio_pair_median']:>5.2f}x {r['ratio']:>6.2f}x "
                   f"{mm:>11} {r['tokens_per_cycle']:>9.2f} {r['verify_cost']:>18.2f} "
                   f"{fmt(r['ideal'], '.2f'):>6} {fmt(r['efficiency'], '.2f'):>5}  {acc}")
+        if any(r["mode"] == "context" for r in rows):
+            print("per source (context runs vs the head's drafts, drafted / accepted):")
+            for r in rows:
+                if r["mode"] == "context":
+                    st = agg[r["label"]]
+                    print(f"{r['label']:>9} context {st.context_accepted}/{st.context_drafted}, "
+                          f"head {st.accepted - st.context_accepted}/"
+                          f"{st.drafted - st.context_drafted}; {st.tokens_per_cycle:.2f} "
+                          f"tokens per cycle")
         fixed_rows = [r for r in rows if r["mode"] == "default" and r["depth"] != "auto"]
         auto_row = next((r for r in rows if r["mode"] == "default" and r["depth"] == "auto"), None)
         if auto_row and fixed_rows:
