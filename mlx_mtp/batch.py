@@ -37,19 +37,14 @@ from .cycle import (CTX_FIELDS, RING, DecodeState, Graphs, Guidance, Spec, init_
 from .depth import cost_sample
 from .distributed import first_stage, trunk_length
 from .mlx_lm_compat import generation_stream
-from .params import DecodeOptions, env_flag
+from .params import DecodeOptions
 from .prefill import feed, prefill, prefill_media
 from .held_cache import HeldCache
 from .rows import FinishPoint, Launched, Ledger, Lengths, Media, Pending, Request, Row
-from .schedule import Schedule, needs_more
+from .schedule import CycleRecord, Schedule, needs_more
 from .stats import MTPStats
 from .sampling import (Filters, LogitsProcessors, MTPSampler, Penalties, RowSampling,
                        SamplerArrays, bias_row, row_key, start_window)
-
-
-def mtp_disabled_by_env() -> bool:
-    return env_flag("MLX_MTP_DISABLE")
-
 
 
 class Event(NamedTuple):
@@ -75,15 +70,8 @@ def make_batch(model, options: Optional[DecodeOptions] = None, *,
     if not hasattr(model, "make_cache") or not hasattr(model, "has_mtp"):
         raise TypeError("model must come from mlx_mtp.load")
     options = DecodeOptions.of(options, **fields)
-    depth, controller, drafter = options.draft_tokens, options.controller, options.drafter
-    if mtp_disabled_by_env():
-        depth = 0
-    auto = depth == "auto"
-    use_head = model.has_mtp and depth != 0
-    if not use_head:
-        depth, controller = 0, None
-    elif not auto:
-        controller = None
+    schedule, drafter = Schedule.of(options, model.has_mtp), options.drafter
+    use_head = schedule.use_head
     opaque = None if RowSampling.of(sampler) is not None else sampler
     if use_head and opaque is not None and not isinstance(opaque, MTPSampler):
         import warnings
@@ -101,7 +89,7 @@ def make_batch(model, options: Optional[DecodeOptions] = None, *,
                 first_stage=first_stage(model),
                 context=NGRAM_SIZES if options.context_drafts and use_head and drafter is None
                 else None)
-    return Batch(spec, Graphs(spec, options.compiled), options, depth, controller,
+    return Batch(spec, Graphs(spec, options.compiled), options, schedule,
                  default_sampler=sampler, default_processors=logits_processors or ())
 
 
@@ -118,10 +106,9 @@ class Batch:
     lookahead 1 the next cycle is queued before one is read (see the module
     docstring)."""
 
-    def __init__(self, spec: Spec, graphs: Graphs, options: DecodeOptions, depth,
-                 controller=None, default_sampler=None, default_processors=()):
-        self.spec, self.graphs, self.options = spec, graphs, options
-        self.schedule = Schedule(depth, options.max_draft_tokens, controller, options.lookahead)
+    def __init__(self, spec: Spec, graphs: Graphs, options: DecodeOptions, schedule: Schedule,
+                 default_sampler=None, default_processors=()):
+        self.spec, self.graphs, self.options, self.schedule = spec, graphs, options, schedule
         self.timeline, self.default_sampler = options.timeline, default_sampler
         self.default_processors = default_processors
         self.limit_prefill(PREFILL_BATCH)
@@ -610,10 +597,6 @@ class Batch:
         accepted_all, tokens_all, lps_all, bad_drafts = read[:4]
         toc = time.perf_counter()
         k, out, accepted = cycle.k, [], []
-        # the controller of the batch size the cycle was launched with (rows
-        # may have joined or left since): a cheaper cycle of fewer rows must
-        # not count as a sample of a larger batch's probe, nor the reverse
-        ctl = self.schedule.controller(self.spec, len(cycle.rows))
         for i, row in enumerate(cycle.rows):
             if row.done:
                 continue
@@ -641,27 +624,19 @@ class Batch:
         if self.current is not None and self.current.pending is not None:
             self.current = self._complete(self.current)  # (the grammars now have this
             # cycle's tokens)
-        context = [bool(read.context[i]) for i, row in enumerate(cycle.rows) if not row.done]
-        sample = None
-        if accepted and not cycle.jump and (ctl is not None or self.spec.context is not None):
-            sample = cost_sample(cycle, self.current or cycle,
-                                 lookahead=self.current is not None,
-                                 distributed=self.spec.group is not None, first=first,
-                                 launches=self._launched, since=self._tic, now=toc)
-        if self.spec.context is not None:
-            if k and not cycle.jump:
-                self.schedule.context.observe(k, accepted, context)
-            elif not k:
-                self.schedule.context.observe_plain(context)
-            if sample is not None:
-                waited, seconds = sample
-                self.schedule.context.observe_cost(waited.k, waited.head or waited.k,
-                                                   len(waited.rows), seconds)
-        # (a jump, a widened cycle or context runs: not the controller's depth and drafts)
-        if ctl is not None and accepted and not (cycle.jump or cycle.widened or any(context)):
-            ctl.update_acceptance(k, accepted)
-            if sample is not None and not sample[0].widened:
-                ctl.update_cost(sample[0].k, sample[1])
+        sample = None if not accepted or cycle.jump else cost_sample(
+            cycle, self.current or cycle, lookahead=self.current is not None,
+            distributed=self.spec.group is not None, first=first, launches=self._launched,
+            since=self._tic, now=toc)
+        waited = None if sample is None else sample[0]
+        # (rows counted as launched: a cheaper cycle of fewer rows must not count
+        # as a sample of a larger batch's probe, nor the reverse)
+        self.schedule.observe(self.spec, CycleRecord(
+            k, cycle.head if cycle.head is not None else k, cycle.jump, len(cycle.rows),
+            tuple(accepted),
+            tuple(bool(read.context[i]) for i, row in enumerate(cycle.rows) if not row.done),
+            None if waited is None else (waited.k, waited.head if waited.head is not None
+                                         else waited.k, len(waited.rows), sample[1])))
         self._tic, self._launched = toc, 0
         if self.timeline is not None:
             stamps = (self.current or cycle).stamps

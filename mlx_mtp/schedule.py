@@ -11,11 +11,12 @@ the grammars' forced runs verified alone (jumps) and parked cold steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from .cycle import RING, Spec
 from .depth import DepthController
 from .distributed import agree
+from .params import env_flag
 
 # the widths a cycle takes past the head's chain for context runs (a graph each)
 CONTEXT_WIDTHS = (4, 8, 16)
@@ -131,14 +132,54 @@ def _bucket(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
+@dataclass(frozen=True)
+class CycleRecord:
+    """A read cycle as the schedule observes it (`Schedule.observe`; the
+    batch builds it at each read): what was drafted, by which source, what
+    was kept, and what the cycle the host waited on cost."""
+
+    k: int  # drafts per row (0: a plain step)
+    head: int  # of them, the head's chain (less than k: a context run's width)
+    jump: bool  # the grammars' forced run verified alone
+    rows: int  # the batch's size when it was launched
+    accepted: Tuple[int, ...]  # per row still in the batch: drafts kept
+    # per row: a drafted cycle's row drafted its context run; a plain step's
+    # row has one to draft now
+    context: Tuple[bool, ...]
+    # the cycle the host waited on (`depth.cost_sample`): (k, head's chain,
+    # batch size, seconds), or None when the interval measured no one cycle
+    cost: Optional[Tuple[int, int, int, float]] = None
+
+
 def cycles_of(row, in_flight: Sequence) -> list:
     """The cycles in flight that carry this row."""
     return [c for c in in_flight if row in c.rows]
 
 
+def mtp_disabled_by_env() -> bool:
+    return env_flag("MLX_MTP_DISABLE")
+
+
 class Schedule:
     """A batch's policy: its fixed settings (depth, most drafts, controller,
     whether it may look ahead) and what follows from its rows (`settle`)."""
+
+    @classmethod
+    def of(cls, options, has_mtp: bool) -> "Schedule":
+        """The schedule `options` (DecodeOptions) ask for on a model with or
+        without an MTP head: depth 0 and no controller without a head or
+        under MLX_MTP_DISABLE=1; a controller (a test's) only at 'auto'."""
+        depth, controller = options.draft_tokens, options.controller
+        if mtp_disabled_by_env() or not has_mtp:
+            depth = 0
+        if depth != "auto":
+            controller = None
+        return cls(depth, options.max_draft_tokens, controller, options.lookahead)
+
+    @property
+    def use_head(self) -> bool:
+        """The head drafts (at a fixed depth, or as `auto` decides)."""
+        return self.depth != 0
 
     def __init__(self, depth, max_depth: int, controller: Optional[DepthController],
                  may_look_ahead: bool):
@@ -148,6 +189,26 @@ class Schedule:
         self.lookahead = 0  # cycles queued before one is read (ungrammared batches)
         self.guided_ahead = False  # a guided batch may queue a plain step's forward ahead
         self.context = ContextPolicy()
+
+    def observe(self, spec: Spec, read: CycleRecord):
+        """A read cycle: the `auto` controller of the batch size it ran at
+        learns the head's acceptance and cost from it (a jump, a cycle wider
+        than the head's chain or one with context runs is none of its
+        depths' samples), the context policy its runs and widths."""
+        runs = bool(read.k) and any(read.context)
+        if spec.context is not None:
+            if read.k and not read.jump:
+                self.context.observe(read.k, read.accepted, read.context)
+            elif not read.k:
+                self.context.observe_plain(read.context)
+            if read.cost is not None:
+                self.context.observe_cost(*read.cost)
+        ctl = self.controller(spec, read.rows)
+        if ctl is None or not read.accepted or read.jump or read.head < read.k or runs:
+            return
+        ctl.update_acceptance(read.k, list(read.accepted))
+        if read.cost is not None and read.cost[0] == read.cost[1]:  # (not a widened cycle)
+            ctl.update_cost(read.cost[0], read.cost[3])
 
     def settle(self, spec: Spec, rows: list):
         """The flags the present rows imply. A grammar's masks for a cycle need

@@ -300,3 +300,30 @@ def test_the_context_policy_on_recorded_reads():
     assert parked.width == 0
     parked.observe_plain([False, True])
     assert parked.width == CONTEXT_WIDTHS[0]
+
+
+def test_the_schedule_observes_recorded_reads():
+    """`Schedule.observe` on typed read records, without a model: a head
+    cycle teaches the `auto` controller its acceptance and cost; a cycle
+    with context runs, or wider than the head's chain, teaches the context
+    policy and not the controller; a plain step whose row has a run makes
+    the policy propose one."""
+    from types import SimpleNamespace
+
+    from mlx_mtp.depth import DepthController
+    from mlx_mtp.schedule import CONTEXT_WIDTHS, CycleRecord, Schedule
+
+    ctl = DepthController(max_depth=4, initial=2)
+    schedule = Schedule("auto", 4, ctl, True)
+    spec = SimpleNamespace(context=(4, 3))
+    schedule.observe(spec, CycleRecord(2, 2, False, 1, (2,), (False,), (2, 2, 1, 0.01)))
+    assert ctl.cycles == 1 and ctl.cost_n == {2: 1}
+    schedule.observe(spec, CycleRecord(2, 2, False, 1, (2,), (True,), (2, 2, 1, 0.01)))
+    assert ctl.cycles == 1 and schedule.context.width == CONTEXT_WIDTHS[0]  # (kept whole)
+    schedule.observe(spec, CycleRecord(8, 2, False, 1, (3,), (True,), (8, 2, 1, 0.03)))
+    assert ctl.cycles == 1 and ctl.cost_n == {2: 1}
+    assert schedule.context.costs[(8, 2, 1)] == [0.03, 1] and schedule.context.width == 4
+    schedule.observe(spec, CycleRecord(2, 2, False, 1, (0,), (False,), None))
+    assert schedule.context.width == 0 and ctl.cycles == 2
+    schedule.observe(spec, CycleRecord(0, 0, False, 1, (0,), (True,), (0, 0, 1, 0.005)))
+    assert schedule.context.width == CONTEXT_WIDTHS[0] and ctl.cycles == 3  # (a plain step)

@@ -257,7 +257,7 @@ ON, OFF = ("1", "true", "TRUE", "yes", "On"), ("0", "false", "False", "no", "OFF
 def _readers(monkeypatch, tmp_path):
     """Each flag's reader where it acts: flag -> a function of no arguments
     giving what the flag decides there."""
-    from mlx_mtp import batch, metal, quantized, rows
+    from mlx_mtp import metal, quantized, rows, schedule
 
     monkeypatch.setattr(metal, "backend", lambda: "metal")
     monkeypatch.setattr(quantized, "share_weight_reads", lambda model: 1)
@@ -271,7 +271,7 @@ def _readers(monkeypatch, tmp_path):
             return True
         return False
 
-    return {"MLX_MTP_DISABLE": batch.mtp_disabled_by_env,
+    return {"MLX_MTP_DISABLE": schedule.mtp_disabled_by_env,
             "MLX_MTP_QMV_ROWS": lambda: quantized.use_shared_reads(None) == 1,
             "MLX_MTP_FAST_KERNELS": metal.fused_default,
             "MLX_MTP_CHECK_COUNTS": lambda: rows.Ledger().checking,
