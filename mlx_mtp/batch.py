@@ -307,7 +307,8 @@ class Batch:
                 state = state.replace(rope_delta=mx.array([r.media.delta], dtype=mx.int32))
             if spec.context is not None:  # what its context runs copy from
                 state = state.replace(**dict(zip(CTX_FIELDS, context_state(
-                    [*r.cached_tokens, *r.prompt], spec.context))))
+                    [*r.cached_tokens, *r.prompt], spec.context))),
+                    ctx_trust=mx.array([[1.0, 0.5]]))  # (its runs tried first)
             if use_head:
                 # a one-token prompt on an empty cache has no trunk hidden yet: its
                 # first drafts come from zeros (rejected; its first cycle fixes that)

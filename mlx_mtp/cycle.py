@@ -128,6 +128,10 @@ class DecodeState:
     ctx_tokens: Optional[mx.array] = None  # [B, WINDOW + 1] int32
     ctx_len: Optional[mx.array] = None  # [B] int32
     ctx_table: Optional[mx.array] = None  # [B, BUCKETS + 1] int32
+    # [B, 2] float32: per row, how often its context runs' and the head's first
+    # drafts were kept (moving averages): a row drafts its run where it has one
+    # and the run's is at least the head's (`draft`)
+    ctx_trust: Optional[mx.array] = None
 
     def tree(self) -> dict:
         """Every field (caches as their `state`): a compiled step's inputs."""
@@ -492,6 +496,7 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
     if context and spec.context is not None:
         runs, found = propose_runs(state.ctx_tokens, state.ctx_len, state.ctx_table, k,
                                      spec.context)
+        found = found & (state.ctx_trust[:, 0] >= state.ctx_trust[:, 1])
         tokens = mx.where(found[:, None], runs, tokens)
         point = found[:, None] if point is None else point | found[:, None]
     if forced is not None:
@@ -525,6 +530,23 @@ def commit_gdn(trunk: list, captures: List[Capture], consumed: mx.array, conv_ke
                   for st, ci in zip(states, inputs)]
     for c, capture, (window, st) in zip(gdn, captures, picked):
         c.commit(window, st, consumed, capture)
+
+
+TRUST_DECAY = 0.8  # a row's first-draft averages' weight on the past
+TRUST_REGROWTH = 0.02  # a row's run not drafted regains this much trust a cycle (tried again)
+
+
+def trusted(trust: mx.array, used: Optional[mx.array], accepted: mx.array) -> mx.array:
+    """Each row's (context, head) first-draft averages after a cycle: the
+    source it drafted from learns whether its first draft was kept; a run
+    not drafted regains TRUST_REGROWTH (so a row tries its runs again)."""
+    hit = (accepted > 0).astype(mx.float32)
+    used = mx.zeros(hit.shape, mx.bool_) if used is None else used
+    ctx, head = trust[:, 0], trust[:, 1]
+    ctx = mx.where(used, TRUST_DECAY * ctx + (1 - TRUST_DECAY) * hit,
+                   mx.minimum(ctx + TRUST_REGROWTH, 1.0))
+    head = mx.where(used, head, TRUST_DECAY * head + (1 - TRUST_DECAY) * hit)
+    return mx.stack([ctx, head], axis=1)
 
 
 def _pack(accepted: mx.array, raw: mx.array, safe: mx.array, logprobs: mx.array,
@@ -656,6 +678,8 @@ def settle(spec: Spec, state: DecodeState, proposals: Proposals, verified: Verif
     if state.window is not None:
         new = new.replace(window=advance_window(state.window, tokens, accepted + 1))
     new = new.with_context(out, accepted + 1, spec.context)
+    if state.ctx_trust is not None:
+        new = new.replace(ctx_trust=trusted(state.ctx_trust, proposals.context, accepted))
     return new, StepOutput(_pack(accepted, raw, out, logprobs, proposals.bad_drafts,
                                  proposals.context), logprobs)
 

@@ -43,18 +43,15 @@ class Plan:
 
 @dataclass
 class ContextPolicy:
-    """When rows draft their context runs, and how wide a cycle is for them
-    (docs/design.md, "Context drafts"). Runs are let in while their first
-    drafts are kept about as often as the head's (moving averages), else one
-    cycle in PROBE_EVERY tries them again. The width: a run kept whole
+    """How wide a cycle is for the rows' context runs (docs/design.md,
+    "Context drafts"; whether a row drafts its run is the row's own choice,
+    on the device: `cycle.trusted`). The width: a run kept whole
     proposes the next of CONTEXT_WIDTHS, one cut short the widest of them
     that what was kept + 1 fills (none: the head's depth); a proposal is taken when its expected tokens per second beat the
     head's depth's (each run position kept with the measured rate, each
     width's cycle cost measured by batch size), and tried once when its
     cost is not measured yet."""
 
-    PROBE_EVERY = 16
-    DECAY = 0.8  # the first-draft averages' weight on the past
     ALPHA = 0.2  # the run keep rate's and the costs' weight on a new sample
     MIN_SAMPLES = 2  # cost samples before a width's cost is trusted
 
@@ -62,18 +59,7 @@ class ContextPolicy:
     # [seconds, samples] of a cycle by (width, the head's chain, batch-size
     # bucket): the model's (Runtime.width_costs, kept across generations)
     costs: dict = field(default_factory=dict)
-    context_first: float = 1.0  # how often a context run's first draft was kept
-    head_first: float = 0.0  # how often the head's first draft was kept
     keep: float = 0.9  # how often a run's draft is kept, given those before it were
-    since_probe: int = 0
-
-    def use(self) -> bool:
-        """Whether the next cycle lets rows draft their runs."""
-        self.since_probe += 1
-        if self.context_first >= self.head_first or self.since_probe >= self.PROBE_EVERY:
-            self.since_probe = 0
-            return True
-        return False
 
     def expected_tokens(self, width: int) -> float:
         """A copying row's tokens from a cycle of this width."""
@@ -97,17 +83,9 @@ class ContextPolicy:
         """A read drafted cycle of width k: each row's drafts kept, and
         whether they were its context run."""
         runs = [a for a, c in zip(accepted, context) if c]
-        heads = [a for a, c in zip(accepted, context) if not c]
-        d = self.DECAY
-        if runs:
-            self.context_first = d * self.context_first + (1 - d) * (
-                sum(a > 0 for a in runs) / len(runs))
-            for a in runs:  # the positions reached
-                for j in range(min(k, a + 1)):
-                    self.keep += self.ALPHA * (float(j < a) - self.keep)
-        if heads:
-            self.head_first = d * self.head_first + (1 - d) * (
-                sum(a > 0 for a in heads) / len(heads))
+        for a in runs:  # the positions reached
+            for j in range(min(k, a + 1)):
+                self.keep += self.ALPHA * (float(j < a) - self.keep)
         best = max(runs, default=0)
         wider = [w for w in CONTEXT_WIDTHS if w > k]
         fits = [w for w in CONTEXT_WIDTHS if w <= best + 1]
@@ -274,8 +252,7 @@ class Schedule:
         parked_run = (k == 0 and ctl is not None and spec.context is not None and not forward_only
                       and self.context.width > 0 and (budget is None or budget >= 1))
         head = k
-        context = (spec.context is not None and (k > 0 or parked_run) and not jump
-                   and self.context.use())
+        context = spec.context is not None and (k > 0 or parked_run) and not jump
         if context:  # (a context run's width may pass the head's chain: one of
             # CONTEXT_WIDTHS, within the budget)
             wide = self.context.choose(k, len(rows))

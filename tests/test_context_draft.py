@@ -327,3 +327,22 @@ def test_the_schedule_observes_recorded_reads():
     assert schedule.context.width == 0 and ctl.cycles == 2
     schedule.observe(spec, CycleRecord(0, 0, False, 1, (0,), (True,), (0, 0, 1, 0.005)))
     assert schedule.context.width == CONTEXT_WIDTHS[0] and ctl.cycles == 3  # (a plain step)
+
+
+def test_each_row_trusts_the_source_whose_first_drafts_are_kept():
+    """`cycle.trusted`, the per-row choice's averages: a row whose runs are
+    rejected stops drafting them once its runs' average falls below the
+    head's, a row whose runs are kept goes on, and a run not drafted
+    regains trust until it is tried again."""
+    import mlx.core as mx
+
+    from mlx_mtp.cycle import TRUST_REGROWTH, trusted
+
+    trust = mx.array([[1.0, 0.5], [1.0, 0.5]])
+    for _ in range(4):  # row 0's runs rejected, row 1's kept
+        trust = trusted(trust, mx.array([True, True]), mx.array([0, 5]))
+    assert trust[0, 0].item() < trust[0, 1].item() and trust[1, 0].item() > 0.99
+    before = trust[0, 0].item()
+    trust = trusted(trust, mx.array([False, True]), mx.array([3, 5]))  # row 0: the head's, kept
+    assert abs(trust[0, 0].item() - (before + TRUST_REGROWTH)) < 1e-6
+    assert trust[0, 1].item() > 0.5 and trust[1, 1].item() == 0.5  # (row 1 drafted no head's)
