@@ -227,9 +227,11 @@ class Schedule:
         if ctl is None:
             return int(self.depth == 0)
         # parked: not when every grammar forces 3 tokens from the last read (the
-        # next launch, after this read, may then jump a run of 2 or more)
+        # next launch, after this read, may then jump a run of 2 or more), nor
+        # when a row has a context run to draft (the next launch may draft it)
         return int(ctl.k == 0 and ctl.quiet_cycles() > 0
-                   and not self._may_jump(spec, rows, in_flight, 3))
+                   and not self._may_jump(spec, rows, in_flight, 3)
+                   and not (spec.context is not None and self.context.width > 0))
 
     def plan(self, spec: Spec, rows: list, in_flight: Sequence, ring: int) -> Optional[Plan]:
         """The next cycle (None: a guided batch's next cycle drafts, so it

@@ -47,7 +47,7 @@ def test_greedy_is_constrained_plain_decoding(loaded, name, k):
         assert len(got) == len(want.tokens) + (want.finish_reason == "stop")
 
 
-@pytest.mark.parametrize("k", [2, "auto"])
+@pytest.mark.parametrize("k", [2, "auto", "parked"])
 def test_constrained_rows_with_context_runs_are_constrained_plain_decoding(loaded, k):
     """Context drafts under grammars, in one batch: a regex row re-typing
     what its context holds (its index starts from the prompt, the answer,
@@ -55,6 +55,7 @@ def test_constrained_rows_with_context_runs_are_constrained_plain_decoding(loade
     forced tokens win over any run) and a free row decode beside it; each
     row's tokens are plain constrained (or plain) decoding's."""
     from mlx_mtp.batch import make_batch
+    from mlx_mtp.depth import DepthController
 
     model, ref_model, tok = loaded("dense")
     prompts = [tok.encode(p) for p in ("hello world", "def f(x):", "a b c")]
@@ -68,7 +69,12 @@ def test_constrained_rows_with_context_runs_are_constrained_plain_decoding(loade
         else:
             wants.append(constrained_plain_generate(ref_model, tok, prompt, constraint,
                                                     max_tokens=24).tokens)
-    batch = make_batch(model, draft_tokens=k, context_drafts=True)
+    class Parked(DepthController):  # auto's controller held at depth 0: the head drafts
+        def next_depth(self):  # nothing, a row's run is drafted alone
+            return 0
+
+    batch = make_batch(model, draft_tokens="auto" if k == "parked" else k, context_drafts=True,
+                       controller=Parked(initial=0) if k == "parked" else None)
     stats = MTPStats()
     cached = [prompts[0] + wants[0] + prompts[0], (), ()]
     rows = batch.add([batch.prepare(p, None, 24, cached_tokens=c, constraint=con, tokenizer=tok,
