@@ -60,3 +60,43 @@ def test_replay_is_the_captured_state_kernels(backend, fused):
     for n in _counts(B, T):
         assert _same(launch.gdn_replay(tape, n, backend=backend, fused=fused),
                      _picked(states, n)), n.tolist()
+
+
+# Qwen3.6-27B's GDN shapes (its config.json's text_config)
+QWEN36_27B = dict(num_hidden_layers=64, full_attention_interval=4, linear_num_value_heads=48,
+                  linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, hidden_size=5120)
+
+
+def test_rollback_of_a_run_of_16_at_27b_fits_64mb():
+    """48 GDN layers: the tape and conv input of 17 positions, 33.3 MB per row
+    (the 17 captured states were 2.59 GB)."""
+    from mlx_mtp.cache import rollback_bytes
+
+    assert rollback_bytes(QWEN36_27B, 16) == 33_265_152 <= 64 * 2**20
+    assert rollback_bytes(QWEN36_27B, 16, tape=False) == 2_586_574_848
+
+
+@pytest.mark.parametrize("mode", ["tape", "capture"])
+def test_rollback_bytes_are_what_a_verify_keeps(loaded, dense_bf16_ckpt, monkeypatch, mode):
+    """A verify of 16 drafts on the tiny bf16 model (two rows) keeps, for its
+    GDN layers' rollback, exactly `rollback_bytes` per row."""
+    import json
+
+    from mlx_mtp import cache as cache_mod
+    from mlx_mtp.cache import CaptureCache, MTPCache, rollback_bytes
+    from mlx_mtp.checkpoint import text_config
+
+    monkeypatch.setattr(cache_mod, "_FORCE_ROLLBACK", mode)
+    model, _, _ = loaded("dense_bf16")
+    B, run = 2, 16
+    prompt_cache = model.make_cache()
+    model.trunk_hidden(mx.zeros((B, 5), mx.int32), prompt_cache)
+    cache = MTPCache.from_prompt_cache(prompt_cache, len(prompt_cache), use_head=False, batch=B)
+    CaptureCache.start(cache.trunk)
+    model.trunk_hidden(mx.ones((B, run + 1), mx.int32), cache.trunk)
+    captures = CaptureCache.take_all(cache.trunk)
+    assert all((c.tape is not None) == (mode == "tape") for c in captures)
+    config = text_config(json.loads((dense_bf16_ckpt / "config.json").read_text()))
+    kept = sum(c.nbytes for c in captures)
+    assert kept == B * rollback_bytes(config, run, act_bytes=2, tape=mode == "tape")
