@@ -15,6 +15,10 @@ run as kernels:
   recurrence in gdn_verify.metal, whose arithmetic and reduction tree are
   those of mlx_lm's Metal decode kernel. On CUDA, plain decoding runs
   mlx_lm's ops path, so the reference (the same ops) runs.
+  A verify keeps a tape (`gdn_verify_taped`: what each position's update
+  consumed) and the commit replays each row's accepted prefix from it
+  (`gdn_replay`) on the verify's own path: the kernel's replay mode after
+  the kernel, the reference's steps after the reference.
 - conv_verify: the reference (mx.conv1d, as plain decoding).
 - commit (a copy) and draft_project (drafts need no exactness): kernels.
 - quantized_matmul of 2..8 rows (a verify's k+1 tokens): qmv_rows, which

@@ -48,8 +48,8 @@ def test_replay_is_the_captured_state_reference(dtype):
 
 
 @pytest.mark.parametrize("backend,fused", [("emu-metal", False), ("emu-metal", True),
-                                           ("emu-cuda", False)],
-                         ids=["metal-exact", "metal-fused", "twin-exact"])
+                                           ("emu-cuda", False), ("emu-cuda", True)],
+                         ids=["metal-exact", "metal-fused", "twin-exact", "twin-fused"])
 def test_replay_is_the_captured_state_kernels(backend, fused):
     B, T = 3, 4
     args = gdn_inputs(B, T, 1, 2, 32, 32, mx.bfloat16, seed=5)
