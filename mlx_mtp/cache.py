@@ -641,9 +641,9 @@ def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:
 _FORCE_ROLLBACK: Optional[str] = None  # "tape" / "capture": the bench and the tests' oracle
 
 
-def rollback_by_tape(T: int, state: mx.array) -> bool:
-    """Whether a GDN layer's verify over T positions keeps a tape (replayed at
-    the commit) rather than every position's state: always, by bytes. A
+def rollback_by_tape() -> bool:
+    """Whether a GDN layer's verify keeps a tape (replayed at the commit)
+    rather than every position's state: always, by bytes, at any depth. A
     position's tape entry (k, v, g, beta) is far smaller than the state
     [Hv, Dv, Dk] fp32 a capture writes for it, and the replay's one more read
     and write of the state is what the capture's commit copy costs too; on
