@@ -15,6 +15,10 @@ run as kernels:
   recurrence in gdn_verify.metal, whose arithmetic and reduction tree are
   those of mlx_lm's Metal decode kernel. On CUDA, plain decoding runs
   mlx_lm's ops path, so the reference (the same ops) runs.
+  A verify keeps a tape (`gdn_verify_taped`: what each position's update
+  consumed) and the commit replays each row's accepted prefix from it
+  (`gdn_replay`) on the verify's own path: the kernel's replay mode after
+  the kernel, the reference's steps after the reference.
 - conv_verify: the reference (mx.conv1d, as plain decoding).
 - commit (a copy) and draft_project (drafts need no exactness): kernels.
 - quantized_matmul of 2..8 rows (a verify's k+1 tokens): qmv_rows, which
@@ -33,17 +37,18 @@ path each kernel took.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from .. import params
 from . import selfcheck
 
-__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "quantized_matmul", "backend",
-           "fused_default", "describe"]
+__all__ = ["commit", "conv_verify", "draft_project", "gdn_verify", "gdn_verify_taped", "gdn_replay",
+           "GdnTape", "quantized_matmul", "backend", "fused_default", "describe"]
 
 
 def backend() -> str:
@@ -97,23 +102,98 @@ def conv_verify(conv_state, qkv, weight, *, backend: Optional[str] = None,
     return launch.conv_verify(conv_state, qkv, weight, backend=be)
 
 
-def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] = None,
-               fused: Optional[bool] = None):
-    be = backend or globals()["backend"]()
-    fast = _fast(fused)
-    Dk = q.shape[-1]
+def _gdn_kernel(be: str, fast: bool, dtype, Dk: int, Dv: int, ratio: int) -> bool:
+    """Whether a GDN verify (and a tape's replay) runs gdn_verify's kernel on
+    `be`, else the ops reference. The replay asks again with the verify's
+    arguments and gets the verify's answer (the self-check is cached), so a
+    tape is always replayed by the arithmetic that wrote it."""
     # Exact mode mirrors plain decoding, which uses mlx_lm's Metal kernel only
     # for Dk % 32 == 0 (its ops path otherwise, and always on CUDA).
     if be == "ref" or (not fast and (be.endswith("cuda") or Dk % 32 != 0)):
         _reference("gdn_verify", be, "exact mode: plain decoding's ops on this backend and size")
+        return False
+    from . import launch
+
+    return selfcheck.verified("gdn_verify", be, selfcheck.variant(fast, dtype, Dk, Dv, ratio),
+                              selfcheck.gdn_check(launch, gdn_verify_ref, be, fast, dtype, Dk, Dv,
+                                                  ratio))
+
+
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] = None,
+               fused: Optional[bool] = None):
+    """The verify capturing every position's state: (y, states [B, T, Hv, Dv, Dk])."""
+    be = backend or globals()["backend"]()
+    fast = _fast(fused)
+    if not _gdn_kernel(be, fast, q.dtype, q.shape[-1], v.shape[-1], v.shape[2] // max(1, q.shape[2])):
         return gdn_verify_ref_compiled(q, k, v, a, b, A_log, dt_bias, state)
     from . import launch
 
-    Dv, ratio = v.shape[-1], v.shape[2] // max(1, q.shape[2])
-    if not selfcheck.verified("gdn_verify", be, selfcheck.variant(fast, q.dtype, Dk, Dv, ratio),
-                              selfcheck.gdn_check(launch, gdn_verify_ref, be, fast, q.dtype, Dk, Dv, ratio)):
-        return gdn_verify_ref_compiled(q, k, v, a, b, A_log, dt_bias, state)
     return launch.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be, fused=fast)
+
+
+@dataclass
+class GdnTape:
+    """What a GDN layer's verify keeps to roll back without capturing every
+    state: the state before the cycle (the cache's own array, no new bytes)
+    and what each position's update consumed, exactly as the recurrence read
+    it: k (normalized; raw conv output on the fused kernel), v, the gates g
+    and beta (raw a and b on the fused kernel, which computes them, hence
+    A_log and dt_bias: the layer's parameters, no new bytes). `gdn_replay`
+    runs the accepted prefix's updates again, on the verify's path."""
+
+    state: mx.array  # [B, Hv, Dv, Dk] fp32
+    k: mx.array  # [B, T, Hk, Dk]
+    v: mx.array  # [B, T, Hv, Dv]
+    g: mx.array  # [B, T, Hv]
+    beta: mx.array  # [B, T, Hv]
+    A_log: mx.array  # [Hv]
+    dt_bias: mx.array  # [Hv]
+
+    def tree(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_tree(cls, tree: dict) -> "GdnTape":
+        return cls(**tree)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept for the rollback: the positions' entries (the state and
+        the parameters are held anyway)."""
+        return self.k.nbytes + self.v.nbytes + self.g.nbytes + self.beta.nbytes
+
+
+def gdn_verify_taped(q, k, v, a, b, A_log, dt_bias, state, *, backend: Optional[str] = None,
+                     fused: Optional[bool] = None) -> Tuple[mx.array, GdnTape]:
+    """The verify keeping a tape instead of the states: (y, GdnTape). y and
+    the replayed states are bit for bit `gdn_verify`'s on the same path."""
+    be = backend or globals()["backend"]()
+    fast = _fast(fused)
+    if not _gdn_kernel(be, fast, q.dtype, q.shape[-1], v.shape[-1], v.shape[2] // max(1, q.shape[2])):
+        y, tape = gdn_verify_taped_ref_compiled(q, k, v, a, b, A_log, dt_bias, state)
+        return y, GdnTape(**tape)
+    from . import launch
+
+    y, tape = launch.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, backend=be, fused=fast,
+                                tape=True)
+    return y, GdnTape(**tape)
+
+
+def gdn_replay(tape: GdnTape, consumed: mx.array, *, backend: Optional[str] = None,
+               fused: Optional[bool] = None) -> mx.array:
+    """The state after the first consumed[b] positions (1..T, a device array
+    [B]: no host sync) of each row b, replayed from the tape's state before
+    the cycle on the path its verify took: [B, Hv, Dv, Dk] fp32."""
+    be = backend or globals()["backend"]()
+    fast = _fast(fused)
+    n = consumed.astype(mx.int32).reshape(-1)
+    n = mx.broadcast_to(n, (tape.k.shape[0],))
+    Dk, Dv = tape.k.shape[-1], tape.v.shape[-1]
+    if not _gdn_kernel(be, fast, tape.k.dtype, Dk, Dv, tape.v.shape[2] // max(1, tape.k.shape[2])):
+        return gdn_replay_ref_compiled(tape.state, tape.k, tape.v, tape.g, tape.beta, n)
+    from . import launch
+
+    return launch.gdn_replay(tape, n, backend=be, fused=fast)
 
 
 def commit(states, conv_inputs, consumed, conv_kernel, *, backend: Optional[str] = None):
@@ -232,6 +312,27 @@ def conv_verify_ref(
     return out, conv_input
 
 
+def _gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array):
+    """g and beta of every position, each computed on its own [B, 1, Hv]
+    slice as mlx_lm's single-token update computes them for plain decoding."""
+    T = a.shape[1]
+    g = mx.concatenate([compute_g(A_log, a[:, t:t + 1], dt_bias) for t in range(T)], axis=1)
+    beta = mx.concatenate([mx.sigmoid(b[:, t:t + 1]) for t in range(T)], axis=1)
+    return g, beta
+
+
+def _steps(q, k, v, g, beta, state, keep_states: bool):
+    """mlx_lm's single-token update (its ops path) at every position."""
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        sl = slice(t, t + 1)
+        y, state = gated_delta_ops(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state)
+        ys.append(y)
+        if keep_states:
+            states.append(state)
+    return mx.concatenate(ys, axis=1), (mx.stack(states, axis=1) if keep_states else None)
+
+
 def gdn_verify_ref(
     q: mx.array,
     k: mx.array,
@@ -252,22 +353,40 @@ def gdn_verify_ref(
     """
     Dk = q.shape[-1]
     q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
-    ys, states = [], []
-    for t in range(q.shape[1]):
+    g, beta = _gates(a, b, A_log, dt_bias)
+    return _steps(q, k, v, g, beta, state, keep_states=True)
+
+
+def gdn_verify_taped_ref(q, k, v, a, b, A_log, dt_bias, state) -> Tuple[mx.array, dict]:
+    """`gdn_verify_ref`'s y, and instead of its states the tape (a GdnTape's
+    fields): what each position's update consumed."""
+    Dk = q.shape[-1]
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    g, beta = _gates(a, b, A_log, dt_bias)
+    y, _ = _steps(q, k, v, g, beta, state, keep_states=False)
+    return y, dict(state=state, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
+
+
+def gdn_replay_ref(state, k, v, g, beta, consumed) -> mx.array:
+    """The state after consumed[b] (1..T) of a tape's positions, per row:
+    the verify's own steps, each kept where the row consumed it (a where
+    that keeps a value keeps its bits), so it is the state the capture path
+    would have picked."""
+    n = consumed.astype(mx.int32)[:, None, None, None]
+    for t in range(k.shape[1]):
         sl = slice(t, t + 1)
-        y, state = gated_delta_update(
-            q[:, sl], k[:, sl], v[:, sl], a[:, sl], b[:, sl], A_log, dt_bias, state,
-            use_kernel=False,
-        )
-        ys.append(y)
-        states.append(state)
-    return mx.concatenate(ys, axis=1), mx.stack(states, axis=1)
+        # (the update's y is never evaluated: q only fills its place)
+        _, nxt = gated_delta_ops(k[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state)
+        state = mx.where(t < n, nxt, state)
+    return state
 
 
-# The same function traced once per shape (T, batch, dtype): on the CPU backend
-# it runs several times faster (fewer graph nodes and launches per cycle) and,
-# as tests/test_reference_compiled.py checks, bit-identical to the eager one.
+# The same functions traced once per shape (T, batch, dtype): on the CPU backend
+# they run several times faster (fewer graph nodes and launches per cycle) and,
+# as tests/test_reference_compiled.py checks, bit-identical to the eager ones.
 gdn_verify_ref_compiled = mx.compile(gdn_verify_ref)
+gdn_verify_taped_ref_compiled = mx.compile(gdn_verify_taped_ref)
+gdn_replay_ref_compiled = mx.compile(gdn_replay_ref)
 conv_verify_ref_compiled = mx.compile(conv_verify_ref)
 
 

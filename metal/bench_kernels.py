@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from . import backend as default_backend
 from . import launch
-from . import conv_verify_ref, commit_ref, draft_project_ref, gdn_verify_ref
+from . import (GdnTape, conv_verify_ref, commit_ref, draft_project_ref, gdn_replay_ref,
+               gdn_verify_ref, gdn_verify_taped_ref)
 
 
 def _time(fn, iters):
@@ -69,11 +70,20 @@ def main(argv=None):
     ids = mx.arange(0, V, 8, dtype=mx.int32)
     mx.eval(q, k, v, ga, gb, st, cs, x, w, states, convs, hid, W, qw, sc, bi, ids)
     gdn = (q, k, v, ga, gb, A_log, dtb, st)
+    # a tape of each kind (the kernel's and the reference's) and a count per row
+    tape = GdnTape(**launch.gdn_verify(*gdn, backend=be, tape=True)[1])
+    ref_tape = gdn_verify_taped_ref(*gdn)[1]
+    per_row = mx.full((B,), 2, dtype=mx.int32)
+    mx.eval(tape.tree(), ref_tape, per_row)
     rows = [
         ("gdn_verify exact", lambda: launch.gdn_verify(*gdn, backend=be),
          lambda: gdn_verify_ref(*gdn)),
         ("gdn_verify fused", lambda: launch.gdn_verify(*gdn, backend=be, fused=True),
          lambda: gdn_verify_ref(*gdn)),
+        ("gdn_verify tape", lambda: launch.gdn_verify(*gdn, backend=be, tape=True)[0],
+         lambda: gdn_verify_taped_ref(*gdn)[0]),
+        ("gdn replay", lambda: launch.gdn_replay(tape, per_row, backend=be),
+         lambda: gdn_replay_ref(*(ref_tape[f] for f in ("state", "k", "v", "g", "beta")), per_row)),
         ("conv_verify", lambda: launch.conv_verify(cs, x, w, backend=be),
          lambda: conv_verify_ref(cs, x, w)),
         (f"commit x{L} layers", lambda: launch.commit(states, convs, n, Kw, backend=be),

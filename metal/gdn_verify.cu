@@ -1,10 +1,20 @@
-// GDN verify with per-position state capture (CUDA twin of gdn_verify.metal, body for mx.fast.cuda_kernel).
+// GDN verify with per-position state capture, a tape or its replay (CUDA twin of gdn_verify.metal, body for mx.fast.cuda_kernel).
 //
 // inputs : q, k [B,T,Hk,Dk] InT; v [B,T,Hv,Dv] InT; gate_a, gate_b [B,T,Hv];
-//          A_log, dt_bias [Hv] PT; state_in [B,Hv,Dv,Dk] f32; scal [3] f32
+//          A_log, dt_bias [Hv] PT; state_in [B,Hv,Dv,Dk] f32; scal [3] f32;
+//          consumed [B] int32 (REPLAY only)
 // outputs: y [B,T,Hv,Dv] InT; states [B,T,Hv,Dv,Dk] f32 (state after each token)
 // template: InT, GT (gate_b dtype), AT (dtype of a + dt_bias), Dk, Dv, Hk, Hv,
-//           T, FUSED
+//           T, FUSED, MODE
+//
+// MODE (one source, so a replayed update is the verify's arithmetic):
+//   0 capture: y and the state after every position, as above;
+//   1 tape: y only (states a 1-element placeholder): the caller keeps what
+//     the updates consumed (k, v, gate_a, gate_b) as a tape;
+//   2 replay: from a tape, the updates of the first consumed[b] (1..T,
+//     clamped) positions of row b only, from state_in (the state before the
+//     cycle); q is a placeholder (not read), y too (not written) and
+//     states is [B,Hv,Dv,Dk]: the state after those positions.
 // grid (32, Dv, B*Hv), threadgroup (32, 4, 1): one SIMD-group per value row;
 // lane l owns state elements [NPT*l, NPT*l + NPT).
 //
@@ -59,7 +69,12 @@ __device__ inline float mtp_xor_sum(float v) {
   const float A = FUSED ? mtl::exp(static_cast<float>(A_log[hv])) : 0.0f;
   const float dtb = FUSED ? static_cast<float>(dt_bias[hv]) : 0.0f;
 
-  for (int t = 0; t < T; ++t) {
+  int steps = T;
+  if (MODE == 2) {
+    const int c = consumed[b_idx];
+    steps = c < 1 ? 1 : (c > T ? T : c);
+  }
+  for (int t = 0; t < steps; ++t) {
     const size_t qk_off = ((size_t(b_idx) * T + t) * Hk + hk) * Dk;
     const size_t hv_off = (size_t(b_idx) * T + t) * Hv + hv;
 
@@ -67,7 +82,7 @@ __device__ inline float mtp_xor_sum(float v) {
     float kv[NPT];
     for (int i = 0; i < NPT; ++i) {
       const int e = NPT * lane + i;
-      qv[i] = (e < Dk) ? static_cast<float>(q[qk_off + e]) : 0.0f;
+      qv[i] = (MODE != 2 && e < Dk) ? static_cast<float>(q[qk_off + e]) : 0.0f;
       kv[i] = (e < Dk) ? static_cast<float>(k[qk_off + e]) : 0.0f;
     }
     float g;
@@ -121,11 +136,24 @@ __device__ inline float mtp_xor_sum(float v) {
       st[i] = st[i] + kv[i] * delta;
       out += st[i] * qv[i];
     }
-    out = mtp_xor_sum(out);
-    if (lane == 0) {
-      y[hv_off * Dv + dv] = static_cast<InT>(out);
+    if (MODE != 2) {
+      out = mtp_xor_sum(out);
+      if (lane == 0) {
+        y[hv_off * Dv + dv] = static_cast<InT>(out);
+      }
     }
-    float* s_out = states + (hv_off * Dv + dv) * Dk;
+    if (MODE == 0) {
+      float* s_out = states + (hv_off * Dv + dv) * Dk;
+      for (int i = 0; i < NPT; ++i) {
+        const int e = NPT * lane + i;
+        if (e < Dk) {
+          s_out[e] = st[i];
+        }
+      }
+    }
+  }
+  if (MODE == 2) {
+    float* s_out = states + (size_t(n) * Dv + dv) * Dk;
     for (int i = 0; i < NPT; ++i) {
       const int e = NPT * lane + i;
       if (e < Dk) {

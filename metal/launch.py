@@ -107,47 +107,88 @@ def _round_scalar(x: float, dtype) -> float:
 
 
 # --------------------------------------------------------------------- GDN
-def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: str, fused: bool = False):
+# gdn_verify's modes (its MODE template argument): one source, so a replay's
+# updates are the verify's arithmetic
+CAPTURE, TAPE, REPLAY = 0, 1, 2
+
+
+def _gdn_kernel(backend: str):
+    return _kernel(
+        "gdn_verify", backend,
+        ["q", "k", "v", "gate_a", "gate_b", "A_log", "dt_bias", "state_in", "scal", "consumed"],
+        ["y", "states"],
+    )
+
+
+def _gdn_scal(in_t, Dk: int, fused: bool):
+    inv = Dk ** -0.5
+    if not fused:
+        return mx.zeros((3,), mx.float32)
+    return mx.array([_round_scalar(inv ** 2, in_t), _round_scalar(inv, in_t), 1e-6 * inv ** 2],
+                    dtype=mx.float32)
+
+
+def _gdn_launch(mode: int, q, k, v, gate_a, gate_b, A_log, dt_bias, state, consumed, *,
+                backend: str, fused: bool):
+    """One launch of gdn_verify in `mode`; q is a placeholder in REPLAY (not
+    read), so are consumed outside it; the outputs a mode does not write are
+    one-element placeholders."""
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    in_t = k.dtype
+    at = _rt(gate_a.dtype, dt_bias.dtype) if fused else gate_a.dtype
+    one = (1,)
+    return _gdn_kernel(backend)(
+        inputs=[q, k, v, gate_a, gate_b, A_log, dt_bias, state.astype(mx.float32),
+                _gdn_scal(in_t, Dk, fused), consumed],
+        template=[("InT", in_t), ("GT", gate_b.dtype), ("AT", at),
+                  ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("T", T), ("FUSED", bool(fused)),
+                  ("MODE", mode)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=[one if mode == REPLAY else (B, T, Hv, Dv),
+                       {CAPTURE: (B, T, Hv, Dv, Dk), TAPE: one, REPLAY: (B, Hv, Dv, Dk)}[mode]],
+        output_dtypes=[in_t, mx.float32],
+    )
+
+
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, *, backend: str, fused: bool = False,
+               tape: bool = False):
     """fused=False: normalization and gates by mlx_lm's own ops (as plain
     decoding), recurrence in the kernel (bitwise with mlx_lm's Metal decode
-    kernel); fused=True: all of it in the kernel (one launch)."""
+    kernel); fused=True: all of it in the kernel (one launch).
+    tape=False: (y, states [B, T, Hv, Dv, Dk]); tape=True: (y, the fields of
+    a GdnTape: what the kernel consumed, for gdn_replay)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     if Hv % Hk:
         raise ValueError("Hv must be a multiple of Hk")
     in_t = q.dtype
     k, v = k.astype(in_t), v.astype(in_t)
-    inv = Dk ** -0.5
     if fused:
-        scal = mx.array(
-            [_round_scalar(inv ** 2, in_t), _round_scalar(inv, in_t), 1e-6 * inv ** 2],
-            dtype=mx.float32,
-        )
         gate_a, gate_b = a, b
-        at = _rt(a.dtype, dt_bias.dtype)
     else:
         from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-        q, k = normalize_qk(q, k, inv_scale=inv, eps=1e-6)
+        q, k = normalize_qk(q, k, inv_scale=Dk ** -0.5, eps=1e-6)
         gate_a = compute_g(A_log, a, dt_bias)
         gate_b = mx.sigmoid(b)
-        scal = mx.zeros((3,), mx.float32)
-        at = gate_a.dtype
-    kern = _kernel(
-        "gdn_verify", backend,
-        ["q", "k", "v", "gate_a", "gate_b", "A_log", "dt_bias", "state_in", "scal"],
-        ["y", "states"],
-    )
-    y, states = kern(
-        inputs=[q, k, v, gate_a, gate_b, A_log, dt_bias, state.astype(mx.float32), scal],
-        template=[("InT", in_t), ("GT", gate_b.dtype), ("AT", at),
-                  ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("T", T), ("FUSED", bool(fused))],
-        grid=(32, Dv, B * Hv),
-        threadgroup=(32, 4, 1),
-        output_shapes=[(B, T, Hv, Dv), (B, T, Hv, Dv, Dk)],
-        output_dtypes=[in_t, mx.float32],
-    )
+    y, states = _gdn_launch(TAPE if tape else CAPTURE, q, k, v, gate_a, gate_b, A_log, dt_bias,
+                            state, mx.zeros((1,), mx.int32), backend=backend, fused=fused)
+    if tape:
+        return y, dict(state=state, k=k, v=v, g=gate_a, beta=gate_b, A_log=A_log,
+                       dt_bias=dt_bias)
     return y, states
+
+
+def gdn_replay(tape, consumed, *, backend: str, fused: bool = False):
+    """The state after consumed[b] (1..T, clamped) positions of each row b,
+    from a GdnTape that gdn_verify(tape=True) wrote on the same backend and
+    mode: [B, Hv, Dv, Dk] fp32."""
+    _, state = _gdn_launch(REPLAY, mx.zeros((1,), tape.k.dtype), tape.k, tape.v, tape.g,
+                           tape.beta, tape.A_log, tape.dt_bias, tape.state,
+                           consumed.astype(mx.int32).reshape(-1), backend=backend, fused=fused)
+    return state
 
 
 # -------------------------------------------------------------------- conv

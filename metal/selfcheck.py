@@ -104,8 +104,11 @@ def _first(*reasons) -> Optional[str]:
 
 
 def gdn_check(launch, reference, backend: str, fused: bool, dtype, Dk: int, Dv: int, ratio: int):
+    """gdn_verify's three modes (metal/launch.py): the captured states and y,
+    the tape verify's y (bit for bit the capture's), and the tape's replay at
+    a different count per row (bit for bit the captured state there)."""
     def check():
-        B, T, Hk = 1, 2, 1
+        B, T, Hk = 2, 3, 1
         Hv = Hk * ratio
         key = mx.random.key(1)
         ks = mx.random.split(key, 8)
@@ -120,8 +123,26 @@ def gdn_check(launch, reference, backend: str, fused: bool, dtype, Dk: int, Dv: 
         args = (q, k, v, a, b, A_log, dt_bias, state)
         y, s = launch.gdn_verify(*args, backend=backend, fused=fused)
         yr, sr = reference(*args)
-        return _first(_mismatch(y, yr, dtype, "y"), _mismatch(s, sr, dtype, "states"))
+        wrong = _first(_mismatch(y, yr, dtype, "y"), _mismatch(s, sr, dtype, "states"))
+        if wrong is not None:
+            return wrong
+        yt, tape = launch.gdn_verify(*args, backend=backend, fused=fused, tape=True)
+        if not mx.array_equal(yt, y).item():
+            return "the tape verify's y is not the capture's"
+        n = mx.array([T, 2], dtype=mx.int32)
+        got = launch.gdn_replay(_Tape(tape), n, backend=backend, fused=fused)
+        want = mx.stack([s[0, T - 1], s[1, 1]])
+        if got.shape != want.shape or not mx.array_equal(got, want).item():
+            return "the replayed state is not the captured one"
+        return None
     return check
+
+
+class _Tape:
+    """A tape's fields as attributes (launch.gdn_replay reads them so)."""
+
+    def __init__(self, fields: dict):
+        self.__dict__.update(fields)
 
 
 def conv_check(launch, reference, backend: str, dtype, wdtype, K: int):

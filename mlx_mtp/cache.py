@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
+from .metal import GdnTape
 from .mlx_lm_compat import BaseCache as _BaseCache
 
 BLOCK = 256  # smallest capacity step of a PaddedKVCache
@@ -208,21 +209,34 @@ class PaddedCacheList(_BaseCache):
 
 @dataclass
 class Capture:
-    """What one GDN layer's verify forward keeps for the commit: the state
-    after every position [B, T, Hv, Dv, Dk], the conv input [B, K-1+T, C], and
-    a family's own (qwen4_exp's PLE conv input and n-gram ids)."""
+    """What one GDN layer's verify forward keeps for the commit: the conv
+    input [B, K-1+T, C]; for the recurrent state either the state after every
+    position [B, T, Hv, Dv, Dk] (`states`) or a tape to replay the accepted
+    prefix from (`tape`, metal.GdnTape), as `rollback_by_tape` decides; and a
+    family's own (qwen4_exp's PLE conv input and n-gram ids)."""
 
-    states: mx.array
     conv_input: mx.array
+    states: Optional[mx.array] = None
+    tape: Optional[GdnTape] = None
     ple: Optional[Tuple[mx.array, mx.array]] = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the verify keeps for the rollback (the state before the
+        cycle, which a tape refers to, is the cache's own)."""
+        return (self.conv_input.nbytes + (self.states.nbytes if self.states is not None else 0)
+                + (self.tape.nbytes if self.tape is not None else 0)
+                + sum(x.nbytes for x in self.ple or ()))
 
     def tree(self) -> dict:
         return {"states": self.states, "conv_input": self.conv_input,
+                "tape": None if self.tape is None else self.tape.tree(),
                 "ple": None if self.ple is None else list(self.ple)}
 
     @classmethod
     def from_tree(cls, tree: dict) -> "Capture":
-        return cls(tree["states"], tree["conv_input"],
+        return cls(tree["conv_input"], tree["states"],
+                   None if tree["tape"] is None else GdnTape.from_tree(tree["tape"]),
                    None if tree["ple"] is None else tuple(tree["ple"]))
 
 
@@ -238,6 +252,7 @@ class CaptureCache(ArraysCache):
         self.cache = [conv, state, *extra]
         self.capturing = False
         self.captured_states: Optional[mx.array] = None  # [B, T, Hv, Dv, Dk]
+        self.captured_tape: Optional[GdnTape] = None  # (instead of the states)
         self.captured_conv_input: Optional[mx.array] = None  # [B, K-1+T, C]
         self.captured_ple: Optional[tuple] = None  # ([B, S+T, W], [B, n-1+T] ids)
 
@@ -254,10 +269,12 @@ class CaptureCache(ArraysCache):
     def _clear(self):
         self.capturing = False
         self.captured_states = self.captured_conv_input = self.captured_ple = None
+        self.captured_tape = None
 
     def take(self) -> Capture:
         """What the verify forward captured (the layer forgets it)."""
-        capture = Capture(self.captured_states, self.captured_conv_input, self.captured_ple)
+        capture = Capture(self.captured_conv_input, self.captured_states, self.captured_tape,
+                          self.captured_ple)
         self._clear()
         return capture
 
@@ -618,3 +635,41 @@ def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:
         if not linear:
             return entry_length(c)
     return 0
+
+
+# -- GDN rollback ------------------------------------------------------------------------
+_FORCE_ROLLBACK: Optional[str] = None  # "tape" / "capture": the bench and the tests' oracle
+
+
+def rollback_by_tape() -> bool:
+    """Whether a GDN layer's verify keeps a tape (replayed at the commit)
+    rather than every position's state: always, by bytes, at any depth. A
+    position's tape entry (k, v, g, beta) is far smaller than the state
+    [Hv, Dv, Dk] fp32 a capture writes for it, and the replay's one more read
+    and write of the state is what the capture's commit copy costs too; on
+    the CPU's ops path cycles cost the same at depths 2-4 (docs/design.md §3,
+    "Rollback"; bench/rollback_bench.py)."""
+    if _FORCE_ROLLBACK is not None:
+        return _FORCE_ROLLBACK == "tape"
+    return True
+
+
+def rollback_bytes(text_config: dict, run: int, act_bytes: int = 2, tape: bool = True) -> int:
+    """Bytes per row a verify of `run` drafts (T = run + 1 positions) keeps
+    for the rollback of a Qwen3.5-shaped trunk's GDN layers (every layer but
+    each full_attention_interval-th): each layer's conv input [K-1+T, C] in
+    the activations' dtype (`act_bytes` each), and its tape (k [T, Hk, Dk],
+    v [T, Hv, Dv] and beta [T, Hv] in the activations' dtype, g [T, Hv]
+    fp32), or with tape=False every position's state [T, Hv, Dv, Dk] fp32.
+    (Not counted: the state before the cycle, the cache's own.)"""
+    c = text_config
+    layers = c["num_hidden_layers"] - c["num_hidden_layers"] // c["full_attention_interval"]
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    T = run + 1
+    conv = (c["linear_conv_kernel_dim"] - 1 + T) * (2 * hk * dk + hv * dv) * act_bytes
+    if tape:
+        kept = T * ((hk * dk + hv * dv + hv) * act_bytes + hv * 4)
+    else:
+        kept = T * hv * dv * dk * 4
+    return layers * (conv + kept)

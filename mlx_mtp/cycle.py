@@ -9,12 +9,14 @@ Each step is a function state -> (state, output) with nothing kept elsewhere:
                     1. draft: the head drafts d1..dk by chaining itself (its
                        post-norm hidden + the token it drafted);
                     2. verify: the trunk runs [y, d1..dk] in ONE forward, its
-                       GDN layers capturing the state after every position;
+                       GDN layers keeping a tape of what each position's
+                       update consumed (k, v, g, beta);
                     3. accept, in-graph, per row (`acceptance.accept`, the one
                        rule every draft goes through): greedy rows keep drafts
                        while they equal the arg-max, sampled rows by
                        Leviathan–Chen, an opaque sampler by match;
-                    4. commit: GDN states by index, attention lengths cut to
+                    4. commit: GDN states replayed from the state before the
+                       cycle over each row's accepted prefix, attention lengths cut to
                        the accepted prefix, the head's cache rewritten from the
                        trunk's verified hiddens (which gives the next draft's hidden).
                     Emits a+1 tokens: the a accepted drafts, then the trunk's.
@@ -516,18 +518,24 @@ def draft(spec: Spec, aux: dict, state: DecodeState, g: mx.array, head_cache: li
 
 def commit_gdn(trunk: list, captures: List[Capture], consumed: mx.array, conv_kernel: int):
     """Every GDN layer takes the state and conv window after `consumed` [B]
-    verify tokens (chosen by index on the device) from its capture."""
+    verify tokens (chosen on the device): its captured state by index, or
+    its tape's replay of each row's accepted prefix (metal.gdn_replay)."""
     gdn = [c for c in trunk if isinstance(c, CaptureCache)]
-    states = [c.states for c in captures]
     inputs = [c.conv_input for c in captures]
-    if consumed.shape[0] == 1:
-        picked = metal.commit(states, inputs, consumed[0], conv_kernel)
-    else:  # one index per row
-        n = consumed.astype(mx.int32)
+    n = consumed.astype(mx.int32)
+    if any(c.tape is not None for c in captures):
         rows = (n[:, None] + mx.arange(conv_kernel - 1))[:, :, None]
-        picked = [(mx.take_along_axis(ci, rows, axis=1),
-                   mx.take_along_axis(st, (n - 1)[:, None, None, None, None], axis=1)[:, 0])
-                  for st, ci in zip(states, inputs)]
+        picked = [(mx.take_along_axis(c.conv_input, rows, axis=1),
+                   metal.gdn_replay(c.tape, n) if c.tape is not None else
+                   mx.take_along_axis(c.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0])
+                  for c in captures]
+    elif consumed.shape[0] == 1:
+        picked = metal.commit([c.states for c in captures], inputs, consumed[0], conv_kernel)
+    else:  # one index per row
+        rows = (n[:, None] + mx.arange(conv_kernel - 1))[:, :, None]
+        picked = [(mx.take_along_axis(c.conv_input, rows, axis=1),
+                   mx.take_along_axis(c.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0])
+                  for c in captures]
     for c, capture, (window, st) in zip(gdn, captures, picked):
         c.commit(window, st, consumed, capture)
 
@@ -628,8 +636,8 @@ def propose(spec: Spec, aux: dict, state: DecodeState, k: int, catch_up: bool = 
 
 
 def verify(spec: Spec, state: DecodeState, proposals: Proposals) -> Tuple[DecodeState, Verified]:
-    """The trunk over [y, d1..dk] in one forward, every GDN layer capturing
-    its state after each position."""
+    """The trunk over [y, d1..dk] in one forward, every GDN layer keeping what
+    its rollback needs (a `Capture`: a tape, `cache.rollback_by_tape`)."""
     model = spec.model
     cache = state.cache.copy()
     tokens = mx.concatenate([state.y[:, None], proposals.drafts], axis=1)  # [B, k+1]

@@ -2,7 +2,8 @@
 
 Plain decoding runs mlx_lm's own Metal GDN decode kernel (the packed Dk=128
 kernel plain decoding uses on a Mac) and MTP's verify/commit run
-gdn_verify.metal and commit.metal, all through the Linux emulator; greedy MTP
+gdn_verify.metal (the verify keeping a tape, the commit replaying it), all
+through the Linux emulator; greedy MTP
 in bf16 must stay token-identical to plain decoding. The rest of the model
 (projections, conv, attention) runs MLX CPU ops in both, as on the real device
 it runs the same MLX GPU ops in both.
@@ -69,9 +70,12 @@ def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
     verify_calls = []
     from mlx_mtp.metal import launch
 
-    real = launch.gdn_verify
+    real, real_replay = launch.gdn_verify, launch.gdn_replay
     monkeypatch.setattr(launch, "gdn_verify",
                         lambda *a, **k: verify_calls.append(1) or real(*a, **k))
+    replay_calls = []
+    monkeypatch.setattr(launch, "gdn_replay",
+                        lambda *a, **k: replay_calls.append(1) or real_replay(*a, **k))
 
     model, tok = mlx_mtp.load(ckpt)
     ref_model, _ = mlx_lm.load(str(ckpt))
@@ -86,3 +90,7 @@ def test_simulated_metal_mtp_is_token_identical(ckpt, monkeypatch):
             drafter=OracleDrafter(ref, rate, V, seed=k))]
         assert got == ref, f"depth {k}"
     assert verify_calls, "MTP verify did not run gdn_verify.metal"
+    assert replay_calls, "the commit did not replay the tape in gdn_verify.metal"
+    from mlx_mtp.metal import selfcheck  # (the calls above include the self-check's)
+
+    assert selfcheck.paths()["gdn_verify"].startswith("emu-metal kernel"), selfcheck.paths()

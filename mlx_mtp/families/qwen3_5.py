@@ -17,7 +17,7 @@ from mlx_lm.models import qwen3_5, qwen3_5_moe
 import mlx.core as mx
 
 from .. import metal
-from ..cache import CaptureCache
+from ..cache import CaptureCache, rollback_by_tape
 from ..checkpoint import text_config
 from ..model import LanguageModelTrunk, MTPModel
 from . import mrope
@@ -48,8 +48,8 @@ def is_unconverted(tensors: dict) -> bool:
 def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
     """The verify forward of a GatedDeltaNet layer on `inputs` [B, S, H] after
     its input projections (qkv [B, S, conv_dim], before the conv): the conv and mlx_lm's single-token
-    recurrence at every position, keeping every state and conv input in the
-    cache for the commit. Shared by the families' verifying layers."""
+    recurrence at every position, keeping in the cache what the commit needs:
+    the conv input, and every state or a tape (`rollback_by_tape`). Shared by the families' verifying layers."""
     B, S, _ = inputs.shape
     conv_state = cache[0]
     if conv_state is None:
@@ -66,8 +66,12 @@ def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
             [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
         )
     ]
-    y, states = metal.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
-    cache.captured_states = states
+    if rollback_by_tape():  # keep what the updates consume, replay at the commit
+        y, cache.captured_tape = metal.gdn_verify_taped(q, k, v, a, b, layer.A_log,
+                                                        layer.dt_bias, state)
+    else:
+        y, cache.captured_states = metal.gdn_verify(q, k, v, a, b, layer.A_log, layer.dt_bias,
+                                                    state)
     cache.captured_conv_input = conv_input
     out = layer.out_proj(layer.norm(y, z).reshape(B, S, -1))
     group = getattr(layer, "sharding_group", None)
@@ -77,7 +81,8 @@ def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
 
 
 class VerifyingGatedDeltaNet(qwen3_5.GatedDeltaNet):
-    """mlx_lm's GatedDeltaNet that, in a capturing cache, keeps every state.
+    """mlx_lm's GatedDeltaNet that, in a capturing cache, keeps what the
+    commit needs to roll its state back (a tape, or every state).
 
     Same parameters and same arithmetic as the parent: the projections are the
     parent's modules and the recurrence is mlx_lm's single-token update (via the

@@ -60,7 +60,8 @@ def is_unconverted(tensors: dict) -> bool:
 
 
 class VerifyingGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
-    """mlx_lm's Qwen3NextGatedDeltaNet that, in a capturing cache, keeps every state.
+    """mlx_lm's Qwen3NextGatedDeltaNet that, in a capturing cache, keeps what the
+    commit needs to roll its state back (Qwen3.5's verify_capturing).
 
     Same parameters and arithmetic as the parent: its fused projections and
     `fix_query_key_value_ordering`, then mlx_lm's single-token recurrence (the

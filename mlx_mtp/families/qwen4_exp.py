@@ -75,7 +75,7 @@ class MTPHead(nn.Module):
 
 class VerifyingGatedDeltaNet(GatedDeltaNet):
     """This family's GDN (its gated norm) that, in a capturing cache, keeps
-    every state: Qwen3.5's verify (families/qwen3_5.py), same parameters."""
+    what the commit needs: Qwen3.5's verify (families/qwen3_5.py), same parameters."""
 
     def __call__(self, inputs, mask=None, cache=None):
         if not (isinstance(cache, CaptureCache) and cache.capturing):
