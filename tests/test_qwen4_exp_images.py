@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("mlx_vlm", reason="images need the [vision] extra")
 
 import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import ArraysCache  # noqa: E402
 
 import mlx_mtp  # noqa: E402
 from mlx_mtp import vision  # noqa: E402
@@ -73,6 +74,32 @@ def test_a_prompt_needs_text_after_its_last_image(q4vl, tmp_path):
     assert text_only.takes_images  # (M-RoPE installed: the config names mrope_section)
     with pytest.raises(ValueError, match="no vision tower"):
         vision.prompt_media(text_only, _prompt(model, tok, 1), IMAGES[:1])
+
+
+def _states(cache) -> list:
+    from mlx.utils import tree_flatten
+
+    return [np.array(x) for _, x in tree_flatten([c.state for c in cache])
+            if isinstance(x, mx.array)]
+
+
+def test_head_and_trunk_states_after_a_prefill_in_pieces(q4vl):
+    """An image prompt prefilled in pieces of 5 (blocks begun in an earlier
+    piece, an image across pieces) leaves every trunk and head state (QSA
+    K/V, raw and pooled indexer keys, GDN and PLE windows) as one piece
+    does (1e-5): each block key roped at its first token's M-RoPE ids,
+    which an earlier piece held (`Positions.before`), in the head too."""
+    _, model, tok = q4vl
+    ids, media = vision.prompt_media(model, _prompt(model, tok, 2), IMAGES)
+    got = []
+    for step in (2048, 5):  # (a prompt cache: trunk, head, last hidden)
+        cache = model.make_cache() + model.mtp.make_cache() + [ArraysCache(size=2)]
+        list(generate_tokens(mx.array(ids), model, draft_tokens=2, max_tokens=1, media=media,
+                             prompt_cache=cache, prefill_step_size=step))
+        got.append(_states(cache))
+        assert cache[len(model.layers)][0].offset > len(ids) // 2  # the head's K/V written
+    worst = max(np.abs(a.astype(np.float64) - b).max() for a, b in zip(*got) if a.size)
+    assert worst < 1e-5, worst
 
 
 def _torch():
