@@ -175,8 +175,9 @@ def generate_step(
         tokenizer's EOS, as the grammar's end.
     images: the prompt's images (paths' bytes, PIL images, H x W x 3 uint8
         arrays), one per image placeholder in the prompt, in order (a
-        Qwen3.5/3.6 folder with its vision tower; the [vision] extra; no
-        prompt_cache yet). docs/design.md, "Images".
+        Qwen3.5/3.6 or qwen4_exp folder with its vision tower; the [vision]
+        extra; no prompt_cache yet). docs/design.md, "Images";
+        docs/qwen4_exp.md, "Images".
     """
     checks.prompt(prompt, text=False)
     prompt, media = _with_images(model, prompt, images, prompt_cache)

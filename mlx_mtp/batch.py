@@ -670,8 +670,8 @@ def _check_media(media: Media, ids: List[int], model, cached: int, group):
     """A prompt's images fit its tokens, its prompt cache (holding the
     prompt's first `media.start` tokens) and this model (one line each)."""
     if not getattr(model, "takes_images", False):
-        raise ValueError("this model takes no images (only Qwen3.5/3.6 folders with a vision "
-                         "tower do)")
+        raise ValueError("this model takes no images (only Qwen3.5/3.6 and qwen4_exp folders "
+                         "with a vision tower do)")
     if group is not None:
         raise ValueError("images are not supported on a sharded model yet")
     if cached != media.start:
@@ -683,6 +683,12 @@ def _check_media(media: Media, ids: List[int], model, cached: int, group):
                          f"the prompt has {total}")
     if not (media.positions[:, -1] == total - 1 + media.delta).all():
         raise ValueError("the prompt ends inside an image: end it with text")
+    need = model.text_after_images
+    if need > 1:
+        at_index = (media.positions == np.arange(total) + media.delta).all(axis=0)
+        if not at_index[-need:].all():
+            raise ValueError(f"the prompt needs at least {need} tokens after its last image "
+                             "(a chat template's end of turn gives them)")
 
 
 def _arrays(state: DecodeState) -> list:

@@ -87,8 +87,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Message to the model ('-' reads stdin)")
     p.add_argument("--system-prompt", type=str, default=None)
     p.add_argument("--image", action="append", metavar="PATH", default=None,
-                   help="an image for the prompt (repeatable; a Qwen3.5/3.6 folder with its "
-                        "vision tower, pip install 'mlx-mtp[vision]')")
+                   help="an image for the prompt (repeatable; a Qwen3.5/3.6 or qwen4_exp folder "
+                        "with its vision tower, pip install 'mlx-mtp[vision]')")
     p.add_argument("--max-tokens", "-m", type=flag("max_tokens"), default=100,
                    help="tokens to generate (-1: no limit)")
     p.add_argument("--draft-tokens", "--num-draft-tokens", type=flag("draft_tokens"),

@@ -222,6 +222,9 @@ class MTPModel:
     head_match_keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts")
     # whether the trunk and head rotate by M-RoPE positions (images; set at init)
     takes_images = False
+    # the tokens a prompt needs after its last image (where each token is at its
+    # index + the row's delta: what decoding knows of positions)
+    text_after_images = 1
     # a lookup reads the host (n-gram tables on disk, mlx_mtp/ngram_tables.py):
     # the decode graphs run uncompiled
     host_lookups = False

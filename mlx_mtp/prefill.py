@@ -160,9 +160,10 @@ def prefill_media(spec: Spec, cache: list, prompt: List[int], media, prefill_ste
 
     o = media.start  # (indices below are the row's prompt's; positions the whole one's)
 
-    def at(caches, start, stop):  # the forward's tokens at their own ids
-        return mrope.at(caches, mrope.Positions(mx.array(
-            media.positions[:, None, o + start:o + stop], dtype=mx.int32)))
+    def at(caches, start, stop):  # the forward's tokens at their own ids (and the earlier ones')
+        return mrope.at(caches, mrope.Positions(
+            mx.array(media.positions[:, None, o + start:o + stop], dtype=mx.int32),
+            mx.array(media.positions[:, None, :o + start], dtype=mx.int32)))
 
     last = last_hidden(cache, model.is_linear) if head is not None else None
     n, done, g = len(prompt) - 1, 0, None

@@ -1,4 +1,4 @@
-"""Images for Qwen3.5/3.6: the vision tower, image preprocessing and the
+"""Images for Qwen3.5/3.6 and qwen4_exp: the vision tower, image preprocessing and the
 M-RoPE position index of a prompt with image spans (docs/design.md, "Images").
 
 The tower is mlx-vlm's Qwen3.5 `VisionModel` with mlx-vlm's weight names and
@@ -69,7 +69,9 @@ HF_PREFIX, MLX_VLM_PREFIX = "model.visual.", "vision_tower."
 _TOWER_PREFIXES = (HF_PREFIX, MLX_VLM_PREFIX, "model.language_model.visual.")
 
 # mlx-vlm's model package per config model_type (same tower, same names)
-_MLX_VLM_MODELS = {"qwen3_5": "mlx_vlm.models.qwen3_5", "qwen3_5_moe": "mlx_vlm.models.qwen3_5_moe"}
+# (qwen4_exp's is mlx-vlm's Qwen3-VL tower without deepstack, the same names)
+_MLX_VLM_MODELS = {"qwen3_5": "mlx_vlm.models.qwen3_5", "qwen3_5_moe": "mlx_vlm.models.qwen3_5_moe",
+                   "qwen4_exp": "mlx_vlm.models.qwen4_exp"}
 
 ImageInput = Union[bytes, bytearray, memoryview, np.ndarray, "PILImage.Image"]
 
@@ -404,7 +406,7 @@ class VisionTower:
 
 
 def load_tower(model_path: Union[str, Path], max_input_pixels: int = MAX_INPUT_PIXELS) -> VisionTower:
-    """The vision tower of a Qwen3.5/3.6 folder, in the released HF layout
+    """The vision tower of a Qwen3.5/3.6 or qwen4_exp folder, in the released HF layout
     (`model.visual.*`, Conv3d patch embedding in torch's layout) or mlx-vlm's
     converted one (`vision_tower.*`, quantized or not): mlx-vlm's
     `VisionModel` for the config's `vision_config`, its `sanitize` (the
@@ -515,8 +517,8 @@ def tower_of(model) -> VisionTower:
     loaded at the first image and kept with the model. ValueError when the
     model takes no images or its folder has no tower."""
     if not getattr(model, "takes_images", False):
-        raise ValueError("this model takes no images (only Qwen3.5/3.6 folders with a vision "
-                         "tower do)")
+        raise ValueError("this model takes no images (only Qwen3.5/3.6 and qwen4_exp folders "
+                         "with a vision tower do)")
     if model.runtime.vision is None:
         path = Path(getattr(model, "model_path", ""))
         if not vision_tensor_names(path):

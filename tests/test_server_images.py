@@ -1,4 +1,5 @@
-"""The server takes images (a real process on a tiny Qwen3.5 VL folder):
+"""The server takes images (a real process on a tiny Qwen3.5 VL folder; the
+last test on a qwen4_exp one):
 OpenAI `image_url` parts (data URLs, and http URLs fetched from a local HTTP
 server) and Anthropic `image` blocks (base64 and url), streamed and not,
 answer what `generate_tokens` gives the same rendered prompt and images,
@@ -25,7 +26,7 @@ from PIL import Image  # noqa: E402
 import mlx_mtp  # noqa: E402
 from mlx_mtp import vision  # noqa: E402
 from mlx_mtp.decode import generate_tokens  # noqa: E402
-from mlx_mtp.testing.synthetic import write_checkpoint  # noqa: E402
+from mlx_mtp.testing.synthetic import write_checkpoint, write_qwen4_exp_checkpoint  # noqa: E402
 from serving import Server, local_http  # noqa: E402
 
 MAX_TOKENS = 12
@@ -322,3 +323,52 @@ def test_n_choices_with_an_image_each_answer_as_the_library(served, reference):
     r = _openai(server, parts, n=3)
     assert [c.message.content for c in r.choices] == [want] * 3
     assert r.usage.prompt_tokens == prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def served_qwen4_exp(tmp_path_factory):
+    path = write_qwen4_exp_checkpoint(tmp_path_factory.mktemp("q4vl"), vision=True)
+    server = Server(["mlx_mtp.server", "--model", str(path), "--draft-tokens", "2"],
+                    tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        yield path, server
+    finally:
+        server.close()
+
+
+def test_qwen4_exp_image_parts_answer_as_the_library(served_qwen4_exp):
+    """qwen4_exp behind the server: two image parts answer what the library
+    gives (not what black images of their sizes give), a bad image is one
+    400 and the server keeps serving, and a second turn read from the prefix
+    cache (its image span included: the M-RoPE ids before the new tokens)
+    answers what a cold prefill does."""
+    path, server = served_qwen4_exp
+    model, tok = mlx_mtp.load(str(path))
+
+    def library(messages, images):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids, media = vision.prompt_media(model, ids, images)
+        out = generate_tokens(mx.array(ids), model, max_tokens=MAX_TOKENS, media=media)
+        return _text(tok, out), len(ids)
+
+    asked = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                          {"type": "text", "text": "what are these"}]}]
+    want, prompt_tokens = library(asked, PNGS)
+    assert want != library(asked, [_black(p) for p in PNGS])[0]
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(p)}} for p in PNGS] + [
+        {"type": "text", "text": "what are these"}]
+    r1 = _openai(server, parts)
+    assert r1.choices[0].message.content == want and r1.usage.prompt_tokens == prompt_tokens
+    r = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]})
+    assert r.status_code == 400 and "cannot" in r.json()["error"]["message"], r.text
+    convo = [{"role": "user", "content": parts},
+             {"role": "assistant", "content": want},
+             {"role": "user", "content": "tell me more"}]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    r2 = client.chat.completions.create(model="m", messages=convo, max_tokens=MAX_TOKENS,
+                                        temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - 1
+    cold, n = library([asked[0], convo[1], convo[2]], PNGS)
+    assert r2.choices[0].message.content == cold and r2.usage.prompt_tokens == n

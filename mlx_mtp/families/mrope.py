@@ -1,5 +1,6 @@
-"""Qwen3.5 / 3.6's multimodal RoPE (M-RoPE) for the trunk's and the head's
-attention (docs/design.md, "Images").
+"""Qwen3.5 / 3.6's and qwen4_exp's multimodal RoPE (M-RoPE) for the trunk's
+and the head's attention (docs/design.md, "Images"; docs/qwen4_exp.md,
+"Images").
 
 A text token's three position ids (time, height, width) are equal, and then
 M-RoPE is the plain rotary embedding at that position: mlx_lm's rope, at the
@@ -14,7 +15,7 @@ frequencies interleaved between the axes as transformers'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,9 +24,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Positions:
-    """Each token's (time, height, width) position ids: int32 [3, B, L]."""
+    """Each token's (time, height, width) position ids: int32 [3, B, L];
+    `before` [3, B, S]: those of the S tokens the cache holds before them
+    (a layer that ropes earlier tokens: qwen4_exp's indexer, at a block's
+    first token)."""
 
     ids: mx.array
+    before: Optional[mx.array] = None
 
 
 def frequency_axes(frequencies: int, sections: Sequence[int], interleaved: bool = True
@@ -85,8 +90,23 @@ class PositionedCache:
     def __init__(self, cache, offset):
         self._cache, self.offset = cache, offset
 
+    @property
+    def wrapped(self):
+        """The cache itself (a layer that unwraps a list of caches)."""
+        return self._cache
+
     def __getattr__(self, name):
         return getattr(self._cache, name)
+
+
+def _is_attention(cache) -> bool:
+    """An attention layer's cache: a KV cache, or a list of them (qwen4_exp's
+    QSA layer: mlx_lm's CacheList, mlx_mtp's PaddedCacheList)."""
+    return hasattr(cache, "update_and_fetch") or hasattr(cache, "caches")
+
+
+def _offset(cache):
+    return cache.offset if hasattr(cache, "offset") else cache[0].offset
 
 
 def positioned(caches: list, offset) -> list:
@@ -94,14 +114,13 @@ def positioned(caches: list, offset) -> list:
     replaced: `offset(cache)` gives it (None: the list unchanged)."""
     if offset is None:
         return caches
-    return [PositionedCache(c, offset(c)) if hasattr(c, "update_and_fetch") else c
-            for c in caches]
+    return [PositionedCache(c, offset(c)) if _is_attention(c) else c for c in caches]
 
 
 def shifted(caches: list, delta) -> list:
     """Text positions after an image: each row at its cache's offset plus its
     own delta ([B] int32; None: no row saw an image, the caches unchanged)."""
-    return positioned(caches, None if delta is None else (lambda c: c.offset + delta))
+    return positioned(caches, None if delta is None else (lambda c: _offset(c) + delta))
 
 
 def at(caches: list, positions: Positions) -> list:

@@ -5,8 +5,9 @@ The trunk is `mlx_mtp/models/qwen4_exp.py`, an mlx_lm model file.
 head (`MTPHead` here: split-add fusion on the per-stream hidden, one QSA
 decoder layer, its own hyper-connection mixer), a verifying GDN layer, and
 the PLE / QSA states rolled back after a verify. Prompts prefill together on
-mlx_lm's batch caches (the indexer and the PLE read their padding). See
-docs/qwen4_exp.md.
+mlx_lm's batch caches (the indexer and the PLE read their padding). Images:
+M-RoPE in the trunk's and the head's attention and indexer
+(`PositionedAttention`). See docs/qwen4_exp.md.
 """
 
 from __future__ import annotations
@@ -17,12 +18,87 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache
 
+from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
 from ..cache import CaptureCache
 from ..model import LanguageModelTrunk, MTPModel, MTPWeightError
-from ..models.qwen4_exp import (DecoderLayer, GatedDeltaNet, HyperConnection, Model, ModelArgs,
-                                TextModelArgs, ZERO_CENTRED_NORMS)
+from ..models.qwen4_exp import (Attention, DecoderLayer, GatedDeltaNet, HyperConnection, Model,
+                                ModelArgs, QSAIndexer, TextModelArgs, ZERO_CENTRED_NORMS)
+from . import mrope
 from .common import split_fused_experts, stack_expert_tensors
 from .qwen3_5 import verify_capturing
+
+
+class PositionedIndexer(QSAIndexer):
+    """The QSA indexer whose queries and block keys also take M-RoPE
+    positions (docs/qwen4_exp.md, "Images"): `positions` is `mrope.Positions`
+    (a prefill over images: the forward's ids and the earlier tokens') or each
+    row's delta [B] (text after an image: every axis at index + delta). A
+    block key is roped at its first token's three ids, as transformers'
+    indexer does; without positions it is the parent, unchanged."""
+
+    def __init__(self, args: TextModelArgs, rope_dims: int, rope_base: float, sections):
+        super().__init__(args, rope_dims, rope_base)
+        self.mrope = mrope.MRoPE(nn.RoPE(rope_dims, traditional=False, base=rope_base), sections,
+                                 interleaved=True)
+
+    def rope_queries(self, q, offset, positions):
+        if positions is None:
+            return super().rope_queries(q, offset, None)
+        if isinstance(positions, mrope.Positions):
+            return self.mrope(q, mrope.Positions(positions.ids))
+        return super().rope_queries(q, offset + positions, None)  # (mlx_lm's rope, shifted)
+
+    def rope_blocks(self, blocks, first, positions):
+        if positions is None:
+            return super().rope_blocks(blocks, first, None)
+        B, K, _ = blocks.shape
+        first = mx.broadcast_to(mx.array(first) if isinstance(first, int) else first, (B,))
+        index = (first[:, None] + mx.arange(K)[None]) * self.ratio  # each block's first token [B, K]
+        if isinstance(positions, mrope.Positions):
+            ids = positions.ids if positions.before is None else mx.concatenate(
+                [positions.before, positions.ids], axis=-1)
+            # (a block past the tokens so far is never kept: clipped, any ids do)
+            at = mx.broadcast_to(mx.minimum(index, ids.shape[-1] - 1)[None], (3, B, K))
+            ids = mx.take_along_axis(mx.broadcast_to(ids, (3, B, ids.shape[-1])), at, axis=-1)
+        else:  # text after the last image: its index + the row's delta, on every axis
+            ids = mx.broadcast_to((index + positions[:, None])[None], (3, B, K))
+        return self.mrope(blocks[:, None], mrope.Positions(ids.astype(mx.int32)))[:, 0]
+
+
+class PositionedAttention(Attention):
+    """The QSA attention layer with M-RoPE (`PositionedIndexer`; the
+    attention's rope wrapped in `mrope.MRoPE`), for prompts with images. Its
+    cache list arrives wrapped in `mrope.PositionedCache` where the tokens are
+    not at their index; unwrapped it is the parent, bit for bit."""
+
+    def __init__(self, args: TextModelArgs, sections):
+        super().__init__(args)
+        self.indexer = PositionedIndexer(args, self.rope.dims, self.rope.base, sections)
+        self.rope = mrope.MRoPE(self.rope, sections, interleaved=True)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        if not isinstance(cache, mrope.PositionedCache):
+            return super().__call__(x, cache)
+        positions, cache = cache.offset, cache.wrapped
+        kv, index = cache[0], (cache[1], cache[2])
+        # the indexer takes the positions, or each row's delta (the shifted offset - the index)
+        mask = self.indexer(x, index, kv.offset, positions if isinstance(positions, mrope.Positions)
+                            else positions - kv.offset)
+        return Qwen3NextAttention.__call__(self, x, mask, mrope.PositionedCache(kv, positions))
+
+
+def install_mrope(layers, args: TextModelArgs) -> bool:
+    """Give each attention layer of `layers` M-RoPE (before its weights load:
+    same parameters) when the config names an `mrope_section`; transformers'
+    Qwen4Exp interleaves the axes always. Returns whether it did."""
+    sections = (args.rope_parameters or {}).get("mrope_section")
+    if not sections:
+        return False
+    for layer in layers:
+        if not layer.is_linear and not isinstance(layer.self_attn, PositionedAttention):
+            layer.self_attn = PositionedAttention(args, sections)
+    return True
 
 
 class MTPHead(nn.Module):
@@ -54,6 +130,7 @@ class MTPHead(nn.Module):
         layer_args = dataclasses.replace(args, num_hidden_layers=1, layer_types=["indexed_attention"],
                                          ple_layer_ids=[])
         self.layers = [DecoderLayer(layer_args, 0)]
+        install_mrope(self.layers, layer_args)
         self.hyper_connection_mixer = HyperConnection(layer_args, use_combine=False)
 
     def make_cache(self):
@@ -131,7 +208,15 @@ class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
+        self.takes_images = install_mrope(self.text_model.layers, self.text_args)
         self._init_mtp(args.text_config)
+
+    @property
+    def text_after_images(self) -> int:
+        """A block completing while decoding is roped at its first token, at
+        most `indexer_compress_ratio` - 1 tokens back: decoding knows it as
+        index + delta only after the last image (docs/qwen4_exp.md, "Images")."""
+        return self.text_args.indexer_compress_ratio
 
     @property
     def hidden_width(self) -> int:
@@ -145,9 +230,10 @@ class Qwen4ExpMTPModel(LanguageModelTrunk, MTPModel, Model):
     def make_head(cls, args, num_layers: int) -> MTPHead:
         return MTPHead(args, num_layers)
 
-    def trunk_hidden(self, tokens: mx.array, cache) -> mx.array:
-        """[collapsed | streams] [B, T, (hc+1)*H] (see above)."""
-        streams = self.text_model.streams(tokens, cache)
+    def trunk_hidden(self, tokens: mx.array, cache, embeddings=None) -> mx.array:
+        """[collapsed | streams] [B, T, (hc+1)*H] (see above); `embeddings`:
+        in place of the tokens' (an image's features at its pads)."""
+        streams = self.text_model.streams(tokens, cache, embeddings)
         return mx.concatenate([self.text_model.hyper_connection_mixer(streams), streams], axis=-1)
 
     def lm_input(self, hidden: mx.array) -> mx.array:

@@ -498,8 +498,11 @@ class QSAIndexer(nn.Module):
         self.k_layernorm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope_dims, self.rope_base = rope_dims, rope_base
 
-    def __call__(self, x: mx.array, cache=None, offset=0) -> mx.array:
-        """cache: (raw keys, pooled keys) caches, or None. offset: the cache's
+    def __call__(self, x: mx.array, cache=None, offset=0, positions=None) -> mx.array:
+        """cache: (raw keys, pooled keys) caches, or None. positions: where
+        the rope puts the tokens when not at their index (None: at their
+        index; otherwise only `rope_queries` / `rope_blocks` of a subclass
+        read it: mlx_mtp's images). offset: the cache's
         length, an int (mlx_lm's KVCache) or one per row [B] (mlx_mtp's
         PaddedKVCache, whose keys span its whole buffer: entries past a row's
         length are never selected, being after every query of that row;
@@ -511,19 +514,19 @@ class QSAIndexer(nn.Module):
         d, r = self.head_dim, self.ratio
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.n_heads * d].reshape(B, L, self.n_heads, d))
-        q = mx.fast.rope(q.transpose(0, 2, 1, 3), self.rope_dims, traditional=False,
-                         base=self.rope_base, scale=1.0, offset=offset)
+        q = self.rope_queries(q.transpose(0, 2, 1, 3), offset, positions)
         keys = qk[..., self.n_heads * d :][:, None]  # [B, 1, L, d], raw (pooled before the norm)
         if cache is None:
             nb = L // r
-            blocks = self._pool(keys[:, 0, : nb * r].reshape(B, nb, r, d), 0)
+            blocks = self._pool(keys[:, 0, : nb * r].reshape(B, nb, r, d), 0, positions)
             return self._select(q, blocks, offset, L)
         raw_cache, pooled_cache = cache
         zero = mx.zeros((B, 1, L, 0), dtype=keys.dtype)
         raw, _ = raw_cache.update_and_fetch(keys, zero)
         padding = getattr(raw_cache, "left_padding", None)
         T = raw.shape[2]
-        pooled, _ = pooled_cache.update_and_fetch(self._completed(raw, offset, padding, L), zero)
+        pooled, _ = pooled_cache.update_and_fetch(
+            self._completed(raw, offset, padding, L, positions), zero)
         # block j's key sits at its last position, (j+1)*r - 1 (+ the row's padding)
         nb = T // r
         if padding is None:
@@ -536,15 +539,25 @@ class QSAIndexer(nn.Module):
         mask = mx.take_along_axis(mask, mx.maximum(back, 0)[:, None, None], axis=-1)
         return mask & (back >= 0)[:, None, None]
 
-    def _pool(self, raw: mx.array, first) -> mx.array:
+    def rope_queries(self, q: mx.array, offset, positions) -> mx.array:
+        """The queries [B, heads, L, d] roped at their indices from `offset`."""
+        return mx.fast.rope(q, self.rope_dims, traditional=False, base=self.rope_base, scale=1.0,
+                            offset=offset)
+
+    def rope_blocks(self, blocks: mx.array, first, positions) -> mx.array:
+        """Block keys [B, K, d] roped at each block's first token: block
+        index `first` + k (an int or one per row [B]), token (first + k) * r."""
+        return mx.fast.rope(blocks[:, None], self.rope_dims, traditional=False, base=self.rope_base,
+                            scale=float(self.ratio), offset=first)[:, 0]
+
+    def _pool(self, raw: mx.array, first, positions=None) -> mx.array:
         """Block keys [B, K, d] of raw keys [B, K, r, d]: the mean (in
         float32), normed, roped at each block's first position (block index
         `first` + k; `first` an int or one per row [B])."""
         blocks = raw.astype(mx.float32).mean(axis=2).astype(raw.dtype)
-        return mx.fast.rope(self.k_layernorm(blocks)[:, None], self.rope_dims, traditional=False,
-                            base=self.rope_base, scale=float(self.ratio), offset=first)[:, 0]
+        return self.rope_blocks(self.k_layernorm(blocks), first, positions)
 
-    def _completed(self, raw: mx.array, offset, padding, L: int) -> mx.array:
+    def _completed(self, raw: mx.array, offset, padding, L: int, positions=None) -> mx.array:
         """What the pooled cache takes for the L new positions [B, 1, L, d]:
         the key of each block completing here at its last position, zeros
         elsewhere. At most ceil(L/r) blocks complete in L positions; they are
@@ -560,7 +573,7 @@ class QSAIndexer(nn.Module):
             at = at + padding[:, None, None]
         at = mx.broadcast_to(mx.clip(at, 0, T - 1), (B, K * r, 1))
         blocks = self._pool(mx.take_along_axis(raw[:, 0], at, axis=1).reshape(B, K, r, d),
-                            mx.broadcast_to(first[:, 0], (B,)))  # [B, K, d]
+                            mx.broadcast_to(first[:, 0], (B,)), positions)  # [B, K, d]
         end = start + mx.arange(1, L + 1)  # [B or 1, L]: one past each new position
         if K > 1:  # block first + k ends at position (first + k + 1) * r - 1
             which = mx.broadcast_to(mx.clip(end // r - 1 - first, 0, K - 1), (B, L))
@@ -669,12 +682,15 @@ class Qwen4ExpTextModel(PipelineMixin, nn.Module):
         super().pipeline(group, split=split)
         self.ssm_idx = next((e for e, l in enumerate(self.pipeline_layers) if l.is_linear), None)
 
-    def streams(self, inputs: mx.array, cache=None) -> mx.array:
+    def streams(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         """The `hc_count` residual streams after the last layer, [B, L, hc*H]
-        (the MTP head reads these, before the mixer collapses them)."""
+        (the MTP head reads these, before the mixer collapses them).
+        `input_embeddings` [B, L, H]: in place of the tokens' own (an image's
+        features at its pads); the PLE layers still hash the token ids, as
+        transformers' `Qwen4ExpModel` passes them (`ple_input_ids`)."""
         if cache is None:
             cache = [None] * len(self.pipeline_layers)
-        h = self.embed_tokens(inputs)
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
         x = mx.tile(h, (1, 1, self.args.hc_count))
 
@@ -708,8 +724,8 @@ class Qwen4ExpTextModel(PipelineMixin, nn.Module):
             x = mx.distributed.all_gather(x)[: x.shape[0]]
         return x
 
-    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        return self.hyper_connection_mixer(self.streams(inputs, cache))
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
+        return self.hyper_connection_mixer(self.streams(inputs, cache, input_embeddings))
 
 
 class TextModel(nn.Module):
@@ -722,8 +738,8 @@ class TextModel(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.sharding_group = None
 
-    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        out = self.model(inputs, cache)
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
+        out = self.model(inputs, cache, input_embeddings)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(out)
         out = self.lm_head(out)
@@ -782,9 +798,9 @@ class Model(nn.Module):
         self.language_model = TextModel(TextModelArgs.from_dict(args.text_config))
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None):
-        if input_embeddings is not None:
-            raise NotImplementedError("qwen4_exp: PLE needs token ids, not embeddings")
-        return self.language_model(inputs, cache)
+        """input_embeddings: in place of the tokens' embeddings (the ids still
+        feed the PLE layers)."""
+        return self.language_model(inputs, cache, input_embeddings)
 
     @property
     def model(self):

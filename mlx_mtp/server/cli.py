@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     images = ImageLimits()  # (the defaults' one home: vision.py)
     p.add_argument("--max-images", type=flag("max_images"), default=images.max_images,
                    metavar="N",
-                   help="images one request may carry (a Qwen3.5/3.6 folder with its vision "
-                        "tower; pip install 'mlx-mtp[vision]')")
+                   help="images one request may carry (a Qwen3.5/3.6 or qwen4_exp folder with "
+                        "its vision tower; pip install 'mlx-mtp[vision]')")
     p.add_argument("--max-image-pixels", type=flag("max_image_pixels"),
                    default=images.max_pixels, metavar="N",
                    help="pixels one image may have (checked before decoding)")

@@ -805,15 +805,23 @@ def qwen4_exp_random_weights(tc: Dict, seed: int = 0, *, mtp: bool = True,
 
 
 def write_qwen4_exp_checkpoint(path, *, seed: int = 0, mtp: bool = True, dtype: str = "float32",
-                               shards: int = 1, text_overrides: Optional[Dict] = None) -> Path:
+                               shards: int = 1, text_overrides: Optional[Dict] = None,
+                               vision: bool = False) -> Path:
     """A random Qwen3.8-Flash-Next (`qwen4_exp`) checkpoint folder in the
     released HF layout (config.json with `text_config`, safetensors, tokenizer).
-    Int64 buffers keep their dtype. See docs/qwen4_exp.md."""
+    Int64 buffers keep their dtype. vision: as `write_checkpoint`'s (a tiny
+    real tower, `tiny_vision_config` under transformers' `qwen4_exp_vision`
+    model_type, the four vision tokens, preprocessor_config.json, the trunk's
+    attention louder), so transformers' `Qwen4ExpForConditionalGeneration`
+    loads every tensor. See docs/qwen4_exp.md."""
     import mlx.core as mx
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tc = tiny_qwen4_exp_config(**(text_overrides or {}))
+    text_overrides = dict(text_overrides or {})
+    if vision:
+        text_overrides.setdefault("vocab_size", _TINY["vocab_size"] + len(VISION_TOKENS))
+    tc = tiny_qwen4_exp_config(**text_overrides)
     weights = qwen4_exp_random_weights(tc, seed, mtp=mtp)
     config = {
         "architectures": ["Qwen4ExpForConditionalGeneration"],
@@ -822,6 +830,14 @@ def write_qwen4_exp_checkpoint(path, *, seed: int = 0, mtp: bool = True, dtype: 
         "vision_config": {"depth": 1, "hidden_size": 8},
         "tie_word_embeddings": False,
     }
+    if vision:
+        vc = tiny_vision_config(tc["hidden_size"], model_type="qwen4_exp_vision")
+        del vc["deepstack_visual_indexes"]  # (not a key of transformers' strict config)
+        weights = louder_attention(weights)
+        weights.update(vision_weights(vc, seed))
+        config["vision_config"] = vc
+        config.update({key: _TINY["vocab_size"] + i for i, key in enumerate(VISION_TOKEN_KEYS)})
+        (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=1))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     floats = {k: v for k, v in weights.items() if v.dtype != np.int64}
     save_safetensors_shards(path, floats, dtype, shards)
@@ -833,5 +849,6 @@ def write_qwen4_exp_checkpoint(path, *, seed: int = 0, mtp: bool = True, dtype: 
                 else {"metadata": {}, "weight_map": {k: "model.safetensors" for k in floats}})
         data["weight_map"].update({k: "model-buffers.safetensors" for k in ints})
         index.write_text(json.dumps(data, indent=1))
-    write_tokenizer(path, tc["eos_token_id"])
+    write_tokenizer(path, tc["eos_token_id"], VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE,
+                    (), VISION_TOKENS if vision else ())
     return path
