@@ -18,7 +18,7 @@ minutes. The trunk's loss weighs the blocks 1 and the file window
 `--file-weight`. Tokenizer: the demo's. Training, export and the reload
 check are train/train.py's (`losses`, `build_model`, train/export.py);
 `python -m train.copy_model measure FOLDER` scores copying on held-out files
-(`measure`). So far (train/README.md, "The copy model") 118 CPU minutes
+(`measure`). So far (train/README.md, "The copy model") 129 CPU minutes
 reached 94% teacher-forced top-1 on held-out spans but 21% of their
 characters copied greedily: nothing is shipped, and the best weights are
 train/copy_model_partial.safetensors.
