@@ -625,7 +625,9 @@ class Batch:
         if self.current is not None and self.current.pending is not None:
             self.current = self._complete(self.current)  # (the grammars now have this
             # cycle's tokens)
-        sample = None if not accepted or cycle.jump else cost_sample(
+        measured = accepted and not cycle.jump and self.schedule.measures(self.spec,
+                                                                         len(cycle.rows))
+        sample = None if not measured else cost_sample(
             cycle, self.current or cycle, lookahead=self.current is not None,
             distributed=self.spec.group is not None, first=first, launches=self._launched,
             since=self._tic, now=toc)

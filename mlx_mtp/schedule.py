@@ -168,6 +168,11 @@ class Schedule:
         self.guided_ahead = False  # a guided batch may queue a plain step's forward ahead
         self.context = ContextPolicy()
 
+    def measures(self, spec: Spec, batch_size: int) -> bool:
+        """Whether a read's cost is of use (`CycleRecord.cost`): to an `auto`
+        controller, or to the context runs' widths."""
+        return spec.context is not None or self.controller(spec, batch_size) is not None
+
     def observe(self, spec: Spec, read: CycleRecord):
         """A read cycle: the `auto` controller of the batch size it ran at
         learns the head's acceptance and cost from it (a jump, a cycle wider
