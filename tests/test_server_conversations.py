@@ -274,6 +274,8 @@ def _its_next_turn_during_idle_work(srv, client, attempt: int) -> bool:
     return True
 
 
+@pytest.mark.slow  # (a server of its own; the default tier: the batch's rows with context
+# runs against mlx_lm, tests/test_context_draft.py)
 def test_context_drafts_keep_each_turn_a_cold_prefill(cold, tmp_path):
     """--context-drafts: every row's index holds its whole conversation (the
     prefix cache's tokens and the new ones), and its runs are drafted beside
