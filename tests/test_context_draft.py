@@ -193,19 +193,24 @@ def test_the_device_index_proposes_what_the_host_index_does(monkeypatch):
     assert checked > 150
 
 
-def _next_model(tmp_path_factory):
+def _family_model(tmp_path_factory, name):
+    """Qwen3-Next (mlx_lm's model the reference) or qwen4_exp (Flash-Next:
+    mlx_lm has none; mlx_lm's generate_step on our model, plain decoding)."""
     import mlx_lm
 
     import mlx_mtp
-    from mlx_mtp.testing.synthetic import write_checkpoint
+    from mlx_mtp.testing.synthetic import write_checkpoint, write_qwen4_exp_checkpoint
 
-    path = write_checkpoint(tmp_path_factory.mktemp("next") / "next", family="qwen3_next")
+    folder = tmp_path_factory.mktemp(name) / name
+    path = (write_checkpoint(folder, family="qwen3_next") if name == "next"
+            else write_qwen4_exp_checkpoint(folder))
     model, tok = mlx_mtp.load(path, quiet=True)
-    return model, mlx_lm.load(str(path))[0], tok
+    return model, mlx_lm.load(str(path))[0] if name == "next" else model, tok
 
 
 @pytest.mark.parametrize("name,k", [("dense", 2), ("dense", "auto"), slow("moe", 2),
-                                    slow("moe", "auto"), slow("next", 2), slow("next", "auto")])
+                                    slow("moe", "auto"), slow("next", 2), slow("next", "auto"),
+                                    slow("qwen4_exp", 2), slow("qwen4_exp", "auto")])
 def test_batched_rows_with_context_runs_are_mlx_lms(loaded, tmp_path_factory, name, k,
                                                     monkeypatch):
     """Three greedy rows in one batch with context drafts on: two re-type
@@ -225,7 +230,8 @@ def test_batched_rows_with_context_runs_are_mlx_lms(loaded, tmp_path_factory, na
     monkeypatch.setattr(ContextPolicy, "_rate", lambda self, w, head, rows:
                         self.expected_tokens(w))
 
-    model, ref_model, tok = _next_model(tmp_path_factory) if name == "next" else loaded(name)
+    model, ref_model, tok = (_family_model(tmp_path_factory, name)
+                             if name in ("next", "qwen4_exp") else loaded(name))
     prompts = [tok.encode(LONG * 2), tok.encode("def eggs(n):\n    return"),
                tok.encode("import sys\nclass Ham:")]
     ns = [48, 40, 36]

@@ -645,8 +645,10 @@ def test_chi2_end_to_end(models, trunk_logits, cfg, k, mode, monkeypatch):
     assert pvalue > ALPHA
     if mode in ("q", "context"):
         assert 0 < stats.accepted < stats.drafted  # both paths exercised
-    if mode == "device_context":  # runs drafted, kept and rejected
-        assert 0 < stats.context_accepted < stats.context_drafted
+    if mode == "device_context":  # runs drafted and rejected (kept too at temp: a row's
+        # source follows what it keeps, so under top_k's 3 tokens runs stop once rejected)
+        assert stats.context_accepted < stats.context_drafted
+        assert cfg != "temp" or stats.context_accepted > 0
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
