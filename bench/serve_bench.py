@@ -177,20 +177,33 @@ def peak_rss_mb(pid: int) -> float:
 def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
     """One chat completion: its text, completion tokens, finish reason, TTFT
     (streamed) or latency, or the error."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            **(fields or {})}
+    return _request(url + "/v1/chat/completions", {"messages": messages}, max_tokens, fields,
+                    stream, lambda choice: choice.get("delta", {}).get("content"),
+                    lambda choice: choice["message"].get("content"))
+
+
+def complete(url, prompt: str, max_tokens: int, fields=None) -> dict:
+    """One streamed text completion (/v1/completions), as `chat` reports it."""
+    return _request(url + "/v1/completions", {"prompt": prompt}, max_tokens, fields, True,
+                    lambda choice: choice.get("text"), lambda choice: choice.get("text"))
+
+
+def _request(endpoint: str, body: dict, max_tokens: int, fields, stream: bool, delta_of,
+             text_of) -> dict:
+    """One request (greedy unless `fields` say otherwise); `delta_of` /
+    `text_of`: a streamed chunk's / a whole answer's text from its choice."""
+    body = {**body, "max_tokens": max_tokens, "temperature": 0, **(fields or {})}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
     first, text, usage, finish = None, "", {}, None
     try:
-        with requests.post(url + "/v1/chat/completions", json=body, stream=stream,
-                           timeout=600) as r:
+        with requests.post(endpoint, json=body, stream=stream, timeout=600) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
             if not stream:
                 out = r.json()
-                text = out["choices"][0]["message"].get("content") or ""
+                text = text_of(out["choices"][0]) or ""
                 usage = out.get("usage") or {}
                 finish = out["choices"][0].get("finish_reason")
             else:
@@ -202,7 +215,7 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
                         usage = chunk["usage"]
                     if chunk.get("choices"):
                         finish = chunk["choices"][0].get("finish_reason") or finish
-                        delta = chunk["choices"][0].get("delta", {}).get("content")
+                        delta = delta_of(chunk["choices"][0])
                         if delta:
                             first = first or time.perf_counter()
                             text += delta
@@ -214,40 +227,8 @@ def chat(url, messages, max_tokens, fields=None, stream=True) -> dict:
     return {"text": text, "tokens": usage.get("completion_tokens", 0), "finish": finish,
             "start": t0, "end": end,
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "prompt_tokens": usage.get("prompt_tokens", 0), "mtp": usage.get("mtp"),
             "ttft": (first or end) - t0 if stream else end - t0}
-
-
-def complete(url, prompt: str, max_tokens: int, fields=None) -> dict:
-    """One streamed text completion (/v1/completions), as `chat` reports it."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **(fields or {})}
-    t0 = time.perf_counter()
-    first, text, usage, finish = None, "", {}, None
-    try:
-        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-            for line in r.iter_lines(decode_unicode=True):
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if chunk.get("choices"):
-                    finish = chunk["choices"][0].get("finish_reason") or finish
-                    delta = chunk["choices"][0].get("text")
-                    if delta:
-                        first = first or time.perf_counter()
-                        text += delta
-    except requests.RequestException as e:
-        return {"error": type(e).__name__}
-    end = time.perf_counter()
-    if finish is None:
-        return {"error": "the answer ended without a finish_reason"}
-    return {"text": text, "tokens": usage.get("completion_tokens", 0), "finish": finish,
-            "start": t0, "end": end, "cached": 0, "prompt_tokens": usage.get("prompt_tokens", 0),
-            "ttft": (first or end) - t0, "mtp": usage.get("mtp")}
 
 
 # -- workloads: each returns the list of request results -------------------------------------------

@@ -136,15 +136,26 @@ def test_image_rows_and_text_rows_decode_in_one_batch(vl):
     batch, depth 2: each row's tokens and log-probs (1e-4) are what it
     decodes alone, so each row decodes at its own positions."""
     _, model, tok = vl
-    prompts = [vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1]),
-               (tok.encode("def f(x): return"), None),
-               vision.prompt_media(model, _prompt(model, tok, 2, " again\n"), IMAGES)]
+    prompts = _mixed_rows(model, tok)
     assert len({media.delta if media else 0 for _, media in prompts}) == 3
     alone = [_run(model, ids, media, 2) for ids, media in prompts]
     batch = make_batch(model, draft_tokens=2)
-    requests = [batch.prepare(ids, None, MAX_TOKENS, media=media) for ids, media in prompts]
-    got = [[] for _ in prompts]
-    for i, event in decode_rows(batch, requests, 3):
+    _assert_rows_alone(batch, [batch.prepare(ids, None, MAX_TOKENS, media=media)
+                               for ids, media in prompts], alone)
+
+
+def _mixed_rows(model, tok) -> list:
+    """(ids, media) of an image row, a text row and a two-image row."""
+    return [vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1]),
+            (tok.encode("def f(x): return"), None),
+            vision.prompt_media(model, _prompt(model, tok, 2, " again\n"), IMAGES)]
+
+
+def _assert_rows_alone(batch, requests, alone):
+    """The requests decoded in one batch: each row's tokens and log-probs
+    (1e-4) are `alone`'s (tokens, log-prob rows)."""
+    got = [[] for _ in requests]
+    for i, event in decode_rows(batch, requests, len(requests)):
         got[i].append((event.token, np.array(event.logprobs)))
     for i, ((tokens, lp), row) in enumerate(zip(alone, got)):
         assert [t for t, _ in row] == tokens, i
@@ -164,21 +175,14 @@ def test_image_rows_with_context_runs_decode_as_alone(vl_once, monkeypatch):
     monkeypatch.setattr(ContextPolicy, "_rate", lambda self, w, head, rows:
                         self.expected_tokens(w))
     _, model, tok = vl_once
-    prompts = [vision.prompt_media(model, _prompt(model, tok, 1), IMAGES[:1]),
-               (tok.encode("def f(x): return"), None),
-               vision.prompt_media(model, _prompt(model, tok, 2, " again\n"), IMAGES)]
+    prompts = _mixed_rows(model, tok)
     alone = [_run(model, ids, media, 0) for ids, media in prompts]
     batch = make_batch(model, draft_tokens=2, context_drafts=True)
     stats = [MTPStats() for _ in prompts]
-    requests = [batch.prepare(ids, None, MAX_TOKENS, media=media, stats=s,
-                              cached_tokens=ids + want + ids)
-                for (ids, media), (want, _), s in zip(prompts, alone, stats)]
-    got = [[] for _ in prompts]
-    for i, event in decode_rows(batch, requests, 3):
-        got[i].append((event.token, np.array(event.logprobs)))
-    for i, ((tokens, lp), row) in enumerate(zip(alone, got)):
-        assert [t for t, _ in row] == tokens, i
-        assert np.abs(np.stack([r for _, r in row]) - lp).max() < 1e-4, i
+    _assert_rows_alone(batch, [batch.prepare(ids, None, MAX_TOKENS, media=media, stats=s,
+                                             cached_tokens=ids + want + ids)
+                               for (ids, media), (want, _), s in zip(prompts, alone, stats)],
+                       alone)
     assert stats[0].context_accepted > 0 and stats[2].context_accepted > 0
 
 

@@ -179,24 +179,11 @@ def test_tower_features_are_transformers(q4vl):
     """transformers' Qwen4ExpVisionModel (2-D axial rope, interpolated
     position embeddings, 2x2 merger) on the folder's weights and the same
     pixel values: mlx-vlm's tower gives its features to fp32 rounding."""
-    import json
-
-    torch = _torch()
+    _torch()
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpVisionModel
+    from util import assert_tower_is_transformers
 
     path, model, _ = q4vl
-    config = json.loads((path / "config.json").read_text())
-    ref = Qwen4ExpVisionModel(Qwen4ExpVisionConfig(**config["vision_config"])).float().eval()
-    state = {k[len("model.visual."):]: torch.from_numpy(np.array(v))
-             for k, v in mx.load(str(path / "model.safetensors")).items()
-             if k.startswith("model.visual.")}
-    missing, unexpected = ref.load_state_dict(state, strict=False)
-    assert not unexpected and not [k for k in missing if "inv_freq" not in k]
-    tower = vision.tower_of(model)
-    pixels, grid = vision.preprocess(tower.decode(IMAGES), tower.processor)
-    with torch.no_grad():
-        want = ref(torch.from_numpy(pixels), grid_thw=torch.from_numpy(grid)).pooler_output.numpy()
-    got = np.array(tower.encode(IMAGES)[0])
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert_tower_is_transformers(path, vision.tower_of(model), Qwen4ExpVisionConfig,
+                                 Qwen4ExpVisionModel, IMAGES)

@@ -302,24 +302,14 @@ def _torch():
 def test_features_match_transformers(moe, hf_dense, hf_moe):
     """transformers' Qwen3_5VisionModel on the same weights and pixel values:
     the same features to fp32 rounding."""
-    torch = _torch()
+    _torch()
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+    from util import assert_tower_is_transformers
 
     path = hf_moe if moe else hf_dense
-    config = json.loads((path / "config.json").read_text())
-    ref = Qwen3_5VisionModel(Qwen3_5VisionConfig(**config["vision_config"])).float().eval()
-    state = {k[len("model.visual."):]: torch.from_numpy(np.array(v))
-             for k, v in mx.load(str(path / "model.safetensors")).items() if k.startswith("model.visual.")}
-    missing, unexpected = ref.load_state_dict(state, strict=False)
-    assert not unexpected and not [k for k in missing if "inv_freq" not in k]
-    tower = vision.load_tower(path)
-    pv, grid = vision.preprocess(tower.decode(IMAGES), tower.processor)
-    with torch.no_grad():
-        want = ref(torch.from_numpy(pv), grid_thw=torch.from_numpy(grid)).pooler_output.numpy()
-    got = np.array(tower.encode(IMAGES)[0])
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert_tower_is_transformers(path, vision.load_tower(path), Qwen3_5VisionConfig,
+                                 Qwen3_5VisionModel, IMAGES)
 
 
 @pytest.mark.slow

@@ -124,3 +124,29 @@ def assert_pooled_block_keys(indexer, entry, where=""):
 def row_tokens(rows):
     """(request index, token) of each event `decode_rows` yields."""
     return ((i, event.token) for i, event in rows if event is not None)
+
+
+def assert_tower_is_transformers(path, tower, config_cls, model_cls, images):
+    """transformers' vision model (`model_cls` built from the folder's
+    `vision_config` as `config_cls`, its `model.visual.*` weights) on the same
+    pixel values gives the tower's features to fp32 rounding."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from mlx_mtp import vision
+
+    config = json.loads((path / "config.json").read_text())
+    ref = model_cls(config_cls(**config["vision_config"])).float().eval()
+    state = {k[len("model.visual."):]: torch.from_numpy(np.array(v))
+             for k, v in mx.load(str(path / "model.safetensors")).items()
+             if k.startswith("model.visual.")}
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and not [k for k in missing if "inv_freq" not in k]
+    pixels, grid = vision.preprocess(tower.decode(images), tower.processor)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(pixels), grid_thw=torch.from_numpy(grid)).pooler_output.numpy()
+    got = np.array(tower.encode(images)[0])
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
