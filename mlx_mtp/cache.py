@@ -641,17 +641,23 @@ def cache_length(prompt_cache: list, is_linear: List[bool]) -> int:
 _FORCE_ROLLBACK: Optional[str] = None  # "tape" / "capture": the bench and the tests' oracle
 
 
-def rollback_by_tape() -> bool:
-    """Whether a GDN layer's verify keeps a tape (replayed at the commit)
-    rather than every position's state: always, by bytes, at any depth. A
+# verifies of more positions than this keep a tape: the head's depths (up
+# to 4 drafts) capture, as before; context runs of 8 and 16 replay
+TAPE_AFTER = 5
+
+
+def rollback_by_tape(positions: int) -> bool:
+    """Whether a GDN layer's verify of `positions` tokens keeps a tape
+    (replayed at the commit) rather than every position's state. A
     position's tape entry (k, v, g, beta) is far smaller than the state
-    [Hv, Dv, Dk] fp32 a capture writes for it, and the replay's one more read
-    and write of the state is what the capture's commit copy costs too; on
-    the CPU's ops path cycles cost the same at depths 2-4 (docs/design.md §3,
-    "Rollback"; bench/rollback_bench.py)."""
+    [Hv, Dv, Dk] fp32 a capture writes for it, so wide verifies (context
+    runs) take the tape: a run of 16 keeps 33 MB a row at 27B shapes, not
+    2.6 GB. At the head's depths a capture stays: on the CPU's ops path the
+    replay's extra steps cost lone requests ~8% (bench/ab.py, `single`,
+    2026-12-08; docs/design.md §3, "Rollback")."""
     if _FORCE_ROLLBACK is not None:
         return _FORCE_ROLLBACK == "tape"
-    return True
+    return positions > TAPE_AFTER
 
 
 def rollback_bytes(text_config: dict, run: int, act_bytes: int = 2, tape: bool = True) -> int:

@@ -122,12 +122,10 @@ def test_verbose_cli_says_which_path_each_kernel_took(backend):
     paths = dict(part.split(": ", 1) for part in line.split(": ", 1)[1].split("; "))
     assert set(paths) == set(selfcheck.KERNELS), line
     assert paths["qmv_rows"] == "not used"  # the demo is not quantized
-    # the commit replays GDN tapes (gdn_verify's replay mode): commit copies captured states only
-    assert paths["commit"] == "not used"
-    del paths["qmv_rows"], paths["commit"]
+    del paths["qmv_rows"]
     if backend == "ref":
         assert set(paths.values()) == {"reference (the CPU runs the ops references)"}
     else:  # the default (exact) policy: conv_verify runs plain decoding's ops
         assert paths["conv_verify"].startswith("reference (exact mode")
-        for kernel in ("gdn_verify", "draft_project"):
+        for kernel in ("gdn_verify", "commit", "draft_project"):
             assert paths[kernel] == "emu-metal kernel (self-checked)", line

@@ -66,7 +66,7 @@ def verify_capturing(layer, cache: CaptureCache, inputs, qkv, z, b, a):
             [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
         )
     ]
-    if rollback_by_tape():  # keep what the updates consume, replay at the commit
+    if rollback_by_tape(S):  # keep what the updates consume, replay at the commit
         y, cache.captured_tape = metal.gdn_verify_taped(q, k, v, a, b, layer.A_log,
                                                         layer.dt_bias, state)
     else:
