@@ -47,8 +47,8 @@ class ContextPolicy:
     "Context drafts"; whether a row drafts its run is the row's own choice,
     on the device: `cycle.trusted`). The width: a run kept whole
     proposes the next of CONTEXT_WIDTHS, one cut short the widest of them
-    that what was kept + 1 fills (none: the head's depth); a proposal is taken when its expected tokens per second beat the
-    head's depth's (each run position kept with the measured rate, each
+    that what was kept + 1 fills (none: the head's depth); a proposal is
+    taken when its expected tokens per second beat the head's depth's (each run position kept with the measured rate, each
     width's cycle cost measured by batch size), and tried once when its
     cost is not measured yet."""
 
@@ -330,7 +330,7 @@ def controller_for(spec: Spec, max_depth: int, batch_size: int) -> DepthControll
     """The adaptive controller for this model, mode and batch size (a verify
     costs more at a larger batch, so each size learns its own depth; sizes
     share a controller within powers of two). Kept on the model across calls."""
-    bucket = 1 << max(0, batch_size - 1).bit_length()
+    bucket = _bucket(batch_size)
     key = (max_depth, spec.speculative,
            None if spec.draft_vocab is None else spec.draft_vocab.size, bucket)
     controllers = spec.model.runtime.controllers
